@@ -1,0 +1,17 @@
+"""moeserve's engine: model code, weights loading, paged KV cache, continuous batching."""
+
+from inference.engine import LLMEngine
+from inference.errors import EngineDeadError, InvalidParameterError, ModelLoadError, QueueFullError
+from inference.outputs import CompletionOutput, RequestOutput, StepStats
+from inference.sampling_params import SamplingParams
+
+__all__ = ["LLMEngine", "AsyncLLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "StepStats", "InvalidParameterError", "QueueFullError", "EngineDeadError", "ModelLoadError"]
+
+
+def __getattr__(name):  # the async engine pulls in asyncio/threading only when used
+    if name == "AsyncLLMEngine":
+        from inference.async_engine import AsyncLLMEngine
+
+        return AsyncLLMEngine
+    raise AttributeError(name)

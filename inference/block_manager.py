@@ -1,0 +1,107 @@
+"""Paged KV block bookkeeping: free list, ref counts, prefix caching by chained block hash.
+
+Pure Python, no tensors. A freed block keeps its hash and content until it is reused, so a
+later request with the same prefix can pick it up again (LRU eviction from the free list).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import xxhash
+
+from inference.sequence import Sequence
+
+
+def _chain_hash(parent: int, tokens: list[int]) -> int:
+    h = xxhash.xxh64(parent.to_bytes(8, "little"))
+    h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    return h.intdigest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
+        self.hash_of: dict[int, int] = {}  # block -> hash
+        self.block_of: dict[int, int] = {}  # hash -> block
+        self.num_used = 0  # blocks with ref_count > 0
+
+    @property
+    def usage(self) -> float:
+        return self.num_used / self.num_blocks
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(total - len(seq.block_table), 0)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= len(self.free)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        for _ in range(self.blocks_needed(seq, num_new_tokens)):
+            block, _ = self.free.popitem(last=False)
+            self._forget_hash(block)
+            self._ref(block)
+            seq.block_table.append(block)
+
+    def use_cached_prefix(self, seq: Sequence) -> int:
+        """For a sequence without blocks: take the longest cached run of its full blocks, never
+        the very last token (its logits must be computed). Returns the tokens reused."""
+        assert not seq.block_table
+        if not self.enable_prefix_caching:
+            return 0
+        parent, hits = 0, []
+        for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
+            parent = _chain_hash(parent, seq.token_ids[start:start + self.block_size])
+            block = self.block_of.get(parent)
+            if block is None:
+                break
+            hits.append((block, parent))
+        for block, h in hits:
+            if self.ref_counts[block] == 0:
+                del self.free[block]
+            self._ref(block)
+            seq.block_table.append(block)
+            seq.block_hashes.append(h)
+        seq.num_hashed_blocks = len(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        return seq.num_computed_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Registers the blocks that became full and computed since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        parent = seq.block_hashes[-1] if seq.block_hashes else 0
+        for i in range(seq.num_hashed_blocks, full):
+            parent = _chain_hash(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            seq.block_hashes.append(parent)
+            block = seq.block_table[i]
+            if parent not in self.block_of and block not in self.hash_of:
+                self.block_of[parent] = block
+                self.hash_of[block] = parent
+        seq.num_hashed_blocks = max(full, seq.num_hashed_blocks)
+
+    def free_sequence(self, seq: Sequence) -> None:
+        # Release in reverse so a sequence's tail blocks are evicted before its shared prefix.
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.num_used -= 1
+                self.free[block] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_hashed_blocks = 0
+
+    def _ref(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            self.num_used += 1
+        self.ref_counts[block] += 1
+
+    def _forget_hash(self, block: int) -> None:
+        h = self.hash_of.pop(block, None)
+        if h is not None and self.block_of.get(h) == block:
+            del self.block_of[h]

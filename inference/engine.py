@@ -1,0 +1,252 @@
+"""LLMEngine: step() = schedule -> run -> update, plus request bookkeeping and outputs.
+
+Single-threaded by design; AsyncLLMEngine drives it from its own thread.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import structlog
+import torch
+
+from inference.block_manager import BlockManager
+from inference.config import EngineConfig, ModelArgs, resolve_device, resolve_dtype
+from inference.detokenizer import IncrementalDetokenizer
+from inference.errors import InvalidParameterError
+from inference.kv_cache import allocate_kv_cache, num_cache_blocks
+from inference.loader import load_hf_config, load_tokenizer, load_weights
+from inference.model import MoETransformer
+from inference.model_runner import ModelRunner
+from inference.outputs import CompletionOutput, FinishedSequence, RequestOutput, StepStats
+from inference.sampler import Sampler
+from inference.sampling_params import SamplingParams
+from inference.scheduler import Scheduler
+from inference.sequence import Sequence
+
+log = structlog.get_logger("inference.engine")
+
+Prompt = str | list[int]
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, device: str = "auto", dtype: str = "auto",
+                 config: EngineConfig | None = None) -> None:
+        path = Path(model_dir)
+        self.config = config = config or EngineConfig()
+        self.device = resolve_device(device)
+        hf_config = load_hf_config(path)
+        self.args = args = ModelArgs.from_hf_config(hf_config)
+        self.dtype = resolve_dtype(dtype, self.device, getattr(hf_config, "dtype", None))
+        self.tokenizer = load_tokenizer(path)
+        self.model_path = path
+        log.info("loading weights", model=str(path), architecture=args.architecture,
+                 device=str(self.device), dtype=str(self.dtype).removeprefix("torch."))
+        max_positions = min(args.max_position_embeddings, config.max_model_len or args.max_position_embeddings)
+        # The gather path avoids host syncs, which only matters on a GPU (see moe.py).
+        gather_max_tokens = 8 if self.device.type == "cuda" else 0
+        with torch.device(self.device):
+            model = MoETransformer(args, max_positions, gather_max_tokens)
+        model.to(self.dtype)
+        model.rope.to(torch.float32)
+        load_weights(model, path, args)
+        self.model = model.eval()
+        num_blocks = num_cache_blocks(args, self.dtype, self.device, config.block_size,
+                                      config.kv_cache_tokens, config.gpu_memory_utilization)
+        cache_tokens = num_blocks * config.block_size
+        self.max_model_len = min(max_positions, cache_tokens)
+        if config.max_model_len and config.max_model_len > self.max_model_len:
+            raise InvalidParameterError(
+                "max_model_len", f"is {config.max_model_len} but the model and KV cache allow at most "
+                                 f"{self.max_model_len} tokens")
+        log.info("allocating kv cache", blocks=num_blocks, tokens=cache_tokens, max_model_len=self.max_model_len)
+        self.kv_caches = allocate_kv_cache(args, num_blocks, config.block_size, self.dtype, self.device)
+        self.eos_token_ids = self._eos_ids(path, hf_config)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   on_preempt=self._on_preempt)
+        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size,
+                                  Sampler(args.vocab_size, self.eos_token_ids), self.device)
+        self.requests: dict[str, list[Sequence]] = {}
+        self._aborted: list[FinishedSequence] = []  # reported with the next step's stats
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str = "auto", dtype: str = "auto", **limits) -> LLMEngine:
+        return cls(path, device, dtype, EngineConfig.from_kwargs(**limits))
+
+    def _eos_ids(self, path: Path, hf_config) -> set[int]:
+        ids: set[int] = set()
+        sources = [getattr(hf_config, "eos_token_id", None), self.tokenizer.eos_token_id]
+        try:
+            from transformers import GenerationConfig
+
+            sources.append(GenerationConfig.from_pretrained(path).eos_token_id)
+        except OSError:
+            pass
+        for value in sources:
+            ids.update(value if isinstance(value, list) else [value] if value is not None else [])
+        return ids
+
+    # ---- requests ---------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """Validates a prompt against the model's limits and returns its token ids."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidParameterError("prompt", "must not be empty")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            if any(t < 0 or t >= self.args.vocab_size for t in ids):
+                raise InvalidParameterError("prompt", f"token ids must be in [0, {self.args.vocab_size})")
+        else:
+            raise InvalidParameterError("prompt", "must be a string or a list of token ids")
+        if not ids:
+            raise InvalidParameterError("prompt", "must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidParameterError("prompt", f"has {len(ids)} tokens; the maximum context length is "
+                                                  f"{self.max_model_len}")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidParameterError("max_tokens", f"{params.max_tokens} + {len(ids)} prompt tokens exceeds "
+                                                      f"the maximum context length {self.max_model_len}")
+        if any(t >= self.args.vocab_size for t in params.stop_token_ids):
+            raise InvalidParameterError("stop_token_ids", f"must be below the vocabulary size {self.args.vocab_size}")
+        return ids
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                    log_context: dict | None = None, prompt_token_ids: list[int] | None = None) -> None:
+        if request_id in self.requests:
+            raise InvalidParameterError("request_id", f"{request_id!r} is already in use")
+        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt, params)
+        seqs = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            seq = Sequence(f"{request_id}#{i}" if params.n > 1 else request_id, request_id, i, ids, params,
+                           gen, log_context)
+            seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+            seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = seqs
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finishes every sequence of the request with reason "abort" and frees its blocks now."""
+        seqs = self.requests.pop(request_id, None)
+        if seqs is None:
+            return None
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                self._aborted.append(_finished(seq))
+        log.info("request aborted", **seqs[0].log_context)
+        return self._output(request_id, seqs)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> tuple[list[RequestOutput], StepStats]:
+        started, started_ns = time.monotonic(), time.time_ns()
+        sched = self.scheduler.schedule()
+        result = self.runner.run(sched) if sched.scheduled else None
+        now = time.monotonic()
+        touched: dict[str, None] = {}
+        finished, self._aborted = self._aborted, []
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            touched[seq.request_id] = None
+        if result is not None and result.sample is not None:
+            for seq, token, lp in zip(result.sampled, result.sample.token_ids, result.sample.logprobs):
+                self._append_token(seq, token, lp, now)
+        for seq, _ in sched.scheduled:
+            if seq.is_finished:
+                finished.append(_finished(seq))
+        outputs = []
+        for rid in touched:
+            seqs = self.requests.get(rid)
+            if seqs is None:
+                continue
+            out = self._output(rid, seqs)
+            if out.finished:
+                del self.requests[rid]
+            outputs.append(out)
+        expert_tokens = None
+        if result is not None and result.expert_counts.numel():
+            expert_tokens = result.expert_counts.tolist()
+        stats = StepStats(
+            started=started, started_unix_ns=started_ns, duration_s=time.monotonic() - started,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            batch_size=len(sched.scheduled),
+            num_prefill_tokens=sum(n for _, n in sched.scheduled if n > 1),
+            num_decode_tokens=sum(1 for _, n in sched.scheduled if n == 1),
+            num_generated_tokens=len(result.sampled) if result else 0,
+            kv_usage=self.block_manager.usage, num_preemptions=sched.num_preempted,
+            request_ids=list(touched), expert_tokens=expert_tokens, finished=finished)
+        return outputs, stats
+
+    def _append_token(self, seq: Sequence, token: int, lp, now: float) -> None:
+        seq.token_ids.append(token)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        if seq.times.first_token is None:
+            seq.times.first_token = now
+        seq.times.last_token = now
+        p = seq.params
+        matched = seq.detok.add(token)
+        reason = None
+        if matched is not None:
+            reason, seq.stop_reason = "stop", matched
+        elif token in p.stop_token_ids:
+            reason, seq.stop_reason = "stop", token
+        elif token in self.eos_token_ids and not p.ignore_eos:
+            reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _on_preempt(self, seq: Sequence) -> None:
+        log.info("sequence preempted", seq_id=seq.seq_id, num_tokens=seq.num_tokens,
+                 kv_usage=round(self.block_manager.usage, 3), **seq.log_context)
+
+    def _output(self, request_id: str, seqs: list[Sequence]) -> RequestOutput:
+        completions = []
+        for seq in seqs:
+            done = seq.is_finished
+            text_end = seq.detok.streamable_len(done)
+            text = seq.detok.text
+            tokens = seq.output_token_ids
+            completions.append(CompletionOutput(
+                index=seq.index, text=text[:text_end], token_ids=tokens,
+                delta_text=text[seq.sent_text:text_end], delta_token_ids=tokens[seq.sent_tokens:],
+                delta_logprobs=seq.logprobs[seq.sent_logprobs:],
+                logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, times=seq.times))
+            seq.sent_text, seq.sent_tokens, seq.sent_logprobs = text_end, len(tokens), len(seq.logprobs)
+        return RequestOutput(request_id, seqs[0].token_ids[: seqs[0].num_prompt_tokens], completions,
+                             finished=all(s.is_finished for s in seqs),
+                             num_cached_tokens=seqs[0].num_cached_tokens)
+
+    # ---- offline batch ----------------------------------------------------------------------
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [f"offline-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            self.add_request(rid, prompt, params)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            outputs, _ = self.step()
+            for out in outputs:
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+
+def _finished(seq: Sequence) -> FinishedSequence:
+    return FinishedSequence(seq.request_id, seq.seq_id, seq.num_prompt_tokens, seq.num_output_tokens,
+                            seq.num_cached_tokens, seq.finish_reason, seq.times)

@@ -1,0 +1,144 @@
+"""Loading a Hugging Face checkpoint folder: config, safetensors weights (one file or sharded
+with an index), tokenizer. Checkpoint tensors are mapped onto our fused parameters
+(q/k/v -> wqkv, gate/up -> w13, experts stacked) and checked for presence and shape."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from inference.config import ModelArgs
+from inference.errors import ModelLoadError
+
+# HF tensor name (after "model.layers.N.") -> (our parameter under "layers.N.", part)
+# part: None (whole tensor), or which rows of a fused parameter it fills.
+_LAYER_RULES: list[tuple[re.Pattern, str, str | None]] = [
+    (re.compile(p), target, part) for p, target, part in [
+        (r"input_layernorm\.weight", "input_norm.weight", None),
+        (r"post_attention_layernorm\.weight", "post_attn_norm.weight", None),
+        (r"self_attn\.([qkv])_proj\.(weight|bias)", "attn.wqkv.{1}", "{0}"),
+        (r"self_attn\.o_proj\.weight", "attn.wo.weight", None),
+        # Mixtral
+        (r"(?:block_sparse_moe|mlp)\.gate\.weight", "{moe}gate", None),
+        (r"block_sparse_moe\.experts\.(\d+)\.w1\.weight", "{moe}w13", "gate"),
+        (r"block_sparse_moe\.experts\.(\d+)\.w3\.weight", "{moe}w13", "up"),
+        (r"block_sparse_moe\.experts\.(\d+)\.w2\.weight", "{moe}w2", None),
+        # Qwen2-MoE style experts (and transformers 5 fused stacks)
+        (r"mlp\.experts\.(\d+)\.gate_proj\.weight", "{moe}w13", "gate"),
+        (r"mlp\.experts\.(\d+)\.up_proj\.weight", "{moe}w13", "up"),
+        (r"mlp\.experts\.(\d+)\.down_proj\.weight", "{moe}w2", None),
+        (r"(?:block_sparse_moe|mlp)\.experts\.gate_up_proj", "{moe}w13", None),
+        (r"(?:block_sparse_moe|mlp)\.experts\.down_proj", "{moe}w2", None),
+        (r"mlp\.shared_expert\.gate_proj\.weight", "mlp.shared.w13", "gate"),
+        (r"mlp\.shared_expert\.up_proj\.weight", "mlp.shared.w13", "up"),
+        (r"mlp\.shared_expert\.down_proj\.weight", "mlp.shared.w2", None),
+        (r"mlp\.shared_expert_gate\.weight", "mlp.shared_gate", None),
+        # dense MLP layers
+        (r"mlp\.gate_proj\.weight", "mlp.w13", "gate"),
+        (r"mlp\.up_proj\.weight", "mlp.w13", "up"),
+        (r"mlp\.down_proj\.weight", "mlp.w2", None),
+    ]
+]
+_TOP_LEVEL = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+              "lm_head.weight": "lm_head.weight"}
+_LAYER_PREFIX = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def load_hf_config(path: Path):
+    from transformers import AutoConfig
+
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face checkpoint folder")
+    return AutoConfig.from_pretrained(path)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise ModelLoadError(f"{path} has no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise ModelLoadError(f"{path}: shard(s) named in the index are missing: {', '.join(missing)}")
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors weights")
+    return files
+
+
+def _target(name: str, model, args: ModelArgs) -> tuple[str, int | None, str | None] | None:
+    if name in _TOP_LEVEL:
+        return _TOP_LEVEL[name], None, None
+    m = _LAYER_PREFIX.fullmatch(name)
+    if not m:
+        return None
+    layer, rest = int(m.group(1)), m.group(2)
+    moe_prefix = "mlp.moe." if args.shared_expert_intermediate_size else "mlp."
+    for pattern, target, part in _LAYER_RULES:
+        pm = pattern.fullmatch(rest)
+        if pm:
+            groups = pm.groups()
+            expert = int(groups[0]) if groups and groups[0].isdigit() else None
+            target = target.format(*groups, moe=moe_prefix)
+            if part is not None:
+                part = part.format(*groups)
+            return f"layers.{layer}.{target}", expert, part
+    return None
+
+
+def _rows(param_name: str, part: str | None, param: torch.Tensor, args: ModelArgs) -> slice:
+    if part is None:
+        return slice(None)
+    if part in ("q", "k", "v"):
+        q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        start = {"q": 0, "k": q, "v": q + kv}[part]
+        return slice(start, start + (q if part == "q" else kv))
+    half = param.shape[-2] // 2  # gate rows then up rows
+    return slice(0, half) if part == "gate" else slice(half, 2 * half)
+
+
+def load_weights(model, path: Path, args: ModelArgs) -> None:
+    """Copies every checkpoint tensor into the model; raises on a missing, unknown-shaped or
+    absent weight. Parameters must already have their final dtype and device."""
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {}  # parameter -> number of elements written
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                tgt = _target(name, model, args)
+                if tgt is None:
+                    if ".rotary_emb." in name:
+                        continue
+                    raise ModelLoadError(f"{file.name}: unexpected weight {name!r} for {args.architecture}")
+                pname, expert, part = tgt
+                if pname not in params:
+                    raise ModelLoadError(f"{file.name}: weight {name!r} has no place in this model "
+                                         f"(checkpoint and config.json disagree)")
+                param = params[pname].data
+                dest = param[expert] if expert is not None else param
+                dest = dest[_rows(pname, part, dest, args)]
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(dest.shape):
+                    raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                                         f"expected {tuple(dest.shape)} from config.json")
+                dest.copy_(tensor)
+                filled[pname] = filled.get(pname, 0) + tensor.numel()
+    if args.tie_word_embeddings and "lm_head.weight" not in filled:
+        params["lm_head.weight"].data.copy_(params["embed.weight"].data)
+        filled["lm_head.weight"] = params["lm_head.weight"].numel()
+    missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
+    if missing:
+        raise ModelLoadError(f"{path}: checkpoint lacks weights for: {', '.join(missing[:8])}"
+                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))

@@ -1,0 +1,75 @@
+"""The only code that touches the device: scheduled sequences -> tensors -> forward -> sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inference.attention import AttentionMetadata, PrefillChunk
+from inference.model import MoETransformer
+from inference.sampler import Sampler, SamplerOutput
+from inference.scheduler import SchedulerOutput
+from inference.sequence import Sequence
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sampled: list[Sequence]  # sequences that produced a token this step, in sampler order
+    sample: SamplerOutput | None
+    expert_counts: torch.Tensor  # [moe layers, E]
+
+
+class ModelRunner:
+    def __init__(self, model: MoETransformer, kv_caches, block_size: int, sampler: Sampler,
+                 device: torch.device) -> None:
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.sampler, self.device = sampler, device
+        self._offsets = torch.arange(block_size)
+
+    def _slots(self, block_tables: list[list[int]]) -> torch.Tensor:
+        """[rows, blocks * block_size] cache slots of each row's blocks (rows padded with block 0)."""
+        width = max(len(b) for b in block_tables)
+        table = torch.tensor([b + [0] * (width - len(b)) for b in block_tables])
+        return (table.unsqueeze(-1) * self.block_size + self._offsets).view(len(block_tables), -1)
+
+    @torch.inference_mode()
+    def run(self, sched: SchedulerOutput) -> RunnerOutput:
+        bs = self.block_size
+        decode = [s for s, n in sched.scheduled if n == 1]
+        prefill = [(s, n) for s, n in sched.scheduled if n > 1]
+        input_ids = [s.token_ids[s.num_computed_tokens] for s in decode]
+        positions = [s.num_computed_tokens for s in decode]
+        slot_parts = [torch.tensor([s.block_table[p // bs] * bs + p % bs for s, p in zip(decode, positions)],
+                                   dtype=torch.long)]
+        decode_slots = decode_mask = None
+        if decode:
+            context = max(positions) + 1
+            decode_slots = self._slots([s.block_table for s in decode])[:, :context]
+            lens = torch.tensor(positions) + 1
+            decode_mask = (torch.arange(context).unsqueeze(0) < lens.unsqueeze(1)).view(len(decode), 1, 1, context)
+        sample_rows = list(range(len(decode)))
+        sampled = list(decode)
+        chunks = []
+        for s, n in prefill:
+            start, p0 = len(input_ids), s.num_computed_tokens
+            input_ids.extend(s.token_ids[p0:p0 + n])
+            positions.extend(range(p0, p0 + n))
+            slots = self._slots([s.block_table])[0, : p0 + n]
+            slot_parts.append(slots[p0:])
+            chunks.append(PrefillChunk(start, n, p0, slots.to(self.device) if p0 else None))
+            if p0 + n == s.num_tokens:  # the chunk reaches the end: sample the next token
+                sample_rows.append(start + n - 1)
+                sampled.append(s)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slot_parts).to(dev), num_decode=len(decode),
+            decode_slots=None if decode_slots is None else decode_slots.to(dev),
+            decode_mask=None if decode_mask is None else decode_mask.to(dev), prefills=chunks)
+        hidden, expert_counts = self.model(torch.tensor(input_ids, device=dev),
+                                           torch.tensor(positions, device=dev), meta, self.kv_caches)
+        sample = None
+        if sampled:
+            rows = hidden if len(sample_rows) == hidden.shape[0] else hidden[torch.tensor(sample_rows, device=dev)]
+            sample = self.sampler(self.model.logits(rows), sampled)
+        return RunnerOutput(sampled, sample, expert_counts)

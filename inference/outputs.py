@@ -1,0 +1,100 @@
+"""What the engine hands back: per-request outputs and per-step statistics, as plain data.
+
+Telemetry consumes these without the engine knowing about it (vLLM v1's "observability
+is data"): the engine never imports prometheus or OTel.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprobs(msgspec.Struct):
+    """Log-probability of one generated token plus the top-N alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[TokenLogprob] = []
+
+
+class RequestTimes(msgspec.Struct):
+    """Monotonic timestamps (time.monotonic seconds) of one sequence's life in the engine."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    num_preemptions: int = 0
+
+
+class CompletionOutput(msgspec.Struct):
+    """One sample of a request. `text`/`token_ids` are cumulative, `delta_*` new since the
+    previous RequestOutput the consumer saw (deltas merge when the consumer lags)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = []
+    delta_text: str = ""
+    delta_token_ids: list[int] = []
+    delta_logprobs: list[TokenLogprobs] = []
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None  # the stop string or token id that matched
+    times: RequestTimes | None = None
+
+
+class RequestOutput(msgspec.Struct):
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+class FinishedSequence(msgspec.Struct):
+    """Emitted once per finished (or aborted) sequence, for request-level telemetry."""
+
+    request_id: str
+    seq_id: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    finish_reason: str
+    times: RequestTimes
+
+
+class StepStats(msgspec.Struct):
+    """One engine step (schedule -> forward -> sample -> update)."""
+
+    started: float  # time.monotonic()
+    started_unix_ns: int  # wall clock, for spans
+    duration_s: float
+    num_running: int
+    num_waiting: int
+    batch_size: int  # sequences in this step
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_generated_tokens: int
+    kv_usage: float  # blocks held by live requests / all blocks
+    num_preemptions: int
+    request_ids: list[str]  # requests in the batch (span links)
+    expert_tokens: list[list[int]] | None = None  # [layer][expert] routed token counts
+    finished: list[FinishedSequence] = []

@@ -1,0 +1,104 @@
+"""Iteration-level (continuous) batching with chunked prefill and preemption by recompute.
+
+No prefill or decode phases (vLLM v1): every sequence has num_computed_tokens and
+num_tokens, and each step hands out tokens under a budget. Running sequences go first, in
+arrival order; when the cache is full the most recently admitted one is preempted (its
+blocks freed, its tokens recomputed later) so older requests always make progress.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from inference.block_manager import BlockManager
+from inference.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, new tokens)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 on_preempt=None) -> None:
+        self.bm = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.on_preempt = on_preempt or (lambda seq: None)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.can_allocate(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                self.bm.allocate(seq, n)
+                out.scheduled.append((seq, n))
+                budget -= n
+                i += 1
+        if out.num_preempted:  # no room to spare: admit nobody new this step
+            return out
+        now = time.monotonic()
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                cached = self.bm.use_cached_prefix(seq)
+                if seq.num_output_tokens == 0:
+                    seq.num_cached_tokens = cached
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.bm.can_allocate(seq, n):
+                self.bm.free_sequence(seq)  # don't sit on prefix blocks while waiting
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            self.bm.allocate(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            if seq.times.first_scheduled is None:
+                seq.times.first_scheduled = now
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return out
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends a sequence wherever it is (running, waiting) and frees its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.times.finished = time.monotonic()
+        self.bm.free_sequence(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.bm.free_sequence(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.times.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.on_preempt(seq)

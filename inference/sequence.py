@@ -1,0 +1,64 @@
+"""One sequence being generated: its tokens, progress, cache blocks, timestamps.
+
+A request with n > 1 samples becomes n sequences (seq_id "<request_id>#<i>") that share the
+prompt's cache blocks through prefix caching.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from inference.outputs import RequestTimes, TokenLogprobs
+from inference.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, seq_id: str, request_id: str, index: int, prompt_token_ids: list[int],
+                 params: SamplingParams, generator: torch.Generator | None,
+                 log_context: dict | None = None) -> None:
+        self.seq_id, self.request_id, self.index = seq_id, request_id, index
+        self.token_ids = list(prompt_token_ids)  # prompt then output
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.generator = generator  # per-request RNG for seeded sampling
+        self.log_context = log_context or {}  # trace_id/span_id/request_id for engine log lines
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.block_table: list[int] = []
+        self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
+        self.block_hashes: list[int] = []
+        self.times = RequestTimes(arrival=time.monotonic())
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[TokenLogprobs] = []
+        self.detok = None  # inference.detokenizer.IncrementalDetokenizer, set by the engine
+        # what the consumer has been sent so far
+        self.sent_tokens = 0
+        self.sent_text = 0
+        self.sent_logprobs = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,60 @@
+"""Service errors, each mapped once to an HTTP status (OpenAI error envelope) and a gRPC code."""
+
+from __future__ import annotations
+
+import grpc
+
+from inference import EngineDeadError, InvalidParameterError, QueueFullError
+
+
+class ServiceError(Exception):
+    status_code = 500
+    grpc_code = grpc.StatusCode.INTERNAL
+    error_type = "server_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+class BadRequest(ServiceError):
+    status_code, grpc_code, error_type = 400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error"
+
+
+class Unauthorized(ServiceError):
+    status_code, grpc_code, error_type = 401, grpc.StatusCode.UNAUTHENTICATED, "authentication_error"
+
+
+class NotFound(ServiceError):
+    status_code, grpc_code, error_type = 404, grpc.StatusCode.NOT_FOUND, "not_found_error"
+
+
+class PayloadTooLarge(ServiceError):
+    status_code, grpc_code, error_type = 413, grpc.StatusCode.RESOURCE_EXHAUSTED, "invalid_request_error"
+
+
+class Overloaded(ServiceError):
+    """Waiting queue full: shed load, tell the client when to retry."""
+
+    status_code, grpc_code, error_type = 429, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limit_error"
+    retry_after_s = 1
+
+
+class Unavailable(ServiceError):
+    """Draining after SIGTERM, or the engine is not running."""
+
+    status_code, grpc_code, error_type = 503, grpc.StatusCode.UNAVAILABLE, "service_unavailable"
+
+
+def from_engine_error(exc: Exception) -> ServiceError:
+    """Maps the engine's exceptions onto service errors (anything else stays unexpected)."""
+    if isinstance(exc, InvalidParameterError):
+        return BadRequest(str(exc), param=exc.param)
+    if isinstance(exc, QueueFullError):
+        return Overloaded(str(exc), code="queue_full")
+    if isinstance(exc, EngineDeadError):
+        return Unavailable(str(exc), code="engine_dead")
+    raise TypeError(f"not an engine error: {exc!r}")
+
+
+ENGINE_ERRORS = (InvalidParameterError, QueueFullError, EngineDeadError)

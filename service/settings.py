@@ -1,0 +1,69 @@
+"""Server settings: every `moeserve serve` flag, also read from MOESERVE_<FLAG> variables."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+
+
+@dataclass(slots=True)
+class Settings:
+    model: str = "demo"
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = 50051
+    api_key: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    max_waiting: int = 256
+    kv_cache_tokens: int | None = None
+    max_body_bytes: int = 1 << 20
+    log_format: str | None = None  # json | console; default: console on a TTY, JSON otherwise
+    log_prompts: bool = False
+    demo_preset: str = "small"
+    drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+
+    def engine_limits(self) -> dict:
+        return {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+                "max_model_len": self.max_model_len, "kv_cache_tokens": self.kv_cache_tokens,
+                "max_waiting": self.max_waiting}
+
+
+_HELP = {
+    "model": "checkpoint folder, or 'demo' for the demo model (written to the cache on first use)",
+    "served_model_name": "model name in the API (default: the folder name)",
+    "grpc_port": "gRPC port (0: a free port)", "port": "REST port (0: a free port)",
+    "api_key": "require 'Authorization: Bearer KEY' on /v1 routes and gRPC",
+    "max_waiting": "waiting-queue bound; beyond it requests get 429 / RESOURCE_EXHAUSTED",
+    "kv_cache_tokens": "KV cache size in tokens (CPU; GPU default: from free memory)",
+    "max_body_bytes": "request body size limit (413 beyond)",
+    "log_prompts": "include prompt and output text in logs",
+    "demo_preset": "preset of the demo model (tiny|small)",
+    "drain_timeout": "grace period for in-flight requests after SIGTERM (seconds)",
+}
+_CHOICES = {"device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "bfloat16", "float16"],
+            "log_format": ["json", "console"], "demo_preset": ["tiny", "small"]}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for f in fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        env = "MOESERVE_" + f.name.upper()
+        default = os.environ.get(env, f.default)
+        help_text = f"{_HELP.get(f.name, '')} [env {env}]".strip()
+        if f.type in ("bool", bool):
+            env_on = str(default).lower() in ("1", "true", "yes", "on")
+            parser.add_argument(flag, action="store_true", default=env_on, help=help_text)
+            continue
+        kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
+        parser.add_argument(flag, type=kind, default=None if default is None else kind(default),
+                            choices=_CHOICES.get(f.name), help=help_text)
+
+
+def from_namespace(ns: argparse.Namespace) -> Settings:
+    return Settings(**{f.name: getattr(ns, f.name) for f in fields(Settings)})
