@@ -1,0 +1,235 @@
+"""Structured logging: one JSON object per line on stdout, with trace ids inside a request.
+
+Call `configure_logging()` once at start-up (calling it again replaces the previous
+configuration, which tests rely on). Both structlog loggers and stdlib loggers (uvicorn,
+grpc, litestar, opentelemetry) end up in the same processor chain and the same stream.
+
+Inside a request the service should `clear_contextvars()` then
+`bind_contextvars(request_id=...)`; `add_otel_ids` adds `trace_id`/`span_id` of the current
+OTel span. Contextvars do not cross into the engine thread, so code there passes
+`trace_id=`/`span_id=`/`request_id=` explicitly; explicit fields always win.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, Literal, TextIO
+
+import structlog
+from opentelemetry import trace
+
+try:  # msgspec is a project dependency; fall back to the stdlib if it ever is not.
+    import msgspec
+
+    _encode = msgspec.json.encode
+
+    def _dumps(obj: Any, default: Callable[[Any], Any] | None = None) -> str:
+        return _encode(obj, enc_hook=default).decode()
+
+except ImportError:  # pragma: no cover
+    import json
+
+    def _dumps(obj: Any, default: Callable[[Any], Any] | None = None) -> str:
+        return json.dumps(obj, default=default, separators=(",", ":"))
+
+
+__all__ = ["add_otel_ids", "bind_request_context", "configure_logging", "get_logger"]
+
+LogFormat = Literal["json", "console"]
+
+# stdlib loggers that install their own handlers; ours replace them so every line is JSON.
+_FOREIGN_LOGGERS = (
+    "uvicorn",
+    "uvicorn.error",
+    "uvicorn.access",
+    "grpc",
+    "grpc._server",
+    "grpc.aio",
+    "litestar",
+    "opentelemetry",
+    "asyncio",
+)
+_HANDLER_NAME = "moeserve-structlog"
+
+
+def _fallback(obj: Any) -> Any:
+    """JSON fallback for values the encoder does not know (exceptions, paths, enums...)."""
+    structlog_repr = getattr(obj, "__structlog__", None)
+    if structlog_repr is not None:
+        return structlog_repr()
+    return repr(obj)
+
+
+def add_otel_ids(logger: Any, method_name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """Add `trace_id` (32 hex) and `span_id` (16 hex) of the current OTel span.
+
+    Fields already present (passed explicitly, e.g. by the engine thread on a request's
+    behalf) win: if either id is present, neither is touched.
+    """
+    if "trace_id" in event_dict or "span_id" in event_dict:
+        return event_dict
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        event_dict["trace_id"] = format(ctx.trace_id, "032x")
+        event_dict["span_id"] = format(ctx.span_id, "016x")
+    return event_dict
+
+
+def _add_logger_name(logger: Any, method_name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """`logger` field: the name given to `get_logger(name)`, or the stdlib record's name."""
+    if "logger" not in event_dict:
+        record = event_dict.get("_record")
+        name = record.name if record is not None else getattr(logger, "name", None)
+        if name is not None:
+            event_dict["logger"] = name
+    return event_dict
+
+
+class _NamedWriteLogger(structlog.WriteLogger):
+    """structlog's WriteLogger (one write + flush per line, per-file lock) with a name."""
+
+    def __init__(self, file: TextIO, name: str | None) -> None:
+        super().__init__(file)
+        self.name = name
+
+
+class _LoggerFactory:
+    def __init__(self, file: TextIO) -> None:
+        self._file = file
+
+    def __call__(self, *args: Any) -> _NamedWriteLogger:
+        return _NamedWriteLogger(self._file, str(args[0]) if args else None)
+
+
+class _RepeatFilter(logging.Filter):
+    """Lets each message template of a noisy library logger through at most once per
+    `interval_s` (e.g. the OTel SDK's per-span "Queue full, dropping Span." while a collector
+    is down); the next line that passes says how many were suppressed."""
+
+    def __init__(self, prefixes: tuple[str, ...] = ("opentelemetry",), interval_s: float = 10.0):
+        super().__init__()
+        self._prefixes = prefixes
+        self._interval_s = interval_s
+        self._last: dict[tuple[str, str], float] = {}  # bounded by the templates in use
+        self._suppressed: dict[tuple[str, str], int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(self._prefixes):
+            return True
+        msg = record.msg if isinstance(record.msg, str) else type(record.msg).__name__
+        key = (record.name, msg)
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self._interval_s:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return False
+        self._last[key] = now
+        suppressed = self._suppressed.pop(key, 0)
+        if suppressed:
+            record.suppressed = suppressed
+        return True
+
+
+def _parse_level(level: str | int) -> int:
+    if isinstance(level, int):
+        return level
+    value = logging.getLevelNamesMapping().get(level.upper())
+    if value is None:
+        raise ValueError(f"unknown log level {level!r}")
+    return value
+
+
+def configure_logging(
+    fmt: LogFormat | None = None,
+    level: str | int = "info",
+    *,
+    stream: TextIO | None = None,
+    cache_loggers: bool = True,
+) -> None:
+    """Configure structlog and stdlib logging; safe to call more than once.
+
+    fmt: "json" (one object per line), "console" (human readable), or None for console
+    when `stream` is a TTY and JSON otherwise. `stream` defaults to sys.stdout.
+    `cache_loggers=False` lets tests reconfigure loggers that were already used.
+    """
+    stream = sys.stdout if stream is None else stream
+    if fmt is None:
+        fmt = "console" if _isatty(stream) else "json"
+    if fmt not in ("json", "console"):
+        raise ValueError(f"unknown log format {fmt!r} (json|console)")
+    min_level = _parse_level(level)
+
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        _add_logger_name,
+        add_otel_ids,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer: Any
+    if fmt == "json":
+        shared.append(structlog.processors.dict_tracebacks)
+        renderer = structlog.processors.JSONRenderer(serializer=_dumps, default=_fallback)
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=_isatty(stream))
+    foreign_chain = [*shared, structlog.stdlib.ExtraAdder(allow=("suppressed",))]
+
+    structlog.reset_defaults()
+    structlog.configure(
+        processors=[
+            *shared,
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.UnicodeDecoder(),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(min_level),
+        context_class=dict,
+        logger_factory=_LoggerFactory(stream),
+        cache_logger_on_first_use=cache_loggers,
+    )
+
+    # stdlib: one handler on the root logger rendering through the same chain.
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=foreign_chain,
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+    )
+    handler = logging.StreamHandler(stream)
+    handler.set_name(_HANDLER_NAME)
+    handler.setFormatter(formatter)
+    handler.addFilter(_RepeatFilter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)  # ours from a previous call, or a basicConfig default
+    root.addHandler(handler)
+    root.setLevel(min_level)
+    for name in _FOREIGN_LOGGERS:
+        foreign = logging.getLogger(name)
+        foreign.handlers.clear()
+        foreign.propagate = True
+    # Access logs are the service's job (one summary line per request), not uvicorn's.
+    logging.getLogger("uvicorn.access").setLevel(max(min_level, logging.WARNING))
+
+
+def _isatty(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except ValueError:  # closed stream
+        return False
+
+
+def get_logger(name: str | None = None, **initial_values: Any) -> Any:
+    """A structlog logger with `logger=name` bound (typically `get_logger(__name__)`)."""
+    # The name travels as a logger-factory argument: binding it here would build the
+    # logger now, before configure_logging() may have run (module-level loggers).
+    return structlog.get_logger(*(() if name is None else (name,)), **initial_values)
+
+
+def bind_request_context(request_id: str, **fields: Any) -> None:
+    """Start of a request (in its task): forget the previous request's context, bind
+    `request_id` (and e.g. api) for every line logged while it is handled."""
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(request_id=request_id, **fields)

@@ -1,0 +1,388 @@
+"""Prometheus metrics (SPEC section 8): every instrument defined once per registry.
+
+`ServiceMetrics(registry, model, ...)` creates all instruments and pre-initialises every
+known label set so each metric is exported from start-up. The engine's `StepStats` go to
+`observe_step` (every step: gauges, batch size, step time, expert load), finished requests
+to `observe_request` (latency histograms with trace-id exemplars, tokens, outcome), and
+requests that never reached the engine to `count_request`/`count_rejected`. Label values
+are all bounded: api and status/finish_reason are normalised to fixed sets, layer/expert
+come from the model's shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from operator import add, sub
+from typing import Any, NamedTuple
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+__all__ = [
+    "APIS",
+    "FINISH_REASONS",
+    "STATUSES",
+    "ExpertLoadCollector",
+    "RequestLatencies",
+    "ServiceMetrics",
+    "render_metrics",
+    "request_latencies",
+    "status_from_grpc",
+    "status_from_http",
+]
+
+APIS = ("rest", "grpc")
+STATUSES = ("ok", "client_error", "rejected", "server_error")
+FINISH_REASONS = ("stop", "length", "abort", "error", "none")
+
+# OTel GenAI server recommendations (gen_ai.server.*), extended below 1 ms (GPU decode
+# steps) and above 10 s (long generations, queueing under overload).
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
+)  # fmt: skip
+TPOT_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15,
+    0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24,
+    20.48, 40.96, 81.92, 163.84, 327.68, 655.36, 1310.72, 2621.44,
+)  # fmt: skip
+QUEUE_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
+)  # fmt: skip
+STEP_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512,
+    1.024, 2.048, 4.096, 8.192,
+)  # fmt: skip
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+IMBALANCE_WINDOW_STEPS = 64
+
+_GRPC_CLIENT_ERRORS = frozenset({
+    "CANCELLED", "INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED",
+    "FAILED_PRECONDITION", "OUT_OF_RANGE", "UNAUTHENTICATED", "DEADLINE_EXCEEDED",
+})  # fmt: skip
+
+
+def status_from_http(code: int) -> str:
+    """HTTP status code -> requests_total `status` label."""
+    if code == 429:
+        return "rejected"
+    if code >= 500:
+        return "server_error"
+    if code >= 400:
+        return "client_error"
+    return "ok"
+
+
+def status_from_grpc(code: Any) -> str:
+    """grpc.StatusCode (or its name) -> requests_total `status` label. CANCELLED and
+    DEADLINE_EXCEEDED are the caller's doing and count as client errors."""
+    name = getattr(code, "name", code)
+    if name == "OK":
+        return "ok"
+    if name == "RESOURCE_EXHAUSTED":
+        return "rejected"
+    return "client_error" if name in _GRPC_CLIENT_ERRORS else "server_error"
+
+
+class RequestLatencies(NamedTuple):
+    """Per-request latencies in seconds (None where the request never got that far)."""
+
+    queue: float | None
+    ttft: float | None
+    tpot: float | None  # mean time per output token after the first
+    e2e: float | None
+
+    def log_fields(self) -> dict[str, float | None]:
+        """ttft_ms/tpot_ms/e2e_ms/queue_ms for the per-request summary log line."""
+        return {
+            f"{name}_ms": None if value is None else round(value * 1e3, 3)
+            for name, value in zip(("queue", "ttft", "tpot", "e2e"), self, strict=True)
+        }
+
+
+def request_latencies(times: Any, num_output_tokens: int) -> RequestLatencies:
+    """From `RequestTimes`-like monotonic timestamps: queue = first_scheduled - arrival,
+    TTFT = first_token - arrival, e2e = finished - arrival, and
+    TPOT = (e2e - TTFT) / (output tokens - 1) for requests with at least two tokens."""
+    arrival, first_token, finished = times.arrival, times.first_token, times.finished
+    queue = None if times.first_scheduled is None else times.first_scheduled - arrival
+    ttft = None if first_token is None else first_token - arrival
+    e2e = None if finished is None else finished - arrival
+    tpot = None
+    if first_token is not None and finished is not None and num_output_tokens > 1:
+        tpot = (finished - first_token) / (num_output_tokens - 1)
+    return RequestLatencies(queue, ttft, tpot, e2e)
+
+
+class ServiceMetrics:
+    """All moeserve_* instruments, registered on `registry` (one instance per registry)."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model: str,
+        num_layers: int,
+        num_experts: int,
+        max_waiting: int,
+        *,
+        imbalance_window_steps: int = IMBALANCE_WINDOW_STEPS,
+    ) -> None:
+        self.registry = registry
+        self.model = model
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        m, r = (model,), registry
+
+        def hist(name: str, doc: str, labels: Sequence[str], buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, doc, labels, registry=r, buckets=buckets)
+
+        self.ttft = hist(
+            "moeserve_time_to_first_token_seconds",
+            "Time from arrival in the engine to the first generated token.",
+            ("model", "api"),
+            TTFT_BUCKETS,
+        )
+        self.tpot = hist(
+            "moeserve_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            ("model", "api"),
+            TPOT_BUCKETS,
+        )
+        self.e2e = hist(
+            "moeserve_e2e_request_latency_seconds",
+            "Time from arrival in the engine to the request finishing.",
+            ("model", "api"),
+            E2E_BUCKETS,
+        )
+        self.queue_time = hist(
+            "moeserve_request_queue_time_seconds",
+            "Time requests spent waiting before first being scheduled.",
+            ("model",),
+            QUEUE_BUCKETS,
+        )
+        self.prompt_tokens = Counter(
+            "moeserve_prompt_tokens",
+            "Prompt tokens of finished requests.",
+            ("model", "api"),
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "moeserve_generation_tokens",
+            "Generated tokens of finished requests.",
+            ("model", "api"),
+            registry=r,
+        )
+        self.requests = Counter(
+            "moeserve_requests",
+            "Requests by outcome.",
+            ("model", "api", "status", "finish_reason"),
+            registry=r,
+        )
+        self.running = Gauge(
+            "moeserve_num_requests_running",
+            "Requests in the running batch.",
+            ("model",),
+            registry=r,
+        )
+        self.waiting = Gauge(
+            "moeserve_num_requests_waiting",
+            "Requests waiting to be scheduled.",
+            ("model",),
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "moeserve_kv_cache_usage_ratio",
+            "KV cache blocks held by live requests / all blocks (0-1).",
+            ("model",),
+            registry=r,
+        )
+        self.batch_size = hist(
+            "moeserve_batch_size", "Sequences per engine step.", ("model",), BATCH_BUCKETS
+        )
+        self.step_time = hist(
+            "moeserve_engine_step_seconds", "Engine step duration.", ("model",), STEP_BUCKETS
+        )
+        self.preemptions = Counter(
+            "moeserve_preemptions",
+            "Sequences preempted (KV cache exhausted).",
+            ("model",),
+            registry=r,
+        )
+        self.max_waiting = Gauge(
+            "moeserve_max_waiting",
+            "Configured bound of the waiting queue.",
+            ("model",),
+            registry=r,
+        )
+
+        # Children resolved once: the hot paths never go through .labels().
+        self._ttft = {api: self.ttft.labels(model, api) for api in APIS}
+        self._tpot = {api: self.tpot.labels(model, api) for api in APIS}
+        self._e2e = {api: self.e2e.labels(model, api) for api in APIS}
+        self._prompt = {api: self.prompt_tokens.labels(model, api) for api in APIS}
+        self._generated = {api: self.generation_tokens.labels(model, api) for api in APIS}
+        self._requests = {
+            (api, status, reason): self.requests.labels(model, api, status, reason)
+            for api in APIS
+            for status in STATUSES
+            for reason in FINISH_REASONS
+        }
+        self._queue = self.queue_time.labels(*m)
+        self._running = self.running.labels(*m)
+        self._waiting = self.waiting.labels(*m)
+        self._kv = self.kv_usage.labels(*m)
+        self._batch = self.batch_size.labels(*m)
+        self._step = self.step_time.labels(*m)
+        self._preempt = self.preemptions.labels(*m)
+        self.max_waiting.labels(*m).set(max_waiting)
+        # moeserve_moe_expert_tokens_total and moeserve_moe_expert_imbalance.
+        self.experts = ExpertLoadCollector(model, num_layers, num_experts, imbalance_window_steps)
+        registry.register(self.experts)
+
+    # ------------------------------------------------------------------ engine steps
+
+    def observe_step(self, step: Any) -> None:
+        """Record one `StepStats`-like step (runs every engine step: kept cheap)."""
+        self._running.set(step.num_running)
+        self._waiting.set(step.num_waiting)
+        self._kv.set(step.kv_usage)
+        self._batch.observe(step.batch_size)
+        self._step.observe(step.duration_s)
+        if step.num_preemptions:
+            self._preempt.inc(step.num_preemptions)
+        if step.expert_tokens is not None:
+            self.experts.observe(step.expert_tokens)
+
+    # ------------------------------------------------------------------ requests
+
+    def observe_request(
+        self,
+        api: str,
+        times: Any,
+        num_prompt_tokens: int,
+        num_output_tokens: int,
+        finish_reason: str | None,
+        status: str = "ok",
+        trace_id: str | None = None,
+    ) -> RequestLatencies:
+        """Record a request the engine finished (or aborted): latency histograms (with a
+        {"trace_id"} exemplar when given), token counters and requests_total. Returns the
+        latencies so the caller can log them."""
+        api = _api(api)
+        lat = request_latencies(times, num_output_tokens)
+        exemplar = {"trace_id": trace_id} if trace_id else None
+        if lat.queue is not None:
+            self._queue.observe(max(lat.queue, 0.0))
+        if lat.ttft is not None:
+            self._ttft[api].observe(max(lat.ttft, 0.0), exemplar)
+        if lat.tpot is not None:
+            self._tpot[api].observe(max(lat.tpot, 0.0), exemplar)
+        if lat.e2e is not None:
+            self._e2e[api].observe(max(lat.e2e, 0.0), exemplar)
+        if num_prompt_tokens > 0:
+            self._prompt[api].inc(num_prompt_tokens)
+        if num_output_tokens > 0:
+            self._generated[api].inc(num_output_tokens)
+        self.count_request(api, status, finish_reason)
+        return lat
+
+    def count_request(self, api: str, status: str, finish_reason: str | None = None) -> None:
+        """requests_total += 1. Unknown status/finish_reason values map to bounded ones
+        (server_error, none); an unknown api raises ValueError."""
+        status = status if status in STATUSES else "server_error"
+        reason = finish_reason if finish_reason in FINISH_REASONS else "none"
+        self._requests[(_api(api), status, reason)].inc()
+
+    def count_rejected(self, api: str) -> None:
+        """A request refused because the waiting queue is full (429 / RESOURCE_EXHAUSTED)."""
+        self.count_request(api, "rejected", None)
+
+    def set_max_waiting(self, max_waiting: int) -> None:
+        self.max_waiting.labels(self.model).set(max_waiting)
+
+
+class ExpertLoadCollector(Collector):
+    """Per-expert routed-token totals and per-layer max/mean load over a sliding window of
+    the last `window_steps` steps.
+
+    Plain int lists updated in place with C-level map() per layer (each step is
+    O(layers * experts) with no Python loop over experts and no prometheus locks); the
+    samples are built only when Prometheus scrapes. One writer (the stats consumer);
+    a scrape racing a step may see that step half-applied, never a decreasing counter.
+    """
+
+    def __init__(self, model: str, num_layers: int, num_experts: int, window_steps: int) -> None:
+        self.model = model
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.window_steps = window_steps
+        self.totals = [[0] * num_experts for _ in range(num_layers)]
+        self.window = [[0] * num_experts for _ in range(num_layers)]  # sums over the ring
+        self._ring = [[[0] * num_experts for _ in range(num_layers)] for _ in range(window_steps)]
+        self._pos = 0
+        self._zeros = [0] * num_experts
+
+    def observe(self, expert_tokens: Sequence[Sequence[int]]) -> None:
+        slot = self._ring[self._pos]
+        self._pos = (self._pos + 1) % self.window_steps
+        num_experts = self.num_experts
+        for layer in range(self.num_layers):
+            new = expert_tokens[layer] if layer < len(expert_tokens) else self._zeros
+            if len(new) != num_experts:  # clip/pad: labels stay within the model's shape
+                new = [*new[:num_experts], *self._zeros[len(new) :]]
+            old, window, totals = slot[layer], self.window[layer], self.totals[layer]
+            totals[:] = map(add, totals, new)
+            window[:] = map(sub, map(add, window, new), old)
+            old[:] = new
+
+    def imbalance(self, layer: int) -> float:
+        """max/mean expert load of `layer` over the window; 0.0 when nothing was routed."""
+        window = self.window[layer]
+        total = sum(window)
+        return max(window) * self.num_experts / total if total else 0.0
+
+    def _families(self) -> tuple[CounterMetricFamily, GaugeMetricFamily]:
+        tokens = CounterMetricFamily(
+            "moeserve_moe_expert_tokens",
+            "Tokens routed to each expert.",
+            labels=("model", "layer", "expert"),
+        )
+        imbalance = GaugeMetricFamily(
+            "moeserve_moe_expert_imbalance",
+            f"Max/mean expert load per layer over the last {self.window_steps} steps "
+            "(1 = balanced, num_experts = one expert takes all; 0 = no tokens routed).",
+            labels=("model", "layer"),
+        )
+        return tokens, imbalance
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families()
+
+    def collect(self) -> Iterable[Metric]:
+        tokens, imbalance = self._families()
+        for layer in range(self.num_layers):
+            name = str(layer)
+            for expert, count in enumerate(list(self.totals[layer])):
+                tokens.add_metric((self.model, name, str(expert)), count)
+            imbalance.add_metric((self.model, name), self.imbalance(layer))
+        return tokens, imbalance
+
+
+def _api(api: str) -> str:
+    if api not in APIS:  # a wiring bug, not runtime data: fail loudly in tests
+        raise ValueError(f"api must be one of {APIS}, got {api!r}")
+    return api
+
+
+def render_metrics(registry: CollectorRegistry, accept: str | None = None) -> tuple[bytes, str]:
+    """(body, content type) for GET /metrics: Prometheus text by default, OpenMetrics with
+    exemplars when `accept` (the Accept header) asks for application/openmetrics-text."""
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(registry), content_type

@@ -1,0 +1,75 @@
+"""One call per finished request, shared by the REST and gRPC front ends: phase spans and
+GenAI usage attributes on the request's span, Prometheus request metrics with a trace-id
+exemplar, and the one summary log line (SPEC section 8)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry.trace import Span, Tracer
+
+from telemetry.logging import get_logger
+from telemetry.metrics import RequestLatencies, ServiceMetrics, request_latencies
+from telemetry.tracing import genai_response_attributes, record_request_phases
+
+__all__ = ["finish_request"]
+
+_log = get_logger("moeserve.request")
+
+
+def finish_request(
+    span: Span,
+    *,
+    api: str,
+    request_id: str,
+    times: Any,
+    num_prompt_tokens: int,
+    num_output_tokens: int,
+    finish_reason: str | None,
+    status: str = "ok",
+    metrics: ServiceMetrics | None = None,
+    response_id: str | None = None,
+    logger: Any = None,
+    tracer: Tracer | None = None,
+    **log_fields: Any,
+) -> RequestLatencies:
+    """Record a request the engine finished or aborted; call before ending `span`.
+
+    `times` is the sequence's `RequestTimes`. The summary line carries trace_id/span_id of
+    `span` explicitly, so it may be called from any thread or task. Extra keyword
+    arguments go into the log line (never prompt or output text unless asked for).
+    """
+    record_request_phases(span, times, tracer=tracer)
+    span.set_attributes(
+        genai_response_attributes(
+            response_id=response_id,
+            finish_reasons=[finish_reason],
+            input_tokens=num_prompt_tokens,
+            output_tokens=num_output_tokens,
+        )
+    )
+    ctx = span.get_span_context()
+    ids: dict[str, str] = {}
+    if ctx.is_valid:
+        ids = {"trace_id": format(ctx.trace_id, "032x"), "span_id": format(ctx.span_id, "016x")}
+    if metrics is not None:
+        # Exemplars only for sampled traces: an unsampled id leads nowhere in Tempo.
+        exemplar_id = ids.get("trace_id") if ctx.trace_flags.sampled else None
+        latencies = metrics.observe_request(
+            api, times, num_prompt_tokens, num_output_tokens, finish_reason, status, exemplar_id
+        )
+    else:
+        latencies = request_latencies(times, num_output_tokens)
+    (logger or _log).info(
+        "request finished",
+        request_id=request_id,
+        api=api,
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=num_output_tokens,
+        **latencies.log_fields(),
+        finish_reason=finish_reason or "none",
+        status=status,
+        **ids,
+        **log_fields,
+    )
+    return latencies

@@ -1,0 +1,156 @@
+"""A real Alertmanager (Debian `prometheus-alertmanager`), configured from
+deploy/alertmanager/alertmanager.yml with the webhook URL pointed at a webhook served
+by uvicorn on a free loopback port, delivers alerts posted to its API; the shipped
+inhibition rules hold back what they should. Skips, saying so, without the binary."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+import yaml
+
+from telemetry.anomaly import create_app
+
+ROOT = Path(__file__).resolve().parents[2]
+ALERTMANAGER_YML = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except httpx.HTTPError:
+            value = None
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture
+def webhook_url() -> Iterator[str]:
+    port = free_port()
+    app = create_app(prometheus_url=f"http://127.0.0.1:{free_port()}", query_timeout_s=1.0)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False)
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, 10, "uvicorn to start")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture
+def alertmanager(tmp_path: Path, webhook_url: str) -> Iterator[str]:
+    binary = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+    if binary is None:
+        pytest.skip(
+            "alertmanager not installed (apt-get install prometheus-alertmanager); test not run"
+        )
+    cfg = yaml.safe_load(ALERTMANAGER_YML.read_text())
+    for receiver in cfg["receivers"]:
+        for hook in receiver.get("webhook_configs", []):
+            hook["url"] = f"{webhook_url}/alerts"
+    routes = [cfg["route"], *cfg["route"].get("routes", [])]
+    for route in routes:  # keep the routing tree and inhibitions, shorten the timers
+        route["group_wait"] = "1s"
+        route["group_interval"] = "1s"
+    config = tmp_path / "alertmanager.yml"
+    config.write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    log = (tmp_path / "alertmanager.log").open("w")
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: httpx.get(f"{url}/-/ready").status_code == 200, 20, "alertmanager")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+def post_alerts(am_url: str, *label_sets: dict[str, str]) -> None:
+    now = datetime.now(UTC).isoformat()
+    body = [
+        {"labels": labels, "annotations": {"summary": "test"}, "startsAt": now}
+        for labels in label_sets
+    ]
+    resp = httpx.post(f"{am_url}/api/v2/alerts", json=body, timeout=5)
+    assert resp.status_code == 200, resp.text
+
+
+def incidents(webhook_url: str) -> list[dict]:
+    return httpx.get(f"{webhook_url}/incidents", timeout=5).json()["incidents"]
+
+
+def test_alertmanager_delivers_to_the_webhook_with_inhibitions(alertmanager, webhook_url):
+    inst = {"job": "moeserve", "instance": "moeserve:8000"}
+    other = {"job": "moeserve", "instance": "other:8000", "model": "m2"}
+    post_alerts(
+        alertmanager,
+        # target down inhibits the same instance's capacity alert...
+        {"alertname": "MoeserveTargetDown", "severity": "critical", **inst},
+        {"alertname": "MoeserveKVCacheNearFull", "severity": "warning", "model": "demo", **inst},
+        # ...and a critical alert inhibits its warning twin.
+        {"alertname": "MoeserveHighErrorRatio", "severity": "critical", **other},
+        {"alertname": "MoeserveHighErrorRatio", "severity": "warning", **other},
+    )
+    got = wait_until(
+        lambda: len(incidents(webhook_url)) >= 2 and incidents(webhook_url), 20, "2 incidents"
+    )
+    # a later, uninhibited alert: once it is in, the earlier groups have flushed too
+    control = {"alertname": "MoeserveExpertLoadImbalance", "severity": "warning", "layer": "1"}
+    post_alerts(alertmanager, {**control, **other})
+    got = wait_until(
+        lambda: (
+            any(i["alertname"] == "MoeserveExpertLoadImbalance" for i in incidents(webhook_url))
+            and incidents(webhook_url)
+        ),
+        20,
+        "the control alert",
+    )
+    seen = {(i["alertname"], i["severity"]) for i in got}
+    assert seen == {
+        ("MoeserveTargetDown", "critical"),
+        ("MoeserveHighErrorRatio", "critical"),
+        ("MoeserveExpertLoadImbalance", "warning"),
+    }
+    for incident in got:
+        assert incident["prometheus"] == "unavailable" and incident["reason"]
+        assert incident["fingerprint"]  # Alertmanager's own fingerprint

@@ -1,0 +1,134 @@
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+from datetime import datetime
+
+import structlog
+
+from telemetry.logging import configure_logging, get_logger
+
+
+def _lines(stream: io.StringIO) -> list[dict]:
+    return [json.loads(line) for line in stream.getvalue().splitlines() if line.strip()]
+
+
+def test_json_line_fields_outside_a_span(log_stream):
+    get_logger("moeserve.test").info("hello", answer=42)
+    (line,) = _lines(log_stream)
+    assert line["event"] == "hello"
+    assert line["answer"] == 42
+    assert line["level"] == "info"
+    assert line["logger"] == "moeserve.test"
+    ts = datetime.fromisoformat(line["timestamp"])
+    assert ts.utcoffset().total_seconds() == 0
+    assert "trace_id" not in line and "span_id" not in line
+
+
+def test_json_line_carries_trace_and_span_ids_inside_a_span(log_stream, tracer):
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(request_id="req-1")
+    try:
+        with tracer.start_as_current_span("request") as span:
+            get_logger("moeserve.test").info("inside")
+            logging.getLogger("uvicorn.error").warning("stdlib %s", "inside")
+    finally:
+        structlog.contextvars.clear_contextvars()
+    ctx = span.get_span_context()
+    lines = _lines(log_stream)
+    assert [line["event"] for line in lines] == ["inside", "stdlib inside"]
+    for line in lines:
+        assert line["trace_id"] == format(ctx.trace_id, "032x")
+        assert line["span_id"] == format(ctx.span_id, "016x")
+        assert re.fullmatch(r"[0-9a-f]{32}", line["trace_id"])
+        assert re.fullmatch(r"[0-9a-f]{16}", line["span_id"])
+        assert line["request_id"] == "req-1"
+    assert lines[1]["logger"] == "uvicorn.error"
+    assert lines[1]["level"] == "warning"
+
+
+def test_explicit_ids_win(log_stream, tracer):
+    with tracer.start_as_current_span("request"):
+        get_logger("engine").info("on behalf", trace_id="a" * 32, span_id="b" * 16)
+    (line,) = _lines(log_stream)
+    assert line["trace_id"] == "a" * 32
+    assert line["span_id"] == "b" * 16
+
+
+def test_level_filtering_and_exceptions():
+    stream = io.StringIO()
+    configure_logging("json", "info", stream=stream, cache_loggers=False)
+    log = get_logger("t")
+    log.debug("dropped")
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        log.exception("failed")
+        logging.getLogger("grpc").exception("stdlib failed")
+    lines = _lines(stream)
+    assert [line["event"] for line in lines] == ["failed", "stdlib failed"]
+    for line in lines:
+        assert line["level"] == "error"
+        assert "RuntimeError" in json.dumps(line["exception"])
+
+
+def test_unserialisable_values_do_not_break_a_line(log_stream):
+    get_logger("t").info("odd", value=object(), exc=ValueError("x"), nested={"a": [1, 2.5]})
+    (line,) = _lines(log_stream)
+    assert line["value"].startswith("<object object")
+    assert line["nested"] == {"a": [1, 2.5]}
+
+
+def test_console_mode_is_human_readable():
+    stream = io.StringIO()
+    configure_logging("console", "info", stream=stream, cache_loggers=False)
+    get_logger("t").info("console hello", k="v")
+    logging.getLogger("litestar").info("from litestar")
+    out = stream.getvalue()
+    assert "console hello" in out and "k=v" in out and "from litestar" in out
+    assert not out.lstrip().startswith("{")
+    assert "\x1b[" not in out  # StringIO is no TTY: no colours
+
+
+def test_default_format_follows_tty():
+    stream = io.StringIO()  # not a TTY -> JSON
+    configure_logging(None, stream=stream, cache_loggers=False)
+    get_logger("t").info("x")
+    assert json.loads(stream.getvalue())["event"] == "x"
+
+
+def test_idempotent_one_handler_one_line():
+    stream = io.StringIO()
+    configure_logging("json", stream=stream, cache_loggers=False)
+    configure_logging("json", stream=stream, cache_loggers=False)
+    assert len(logging.getLogger().handlers) == 1
+    logging.getLogger("uvicorn").info("once")
+    get_logger("t").info("once")
+    assert len(_lines(stream)) == 2
+
+
+def test_logger_created_before_configuration_follows_it():
+    early = get_logger("early")  # e.g. a module-level logger, imported before start-up
+    stream = io.StringIO()
+    configure_logging("json", stream=stream, cache_loggers=False)
+    early.info("late", n=1)
+    (line,) = _lines(stream)
+    assert line["logger"] == "early" and line["n"] == 1
+
+
+def test_noisy_library_warnings_are_rate_limited():
+    stream = io.StringIO()
+    configure_logging("json", stream=stream, cache_loggers=False)
+    noisy = logging.getLogger("opentelemetry.sdk._shared_internal")
+    for _ in range(1000):
+        noisy.warning("Queue full, dropping %s.", "Span")
+    logging.getLogger("opentelemetry.other").warning("different logger")
+    noisy.warning({"unhashable": ["msg"]})
+    lines = _lines(stream)
+    assert [line["event"] for line in lines] == [
+        "Queue full, dropping Span.",
+        "different logger",
+        "{'unhashable': ['msg']}",
+    ]
