@@ -36,14 +36,20 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tensor) 
     cache.index_copy_(0, slot_mapping, kv)
 
 
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache [S, G, d], slots [B, L] -> [B, L, G, d]; index_select is several times faster
+    than advanced indexing on CPU."""
+    return cache.index_select(0, slots.flatten()).view(*slots.shape, *cache.shape[1:])
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, d]; k, v [T, G, d] (already written to the caches). Returns [T, H, d_v]."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     nd = meta.num_decode
     if nd:
-        keys = k_cache[meta.decode_slots].transpose(1, 2)  # [B_d, G, L, d]
-        values = v_cache[meta.decode_slots].transpose(1, 2)
+        keys = gather_slots(k_cache, meta.decode_slots).transpose(1, 2)  # [B_d, G, L, d]
+        values = gather_slots(v_cache, meta.decode_slots).transpose(1, 2)
         o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, values,
                                            attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
         out[:nd] = o.squeeze(2)
@@ -53,7 +59,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if chunk.slots is None:  # fresh prompt: the chunk attends to itself, causally
             kc, vc, mask, causal = k[rows], v[rows], None, True
         else:  # continuing a chunked or prefix-cached prompt: read the whole context
-            kc, vc = k_cache[chunk.slots], v_cache[chunk.slots]
+            kc, vc = k_cache.index_select(0, chunk.slots), v_cache.index_select(0, chunk.slots)
             total = chunk.context_len + chunk.length
             query_pos = torch.arange(chunk.context_len, total, device=q.device)
             mask = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]

@@ -37,7 +37,7 @@ class Settings:
 _HELP = {
     "model": "checkpoint folder, or 'demo' for the demo model (written to the cache on first use)",
     "served_model_name": "model name in the API (default: the folder name)",
-    "grpc_port": "gRPC port (0: a free port)", "port": "REST port (0: a free port)",
+    "grpc_port": "gRPC port (0: a free port, -1: no gRPC server)", "port": "REST port (0: a free port)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1 routes and gRPC",
     "max_waiting": "waiting-queue bound; beyond it requests get 429 / RESOURCE_EXHAUSTED",
     "kv_cache_tokens": "KV cache size in tokens (CPU; GPU default: from free memory)",
