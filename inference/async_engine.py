@@ -180,7 +180,7 @@ class AsyncLLMEngine:
             while not self._stopping:
                 self._wakeup.clear()
                 self._drain_inputs()
-                if not self.engine.has_unfinished:
+                if not self.engine.has_unfinished and not self.engine.has_pending_stats:
                     self._wakeup.wait()
                     continue
                 outputs, stats = self.engine.step()

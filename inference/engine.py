@@ -146,6 +146,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def has_pending_stats(self) -> bool:
+        """Aborted sequences not yet reported: a step (even an empty one) reports them."""
+        return bool(self._aborted)
+
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> tuple[list[RequestOutput], StepStats]:
         started, started_ns = time.monotonic(), time.time_ns()

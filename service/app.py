@@ -1,0 +1,94 @@
+"""The Litestar application: controllers, the OpenAI error envelope, request ids."""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+
+import structlog
+from litestar import Litestar, Request, Response
+from litestar.datastructures import State
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi import OpenAPIConfig
+from litestar.types import Message, Scope
+
+from service.controllers.common import REQUEST_ID_HEADER, request_id
+from service.controllers.health import HealthController
+from service.controllers.openai import OpenAIController
+from service.controllers.tokenize import TokenizeController
+from service.errors import Overloaded, ServiceError
+from service.schemas import ErrorBody, ErrorResponse
+from service.state import ServingState
+
+log = structlog.get_logger("service.app")
+
+_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable"}
+_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def _validation_message(exc: ValidationException) -> tuple[str, str | None]:
+    """One readable sentence and the offending field from Litestar's validation error."""
+    extra = exc.extra if isinstance(exc.extra, list) else []
+    for item in extra:
+        if not isinstance(item, dict):
+            continue
+        key, message = item.get("key"), str(item.get("message", ""))
+        if key == "data":  # the whole body: missing, not an object, or an unknown field
+            if message == "'data'":
+                return "request body is required (a JSON object)", None
+            field = message.partition("unknown field `")[2].rstrip("`")
+            return (f"unknown field `{field}`" if field else message), field or None
+        return f"{key}: {message}", key
+    return exc.detail, None
+
+
+def error_response(request: Request, exc: Exception) -> Response[ErrorResponse]:
+    """Every error leaves in OpenAI's envelope; unexpected ones are logged and become 500."""
+    headers: dict[str, str] = {}
+    if isinstance(exc, ServiceError):
+        status = exc.status_code
+        body = ErrorBody(message=exc.message, type=exc.error_type, param=exc.param, code=exc.code)
+        if isinstance(exc, Overloaded):
+            headers["retry-after"] = str(exc.retry_after_s)
+    elif isinstance(exc, ValidationException):
+        message, param = _validation_message(exc)
+        status, body = 400, ErrorBody(message=message, type="invalid_request_error", param=param)
+    elif isinstance(exc, HTTPException):
+        status = exc.status_code
+        message = exc.detail
+        if status == 413:
+            limit = request.app.state.serving.settings.max_body_bytes
+            message = f"request body exceeds the limit of {limit} bytes"
+        kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        body = ErrorBody(message=message, type=kind, code=_CODES.get(status))
+        headers.update({k: v for k, v in (exc.headers or {}).items() if k.lower() == "allow"})
+    else:
+        log.exception("unhandled error", path=request.url.path, request_id=request_id(request.scope))
+        status, body = 500, ErrorBody(message="internal server error", type="server_error")
+    return Response(ErrorResponse(error=body), status_code=status, headers=headers)
+
+
+async def _add_request_id(message: Message, scope: Scope) -> None:
+    """Puts `x-request-id` on every response, errors and 404s included."""
+    if message["type"] == "http.response.start":
+        headers = list(message.get("headers") or [])
+        if not any(k.lower() == b"x-request-id" for k, _ in headers):
+            headers.append((REQUEST_ID_HEADER.encode(), request_id(scope).encode()))
+        message["headers"] = headers
+
+
+def create_app(state: ServingState) -> Litestar:
+    tokenizer = state.engine.tokenizer
+    token_text = lru_cache(maxsize=65536)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
+    return Litestar(
+        route_handlers=[OpenAIController, TokenizeController, HealthController],
+        state=State({"serving": state, "started_at": int(time.time()), "token_text": token_text}),
+        exception_handlers={Exception: error_response},
+        before_send=[_add_request_id],
+        request_max_body_size=state.settings.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="moeserve", version="0.1.0", path="/schema"),
+        debug=False,
+        logging_config=None,  # logging is configured once for the process, not by the app
+    )

@@ -1,0 +1,1 @@
+"""HTTP controllers: OpenAI-compatible generation, tokenizer utilities, probes."""

@@ -1,0 +1,29 @@
+"""Probes: /health (liveness) and /ready (readiness, with the engine's load)."""
+
+from __future__ import annotations
+
+from litestar import Controller, Request, Response, get
+
+from service.controllers.common import serving_state
+from service.schemas import HealthResponse, ReadyResponse
+
+
+class HealthController(Controller):
+    path = "/"
+    tags = ("Probes",)
+
+    @get("/health", operation_id="health")
+    async def health(self, request: Request) -> HealthResponse:
+        """200 while the process runs (liveness); `engine_alive` tells whether the loop is up."""
+        return HealthResponse(status="ok", engine_alive=serving_state(request).engine.is_alive)
+
+    @get("/ready", operation_id="ready")
+    async def ready(self, request: Request) -> Response[ReadyResponse]:
+        """200 when the model is loaded and the engine loop alive; 503 while draining."""
+        state = serving_state(request)
+        engine = state.engine
+        status = "ready" if state.ready else "draining" if state.draining else "engine_dead"
+        body = ReadyResponse(status=status, model=state.model_name, num_running=engine.num_running,
+                             num_waiting=engine.num_waiting, in_flight=state.in_flight,
+                             kv_usage=engine.kv_usage, kv_blocks_used=engine.engine.block_manager.num_used)
+        return Response(body, status_code=200 if state.ready else 503)

@@ -1,0 +1,253 @@
+"""OpenAI-compatible request and response bodies (msgspec Structs).
+
+Requests forbid unknown fields: a misspelt parameter is a 400 naming it, never silently
+ignored. OpenAI fields this server does not implement are declared as `Any` and accepted
+only with their neutral value (e.g. `"echo": false`, `"logit_bias": null`), so clients that
+always send them keep working; see `unsupported_fields()`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+
+class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class _Body(msgspec.Struct, kw_only=True):
+    pass
+
+
+class StreamOptions(_Request, kw_only=True):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request, kw_only=True):
+    """Fields both generation endpoints share (OpenAI names plus vLLM's extensions)."""
+
+    model: str | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None  # accepted and ignored
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    # OpenAI fields accepted only with their neutral value
+    logit_bias: Any = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    prompt: str | list[Any]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+
+
+class TextPart(_Request, kw_only=True):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+
+
+# Neutral values of the OpenAI fields we accept but do not implement.
+_NEUTRAL: dict[str, tuple] = {
+    "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+def unsupported_fields(req: msgspec.Struct) -> list[str]:
+    """Names of set fields whose value asks for a feature this server does not implement."""
+    return [name for name, neutral in _NEUTRAL.items()
+            if hasattr(req, name) and not any(getattr(req, name) == v for v in neutral)]
+
+
+# ---- responses ---------------------------------------------------------------------------
+class Usage(_Body, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(_Body, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float | None]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Body, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(_Body, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(_Body, kw_only=True):
+    token: str
+    logprob: float | None
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(_Body, kw_only=True):
+    token: str
+    logprob: float | None
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Body, kw_only=True):
+    content: list[ChatTokenLogprob] | None
+
+
+class AssistantMessage(_Body, kw_only=True):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Body, kw_only=True):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(_Body, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class DeltaMessage(_Body, kw_only=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Body, kw_only=True):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Body, kw_only=True):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Body, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "moeserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Body, kw_only=True):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+# ---- tokenizer endpoints -----------------------------------------------------------------
+class TokenizeRequest(_Request, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(_Body, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Request, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Body, kw_only=True):
+    prompt: str
+
+
+# ---- errors and probes -------------------------------------------------------------------
+class ErrorBody(_Body, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(_Body, kw_only=True):
+    error: ErrorBody
+
+
+class HealthResponse(_Body, kw_only=True):
+    status: str
+    engine_alive: bool
+
+
+class ReadyResponse(_Body, kw_only=True):
+    status: str  # ready | draining | engine_dead
+    model: str
+    num_running: int
+    num_waiting: int
+    in_flight: int
+    kv_usage: float
+    kv_blocks_used: int

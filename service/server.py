@@ -1,0 +1,162 @@
+"""`moeserve serve`: the engine, the REST server (uvicorn + Litestar) and the gRPC server in
+one process and one event loop, with a graceful drain on SIGTERM/SIGINT.
+
+Shutdown order: stop admitting (/ready 503, new requests 503 on both APIs), let in-flight
+requests finish within `drain_timeout`, stop uvicorn and gRPC, stop the engine, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import structlog
+import uvicorn
+
+from inference import AsyncLLMEngine, InvalidParameterError, ModelLoadError
+from service.app import create_app
+from service.settings import Settings
+from service.state import ServingState
+
+log = structlog.get_logger("service.server")
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: `MoeServer` drains first, then stops it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Binds the REST socket here so that port 0 resolves to a known free port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def model_path_and_name(settings: Settings) -> tuple[Path, str]:
+    if settings.model == "demo":
+        from inference.demo_model import ensure_demo_model
+
+        return ensure_demo_model(settings.demo_preset), settings.served_model_name or "demo"
+    path = Path(settings.model)
+    return path, settings.served_model_name or path.resolve().name
+
+
+class MoeServer:
+    """Owns the engine, the uvicorn server and the gRPC server for one `serve`."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.state: ServingState | None = None
+        self.rest_port: int | None = None
+        self.grpc_port: int | None = None
+        self._uvicorn: _Uvicorn | None = None
+        self._grpc = None
+        self._sock: socket.socket | None = None
+        self._shutdown: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        s = self.settings
+        path, name = await asyncio.to_thread(model_path_and_name, s)
+        engine = await asyncio.to_thread(AsyncLLMEngine.from_pretrained, path, s.device, s.dtype,
+                                         **s.engine_limits())
+        engine.start()
+        self.state = ServingState(engine, s, name)
+        self._sock = _bind(s.host, s.port)
+        self.rest_port = self._sock.getsockname()[1]
+        config = uvicorn.Config(create_app(self.state), lifespan="on", log_config=None,
+                                access_log=False, timeout_graceful_shutdown=5)
+        self._uvicorn = _Uvicorn(config)
+        if s.grpc_port >= 0:
+            from service.grpc_server import start_grpc_server
+
+            self._grpc, self.grpc_port = await start_grpc_server(self.state, s.host, s.grpc_port)
+
+    async def run(self) -> int:
+        """Serves until shut down (see `request_shutdown`); returns the exit code."""
+        server = self._uvicorn
+        task = asyncio.ensure_future(server.serve(sockets=[self._sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if server.started:
+            log.info("server started", rest_port=self.rest_port, grpc_port=self.grpc_port,
+                     host=self.settings.host, model=self.state.model_name,
+                     max_model_len=self.state.engine.max_model_len)
+        try:
+            await task
+        finally:
+            if self._shutdown is not None and not self._shutdown.done():
+                await asyncio.gather(self._shutdown, return_exceptions=True)
+            await self._stop_grpc()  # no-op if the drain stopped it already
+            await self.state.engine.shutdown()
+            log.info("server stopped")
+        return 0 if server.started else 1
+
+    def request_shutdown(self) -> None:
+        """Starts the graceful drain; a second call forces an immediate exit."""
+        if self._shutdown is not None:
+            log.warning("second shutdown request: exiting without waiting")
+            self._shutdown.cancel()
+            self._uvicorn.force_exit = self._uvicorn.should_exit = True
+            return
+        self._shutdown = asyncio.ensure_future(self._drain_and_stop())
+
+    async def _drain_and_stop(self) -> None:
+        timeout = self.settings.drain_timeout
+        log.info("draining", in_flight=self.state.in_flight, drain_timeout_s=timeout)
+        self.state.draining = True
+        if self._grpc is not None:
+            from service.grpc_server import mark_not_serving
+
+            await mark_not_serving(self._grpc)
+        if not await self.state.drain(timeout):
+            log.warning("drain timed out; stopping with requests in flight", in_flight=self.state.in_flight)
+        self._uvicorn.should_exit = True
+        await self._stop_grpc()
+
+    async def _stop_grpc(self) -> None:
+        if self._grpc is not None:
+            from service.grpc_server import stop_grpc_server
+
+            server, self._grpc = self._grpc, None
+            await stop_grpc_server(server, 1.0)
+
+
+def _configure_logging() -> None:
+    """Minimal JSON lines on stdout (telemetry.logging replaces this later)."""
+    structlog.configure(
+        processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso", utc=True),
+                    structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
+        logger_factory=structlog.PrintLoggerFactory(sys.stdout), cache_logger_on_first_use=False)
+
+
+async def _serve(settings: Settings) -> int:
+    server = MoeServer(settings)
+    try:
+        await server.start()
+    except (ModelLoadError, InvalidParameterError, OSError, RuntimeError) as exc:
+        log.error("startup failed", error=str(exc))
+        if server.state is not None:
+            await server.state.engine.shutdown()
+        return 2
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.request_shutdown)
+    return await server.run()
+
+
+def serve(settings: Settings) -> int:
+    _configure_logging()
+    return asyncio.run(_serve(settings))

@@ -1,0 +1,184 @@
+"""Fixtures for the REST tests: real servers on free 127.0.0.1 ports.
+
+`InProcessServer` runs `service.server.MoeServer` (engine + uvicorn + Litestar) on its own
+event loop in a background thread, so tests can also look at the engine object directly;
+the SIGTERM test starts `python -m service.cli serve` as a subprocess instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Self
+
+import httpx
+import pytest
+
+from service.server import MoeServer
+from service.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_MODEL_LEN = 256
+MAX_BODY_BYTES = 64 * 1024
+
+
+class InProcessServer:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.server = MoeServer(settings)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.exit_code: int | None = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self.finished: list[tuple[str, str]] = []  # (engine request id, finish reason), in order
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    async def _main(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        try:
+            await self.server.start()
+        except BaseException as exc:
+            self._error = exc
+            self._started.set()
+            raise
+        self.server.state.engine.add_stats_listener(
+            lambda stats: self.finished.extend((f.request_id, f.finish_reason) for f in stats.finished))
+        run = asyncio.ensure_future(self.server.run())
+        while not self.server._uvicorn.started and not run.done():
+            await asyncio.sleep(0.01)
+        self._started.set()
+        self.exit_code = await run
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        if not self._started.wait(120):
+            raise TimeoutError("server did not start within 120 s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.loop.call_soon_threadsafe(self.server.request_shutdown)
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "server thread did not stop"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.rest_port}"
+
+    @property
+    def state(self):
+        return self.server.state
+
+    @property
+    def engine(self):
+        return self.server.state.engine
+
+
+def make_settings(model_dir: Path, **overrides) -> Settings:
+    base = {"model": str(model_dir), "port": 0, "grpc_port": -1, "max_model_len": MAX_MODEL_LEN,
+            "kv_cache_tokens": 8192, "max_num_seqs": 8, "max_body_bytes": MAX_BODY_BYTES,
+            "drain_timeout": 10.0, "device": "cpu", "dtype": "float32"}
+    return Settings(**{**base, **overrides})
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir) -> Iterator[InProcessServer]:
+    with InProcessServer(make_settings(tiny_model_dir)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def model_name(server) -> str:
+    return server.state.model_name
+
+
+@pytest.fixture
+def http(server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        yield client
+
+
+@pytest.fixture
+def api_key(server) -> Iterator[str]:
+    """Turns on --api-key for the duration of one test (the guard reads the live settings)."""
+    server.state.settings.api_key = "sk-test-key"
+    try:
+        yield "sk-test-key"
+    finally:
+        server.state.settings.api_key = None
+
+
+@pytest.fixture(scope="session")
+def start_server(tiny_model_dir):
+    """start_server(**settings overrides) -> a context manager running another server."""
+    return lambda **overrides: InProcessServer(make_settings(tiny_model_dir, **overrides))
+
+
+@pytest.fixture(scope="session")
+def subprocess_server():
+    return SubprocessServer
+
+
+@pytest.fixture(scope="session")
+def wait_idle():
+    return _wait_idle
+
+
+def _wait_idle(server: InProcessServer, timeout: float) -> float:
+    """Seconds until the engine holds no KV block and no request; fails after `timeout`."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        used = server.engine.engine.block_manager.num_used
+        if used == 0 and not server.engine.engine.requests and server.state.in_flight == 0:
+            return time.monotonic() - start
+        time.sleep(0.01)
+    raise AssertionError(f"engine still busy after {timeout} s: {server.engine.engine.block_manager.num_used} "
+                         f"blocks, requests {list(server.engine.engine.requests)}")
+
+
+class SubprocessServer:
+    """`python -m service.cli serve ...` with its stdout parsed for the "server started" line."""
+
+    def __init__(self, args: list[str]) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", *args], cwd=REPO, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line)
+            self.lines.put(line)
+
+    def wait_for_event(self, event: str, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("event") == event:
+                return record
+        raise AssertionError(f"no {event!r} log line; output:\n{''.join(self.log)}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)

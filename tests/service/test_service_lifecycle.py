@@ -1,0 +1,136 @@
+"""Client disconnects abort their requests; SIGTERM drains gracefully and exits 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+
+import httpx
+import pytest
+
+LONG = {"prompt": "once upon a time", "max_tokens": 230, "ignore_eos": True, "temperature": 0}
+
+
+def _aborted_since(server, mark: int) -> list[str]:
+    """Engine request ids finished as "abort" since `mark`. The engine reports aborts with the
+    next step's stats, so one tiny request runs first to produce a step."""
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+    return [rid for rid, reason in server.finished[mark:] if reason == "abort"]
+
+
+def test_stream_disconnect_aborts_and_frees_kv_blocks(server, wait_idle):
+    mark = len(server.finished)
+    with (
+        httpx.Client(base_url=server.url, timeout=30) as c,
+        c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r,
+    ):
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(line for line in lines if line)
+        request_id = json.loads(first.removeprefix("data: "))["id"]
+        for _ in range(4):
+            next(lines)
+        assert server.engine.engine.block_manager.num_used > 0  # it is running
+    # leaving both `with` blocks closed the connection mid-stream
+    elapsed = wait_idle(server, 2.0)
+    assert elapsed < 2.0
+    assert request_id in _aborted_since(server, mark)
+
+
+def test_non_streaming_disconnect_aborts_the_request(server, wait_idle):
+    mark = len(server.finished)
+    with (
+        httpx.Client(base_url=server.url, timeout=httpx.Timeout(30, read=0.3)) as c,
+        pytest.raises(httpx.ReadTimeout),
+    ):
+        c.post("/v1/completions", json=LONG)
+    wait_idle(server, 2.0)
+    aborted = _aborted_since(server, mark)
+    assert len(aborted) == 1 and aborted[0].startswith("cmpl-"), server.finished[mark:]
+
+
+def test_disconnected_client_does_not_disturb_others(server, wait_idle):
+    """One client leaving mid-stream; a concurrent request still completes normally."""
+    result: dict = {}
+
+    def other() -> None:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            result["r"] = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 20, "ignore_eos": True})
+
+    t = threading.Thread(target=other)
+    with (
+        httpx.Client(base_url=server.url, timeout=30) as c,
+        c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r,
+    ):
+        t.start()
+        next(line for line in r.iter_lines() if line)
+    t.join(60)
+    assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 20
+    wait_idle(server, 2.0)
+
+
+def _stream_until_done(url: str, out: dict, key: int, started: threading.Event) -> None:
+    events = []
+    try:
+        with (
+            httpx.Client(base_url=url, timeout=120) as c,
+            c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r,
+        ):
+            out[f"status{key}"] = r.status_code
+            for line in r.iter_lines():
+                if line:
+                    events.append(line)
+                    started.set()
+    except httpx.HTTPError as exc:
+        out[f"error{key}"] = repr(exc)
+    out[key] = events
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_model_dir, subprocess_server):
+    srv = subprocess_server(["--model", str(tiny_model_dir), "--port", "0", "--grpc-port", "0",
+                             "--max-model-len", "256", "--kv-cache-tokens", "4096", "--dtype", "float32",
+                             "--drain-timeout", "60"])
+    try:
+        started = srv.wait_for_event("server started", 120)
+        url = f"http://127.0.0.1:{started['rest_port']}"
+        assert isinstance(started["grpc_port"], int) and started["grpc_port"] > 0
+        socket.create_connection(("127.0.0.1", started["grpc_port"]), timeout=5).close()  # gRPC listens too
+
+        out: dict = {}
+        flags = [threading.Event(), threading.Event()]
+        threads = [threading.Thread(target=_stream_until_done, args=(url, out, i, flags[i])) for i in range(2)]
+        for t in threads:
+            t.start()
+        assert all(f.wait(60) for f in flags), out
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.wait_for_event("draining", 10)
+
+        with httpx.Client(base_url=url, timeout=10) as c:
+            try:
+                ready = c.get("/ready")
+                new = c.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
+            except httpx.TransportError:  # the streams may already be done and the server gone
+                ready = new = None
+        if ready is not None:
+            assert ready.status_code == 503 and ready.json()["status"] == "draining"
+            assert new.status_code == 503 and new.json()["error"]["code"] == "draining"
+            assert new.headers.get("x-request-id")
+
+        for t in threads:
+            t.join(120)
+        for i in range(2):
+            assert out.get(f"status{i}") == 200 and f"error{i}" not in out, out
+            events = out[i]
+            assert events[-1] == "data: [DONE]"
+            finals = [json.loads(e[6:]) for e in events[:-1]]
+            assert finals[-1]["choices"][0]["finish_reason"] == "length"
+            assert "".join(f["choices"][0]["text"] for f in finals)  # text arrived
+        assert srv.proc.wait(60) == 0
+        assert ready is not None, "drain window was too short to observe /ready 503"
+        srv.wait_for_event("server stopped", 5)
+    finally:
+        srv.stop()
