@@ -27,6 +27,9 @@ test: setup
 bench: setup
 	$(BIN)/python -m bench.engine_bench
 
+proto: setup
+	$(BIN)/python -m service.proto.generate
+
 lint: setup
 	$(BIN)/ruff check inference service telemetry tests bench loadtest
 

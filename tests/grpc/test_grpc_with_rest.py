@@ -1,0 +1,91 @@
+"""REST and gRPC in one `MoeServer`: their requests share the engine's continuous batches."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+
+from service.proto.moeserve.v1 import inference_pb2 as pb
+from service.proto.moeserve.v1 import inference_pb2_grpc
+from service.server import MoeServer
+from service.settings import Settings
+
+
+def test_rest_and_grpc_requests_are_batched_together(model_path):
+    settings = Settings(
+        model=str(model_path),
+        served_model_name="demo-tiny",
+        port=0,
+        grpc_port=0,
+        device="cpu",
+        dtype="float32",
+        max_model_len=1024,
+        kv_cache_tokens=8192,
+        max_num_seqs=8,
+        drain_timeout=5,
+    )
+    server = MoeServer(settings)
+    steps: list[tuple[int, list[str]]] = []
+    ready = threading.Event()
+    loop = asyncio.new_event_loop()
+
+    async def main() -> int:
+        await server.start()
+        server.state.engine.add_stats_listener(
+            lambda s: steps.append((s.batch_size, s.request_ids))
+        )
+        run = asyncio.ensure_future(server.run())
+        while not server._uvicorn.started and not run.done():
+            await asyncio.sleep(0.01)
+        ready.set()
+        return await run
+
+    thread = threading.Thread(target=lambda: loop.run_until_complete(main()), daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(60)
+
+        channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        # Long gRPC streams are running (first token seen) when the REST requests arrive.
+        streams = [
+            stub.GenerateStream(
+                pb.GenerateRequest(
+                    prompt=f"grpc request {i}",
+                    request_id=f"grpc-batch-{i}",
+                    params=pb.SamplingParams(max_tokens=400, ignore_eos=True),
+                ),
+                timeout=60,
+            )
+            for i in range(2)
+        ]
+        for stream in streams:
+            next(stream)
+
+        def rest(i: int) -> dict:
+            body = {"model": "demo-tiny", "prompt": f"rest request {i}", "max_tokens": 8}
+            url = f"http://127.0.0.1:{server.rest_port}/v1/completions"
+            return httpx.post(url, json=body | {"ignore_eos": True}, timeout=30).json()
+
+        with ThreadPoolExecutor(2) as pool:
+            rest_bodies = list(pool.map(rest, range(2)))
+        grpc_tokens = [sum(len(c.token_ids) for c in stream) + 1 for stream in streams]
+        channel.close()
+    finally:
+        loop.call_soon_threadsafe(server.request_shutdown)
+        thread.join(30)
+    assert all(b["usage"]["completion_tokens"] == 8 for b in rest_bodies), rest_bodies
+    assert grpc_tokens == [400, 400]
+    mixed = [
+        (size, ids)
+        for size, ids in steps
+        if size >= 2
+        and any(i.startswith("grpc-batch-") for i in ids)
+        and any(i.startswith("cmpl-") for i in ids)
+    ]
+    assert mixed, steps
+    assert not thread.is_alive()
