@@ -13,8 +13,6 @@ import torch
 
 from inference.errors import InvalidParameterError, ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
-
 
 @dataclass(slots=True)
 class ModelArgs:
@@ -26,47 +24,120 @@ class ModelArgs:
     num_layers: int
     num_heads: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # query/key head width (MLA: nope + rope part)
     num_experts: int
     top_k: int
     moe_intermediate_size: int
     norm_topk_prob: bool
     rms_norm_eps: float
     max_position_embeddings: int
-    qkv_bias: bool = False
+    qkv_bias: bool = False  # MLA: bias of q_a_proj and kv_a_proj_with_mqa
+    o_bias: bool = False
+    qk_norm: str = ""  # "head": RMSNorm per head (Qwen3-MoE); "full": whole q/k projection (OLMoE)
+    clip_qkv: float | None = None
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gated: bool = True  # Qwen2-MoE scales it by a sigmoid gate; DeepSeek does not
     dense_intermediate_size: int = 0  # MLP width of layers that are dense (not MoE)
     dense_layers: tuple[int, ...] = ()
+    topk_method: str = "greedy"  # or "group_limited_greedy" (DeepSeek-V2)
+    num_groups: int = 1  # > 1 only for group-limited routing
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    router_fp32: bool = False  # DeepSeek-V2 routes in float32 whatever the model dtype
+    q_lora_rank: int = 0  # MLA (DeepSeek-V2) from here on; kv_lora_rank 0: standard attention
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     tie_word_embeddings: bool = False
     hf_config: object = field(default=None, repr=False)  # for rope initialisation
+
+    @property
+    def rope_dim(self) -> int:
+        return self.qk_rope_head_dim or self.head_dim
+
+    @property
+    def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
+        """Per layer, the [heads, width] of each paged cache tensor (one row per token slot):
+        key and value, or for MLA one compressed latent plus the shared rope key."""
+        if self.kv_lora_rank:
+            return ((1, self.kv_lora_rank + self.qk_rope_head_dim),)
+        return ((self.num_kv_heads, self.head_dim),) * 2
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelArgs:
         arch = (getattr(cfg, "architectures", None) or ["?"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in _ARCH_FIELDS:
             raise ModelLoadError(
                 f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        common = dict(
-            architecture=arch, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-            num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
-            top_k=cfg.num_experts_per_tok, rms_norm_eps=cfg.rms_norm_eps,
-            max_position_embeddings=cfg.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), hf_config=cfg)
-        if arch == "MixtralForCausalLM":
-            return cls(**common, num_experts=cfg.num_local_experts,
-                       moe_intermediate_size=cfg.intermediate_size, norm_topk_prob=True)
-        # Qwen2MoeForCausalLM: shared expert, optional dense layers, q/k/v bias.
-        step = getattr(cfg, "decoder_sparse_step", 1) or 1
-        only_mlp = set(getattr(cfg, "mlp_only_layers", []) or [])
-        dense = tuple(i for i in range(cfg.num_hidden_layers)
-                      if i in only_mlp or cfg.num_experts == 0 or (i + 1) % step != 0)
-        return cls(**common, num_experts=cfg.num_experts,
-                   moe_intermediate_size=cfg.moe_intermediate_size,
-                   norm_topk_prob=bool(cfg.norm_topk_prob), qkv_bias=bool(getattr(cfg, "qkv_bias", True)),
-                   shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
-                   dense_intermediate_size=cfg.intermediate_size, dense_layers=dense)
+        common = {
+            "architecture": arch, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+            "num_layers": cfg.num_hidden_layers, "num_heads": cfg.num_attention_heads,
+            "num_kv_heads": cfg.num_key_value_heads, "head_dim": head_dim,
+            "top_k": cfg.num_experts_per_tok, "rms_norm_eps": cfg.rms_norm_eps,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)), "hf_config": cfg}
+        return cls(**(common | _ARCH_FIELDS[arch](cfg)))
+
+
+def _mixtral(cfg) -> dict:
+    return {"num_experts": cfg.num_local_experts, "moe_intermediate_size": cfg.intermediate_size,
+            "norm_topk_prob": True}
+
+
+def _qwen_moe(cfg) -> dict:
+    """Qwen2-MoE (shared expert, q/k/v bias) and Qwen3-MoE (per-head q/k norms): both have
+    optional dense layers (decoder_sparse_step, mlp_only_layers)."""
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    only_mlp = set(getattr(cfg, "mlp_only_layers", []) or [])
+    dense = tuple(i for i in range(cfg.num_hidden_layers)
+                  if i in only_mlp or cfg.num_experts == 0 or (i + 1) % step != 0)
+    out = {"num_experts": cfg.num_experts, "moe_intermediate_size": cfg.moe_intermediate_size,
+           "norm_topk_prob": bool(cfg.norm_topk_prob), "dense_layers": dense,
+           "dense_intermediate_size": cfg.intermediate_size}
+    if cfg.architectures[0] == "Qwen3MoeForCausalLM":
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return out | {"qk_norm": "head", "qkv_bias": bias, "o_bias": bias}
+    return out | {"qkv_bias": bool(getattr(cfg, "qkv_bias", True)),
+                  "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size}
+
+
+def _olmoe(cfg) -> dict:
+    bias = bool(getattr(cfg, "attention_bias", False))
+    return {"num_experts": cfg.num_experts, "moe_intermediate_size": cfg.intermediate_size,
+            "norm_topk_prob": bool(cfg.norm_topk_prob), "qk_norm": "full", "clip_qkv": cfg.clip_qkv,
+            "qkv_bias": bias, "o_bias": bias}
+
+
+def _deepseek_v2(cfg) -> dict:
+    """Multi-head latent attention, shared experts (ungated), the first k layers (and, as in
+    DeepSeek's own code, layers off moe_layer_freq) dense, greedy or group-limited routing."""
+    method = cfg.topk_method or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ModelLoadError(f"DeepseekV2ForCausalLM: topk_method {method!r} is not supported "
+                             "(greedy, group_limited_greedy)")
+    freq = getattr(cfg, "moe_layer_freq", 1) or 1
+    dense = tuple(i for i in range(cfg.num_hidden_layers)
+                  if i < cfg.first_k_dense_replace or i % freq)
+    bias = bool(getattr(cfg, "attention_bias", False))
+    return {
+        "num_kv_heads": cfg.num_attention_heads,
+        "head_dim": cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+        "num_experts": cfg.n_routed_experts, "moe_intermediate_size": cfg.moe_intermediate_size,
+        "norm_topk_prob": bool(cfg.norm_topk_prob), "qkv_bias": bias, "o_bias": bias,
+        "shared_expert_intermediate_size": (cfg.n_shared_experts or 0) * cfg.moe_intermediate_size,
+        "shared_expert_gated": False, "dense_intermediate_size": cfg.intermediate_size,
+        "dense_layers": dense, "topk_method": method,
+        "num_groups": (cfg.n_group or 1) if method == "group_limited_greedy" else 1,
+        "topk_group": cfg.topk_group or 1, "routed_scaling_factor": float(cfg.routed_scaling_factor),
+        "router_fp32": True, "q_lora_rank": cfg.q_lora_rank or 0, "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim}
+
+
+_ARCH_FIELDS = {"MixtralForCausalLM": _mixtral, "Qwen2MoeForCausalLM": _qwen_moe,
+                "Qwen3MoeForCausalLM": _qwen_moe, "OlmoeForCausalLM": _olmoe,
+                "DeepseekV2ForCausalLM": _deepseek_v2}
+SUPPORTED_ARCHITECTURES = tuple(_ARCH_FIELDS)
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from inference.block_manager import BlockManager
 from inference.config import EngineConfig, ModelArgs, resolve_device, resolve_dtype
 from inference.detokenizer import IncrementalDetokenizer
 from inference.errors import InvalidParameterError
-from inference.kv_cache import allocate_kv_cache, num_cache_blocks
+from inference.kv_cache import allocate_kv_cache, kv_bytes_per_token, num_cache_blocks
 from inference.loader import load_hf_config, load_tokenizer, load_weights
 from inference.model import MoETransformer
 from inference.model_runner import ModelRunner
@@ -60,7 +60,8 @@ class LLMEngine:
             raise InvalidParameterError(
                 "max_model_len", f"is {config.max_model_len} but the model and KV cache allow at most "
                                  f"{self.max_model_len} tokens")
-        log.info("allocating kv cache", blocks=num_blocks, tokens=cache_tokens, max_model_len=self.max_model_len)
+        log.info("allocating kv cache", blocks=num_blocks, tokens=cache_tokens, max_model_len=self.max_model_len,
+                 bytes_per_token=kv_bytes_per_token(args, self.dtype))
         self.kv_caches = allocate_kv_cache(args, num_blocks, config.block_size, self.dtype, self.device)
         self.eos_token_ids = self._eos_ids(path, hf_config)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)

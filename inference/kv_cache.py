@@ -1,5 +1,7 @@
-"""The paged KV tensors: per layer a key and a value cache of shape [slots, kv_heads, head_dim],
-slot = block * block_size + offset. Sized by kv_cache_tokens on CPU and from free memory on GPU."""
+"""The paged KV tensors, slot = block * block_size + offset. Per layer, one tensor per entry of
+ModelArgs.kv_cache_shapes: a key and a value cache [slots, kv_heads, head_dim], or for MLA a
+single latent cache [slots, 1, kv_lora_rank + qk_rope_head_dim]. Sized by kv_cache_tokens on
+CPU and from free memory on GPU."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from inference.config import ModelArgs
 
 def kv_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * args.num_layers * args.num_kv_heads * args.head_dim * elem
+    return args.num_layers * sum(heads * width for heads, width in args.kv_cache_shapes) * elem
 
 
 def num_cache_blocks(args: ModelArgs, dtype: torch.dtype, device: torch.device, block_size: int,
@@ -25,7 +27,7 @@ def num_cache_blocks(args: ModelArgs, dtype: torch.dtype, device: torch.device, 
 
 
 def allocate_kv_cache(args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks * block_size, args.num_kv_heads, args.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                      device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    slots = num_blocks * block_size
+    return [tuple(torch.zeros(slots, *shape, dtype=dtype, device=device) for shape in args.kv_cache_shapes)
             for _ in range(args.num_layers)]

@@ -1,6 +1,7 @@
 """Loading a Hugging Face checkpoint folder: config, safetensors weights (one file or sharded
 with an index), tokenizer. Checkpoint tensors are mapped onto our fused parameters
-(q/k/v -> wqkv, gate/up -> w13, experts stacked) and checked for presence and shape."""
+(q/k/v -> wqkv, gate/up -> w13, experts stacked; MLA projections one to one) and checked
+for presence and shape."""
 
 from __future__ import annotations
 
@@ -21,7 +22,15 @@ _LAYER_RULES: list[tuple[re.Pattern, str, str | None]] = [
         (r"input_layernorm\.weight", "input_norm.weight", None),
         (r"post_attention_layernorm\.weight", "post_attn_norm.weight", None),
         (r"self_attn\.([qkv])_proj\.(weight|bias)", "attn.wqkv.{1}", "{0}"),
-        (r"self_attn\.o_proj\.weight", "attn.wo.weight", None),
+        (r"self_attn\.o_proj\.(weight|bias)", "attn.wo.{0}", None),
+        (r"self_attn\.([qk])_norm\.weight", "attn.{0}_norm.weight", None),  # Qwen3-MoE, OLMoE
+        # DeepSeek-V2 multi-head latent attention (q_proj itself: _MLA_RULES)
+        (r"self_attn\.q_a_proj\.(weight|bias)", "attn.wq_a.{0}", None),
+        (r"self_attn\.q_a_layernorm\.weight", "attn.q_a_norm.weight", None),
+        (r"self_attn\.q_b_proj\.weight", "attn.wq_b.weight", None),
+        (r"self_attn\.kv_a_proj_with_mqa\.(weight|bias)", "attn.wkv_a.{0}", None),
+        (r"self_attn\.kv_a_layernorm\.weight", "attn.kv_a_norm.weight", None),
+        (r"self_attn\.kv_b_proj\.weight", "attn.wkv_b.weight", None),
         # Mixtral
         (r"(?:block_sparse_moe|mlp)\.gate\.weight", "{moe}gate", None),
         (r"block_sparse_moe\.experts\.(\d+)\.w1\.weight", "{moe}w13", "gate"),
@@ -37,12 +46,17 @@ _LAYER_RULES: list[tuple[re.Pattern, str, str | None]] = [
         (r"mlp\.shared_expert\.up_proj\.weight", "mlp.shared.w13", "up"),
         (r"mlp\.shared_expert\.down_proj\.weight", "mlp.shared.w2", None),
         (r"mlp\.shared_expert_gate\.weight", "mlp.shared_gate", None),
+        (r"mlp\.shared_experts\.gate_proj\.weight", "mlp.shared.w13", "gate"),  # DeepSeek-V2
+        (r"mlp\.shared_experts\.up_proj\.weight", "mlp.shared.w13", "up"),
+        (r"mlp\.shared_experts\.down_proj\.weight", "mlp.shared.w2", None),
         # dense MLP layers
         (r"mlp\.gate_proj\.weight", "mlp.w13", "gate"),
         (r"mlp\.up_proj\.weight", "mlp.w13", "up"),
         (r"mlp\.down_proj\.weight", "mlp.w2", None),
     ]
 ]
+# MLA has an unfused query projection: checked before _LAYER_RULES' q/k/v rule.
+_MLA_RULES = [(re.compile(r"self_attn\.q_proj\.weight"), "attn.wq.weight", None)]
 _TOP_LEVEL = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
               "lm_head.weight": "lm_head.weight"}
 _LAYER_PREFIX = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -86,7 +100,7 @@ def _target(name: str, model, args: ModelArgs) -> tuple[str, int | None, str | N
         return None
     layer, rest = int(m.group(1)), m.group(2)
     moe_prefix = "mlp.moe." if args.shared_expert_intermediate_size else "mlp."
-    for pattern, target, part in _LAYER_RULES:
+    for pattern, target, part in (_MLA_RULES + _LAYER_RULES if args.kv_lora_rank else _LAYER_RULES):
         pm = pattern.fullmatch(rest)
         if pm:
             groups = pm.groups()

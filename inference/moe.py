@@ -19,11 +19,35 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def select_experts(probs: torch.Tensor, top_k: int, norm_topk_prob: bool, num_groups: int = 1,
+                   topk_group: int = 1, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router probabilities [T, E] -> top-A weights and expert ids [T, A].
+
+    num_groups > 1 is DeepSeek-V2's group-limited greedy routing: each group of E/num_groups
+    consecutive experts scores as its best expert, and only the topk_group best groups may be
+    chosen from. `scaling` is the routed_scaling_factor, applied after the optional
+    renormalisation."""
+    if num_groups > 1:
+        grouped = probs.view(probs.shape[0], num_groups, -1)
+        groups = grouped.amax(dim=-1).topk(topk_group, dim=-1).indices  # [T, topk_group]
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, groups, True)
+        probs = grouped.masked_fill(~keep.unsqueeze(-1), 0.0).view_as(probs)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scaling != 1.0:
+        weights = weights * scaling
+    return weights, ids
+
+
 class MoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool, gather_max_tokens: int = 0) -> None:
+                 norm_topk_prob: bool, gather_max_tokens: int = 0, num_groups: int = 1,
+                 topk_group: int = 1, routed_scaling_factor: float = 1.0, router_fp32: bool = False) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.num_groups, self.topk_group, self.scaling = num_groups, topk_group, routed_scaling_factor
+        self.router_fp32 = router_fp32
         self.intermediate_size = intermediate_size
         self.gather_max_tokens = gather_max_tokens  # use the gather path up to this many tokens
         self.gate = nn.Parameter(torch.empty(num_experts, hidden_size))
@@ -32,11 +56,10 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Softmax router (in float32, as the reference does) -> top-A weights and expert ids."""
-        probs = F.linear(x, self.gate).softmax(dim=-1, dtype=torch.float32)
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, ids
+        logits = F.linear(x.float(), self.gate.float()) if self.router_fp32 else F.linear(x, self.gate)
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
+        return select_experts(probs, self.top_k, self.norm_topk_prob, self.num_groups,
+                              self.topk_group, self.scaling)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the MoE output [T, D] and the per-expert token counts [E]."""
@@ -89,13 +112,16 @@ class DenseMLP(nn.Module):
 
 
 class SharedExpertMoE(nn.Module):
-    """Routed experts plus an always-on shared expert scaled by a sigmoid gate (Qwen2-MoE)."""
+    """Routed experts plus always-on shared experts: Qwen2-MoE scales its shared expert by a
+    sigmoid gate, DeepSeek-V2 adds its (n_shared_experts wide) shared MLP as is."""
 
-    def __init__(self, moe: MoE, shared: DenseMLP) -> None:
+    def __init__(self, moe: MoE, shared: DenseMLP, gated: bool = True) -> None:
         super().__init__()
         self.moe, self.shared = moe, shared
-        self.shared_gate = nn.Parameter(torch.empty(1, moe.gate.shape[1]))
+        self.shared_gate = nn.Parameter(torch.empty(1, moe.gate.shape[1])) if gated else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         routed, counts = self.moe(x)
+        if self.shared_gate is None:
+            return routed + self.shared(x), counts
         return routed + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x), counts

@@ -9,8 +9,9 @@ from transformers import AutoModelForCausalLM
 from inference import LLMEngine, SamplingParams
 from inference.attention import AttentionMetadata, PrefillChunk
 
-ARCHS = ["mixtral", "qwen2_moe"]
-GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2"]
+# min_tokens: transformers' min_new_tokens masks the EOS ids, so the engine must too
+GREEDY_32 = SamplingParams(max_tokens=32, min_tokens=32, temperature=0.0, ignore_eos=True)
 
 
 def hf_model(path):

@@ -1,0 +1,159 @@
+"""`make bench`: offline engine throughput against Hugging Face transformers on the same
+model and prompts, in the same run, printed as ratios (a benchmark, not a test).
+
+Workload (issue 2): the `small` demo model in bfloat16, 32 requests of 128 prompt tokens and
+128 greedy output tokens (EOS ignored); plus a single stream of 1 request, 128 -> 128.
+Baselines: transformers `generate` one request at a time, and static batches of 16 with
+left padding. The sequential baseline runs a subset of the requests (its per-request cost
+is constant, so tokens/s is unaffected) to keep the run short.
+
+`--arch A` (repeatable, or `--arch all`) instead prints one row per architecture: the engine
+against transformers `generate` (static batches of 16) on that architecture's demo model of
+`--preset` size, with the --requests/--prompt-len/--output-len workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from inference import LLMEngine, SamplingParams
+from inference.demo_model import ARCHS, ensure_demo_model
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def hf_generate(model, batch: list[list[int]], new_tokens: int) -> int:
+    """Left-padded static batch; returns generated tokens."""
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return (out.shape[1] - width) * len(batch)
+
+
+def timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def bench_offline(model_dir: Path, num_requests: int, prompt_len: int, output_len: int,
+                  sequential_subset: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    engine = LLMEngine.from_pretrained(model_dir, device="cpu", dtype="bfloat16")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    prompts = make_prompts(num_requests, prompt_len, engine.args.vocab_size)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    # warm-up both (allocator, oneDNN kernels)
+    engine.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    with torch.inference_mode():
+        hf_generate(hf, prompts[:2], 4)
+
+    rows = {}
+    t, outs = timed(lambda: engine.generate(prompts, params))
+    assert all(len(o.token_ids) == output_len for o in outs)
+    rows["moeserve_batched"] = num_requests * output_len / t
+    with torch.inference_mode():
+        t, n = timed(lambda: sum(hf_generate(hf, [p], output_len) for p in prompts[:sequential_subset]))
+        rows["hf_sequential"] = n / t
+        t, n = timed(lambda: sum(hf_generate(hf, prompts[i:i + 16], output_len)
+                                 for i in range(0, num_requests, 16)))
+        rows["hf_static_batch16"] = n / t
+        t, n = timed(lambda: hf_generate(hf, prompts[:1], output_len))
+        rows["hf_single_stream"] = n / t
+    t, outs = timed(lambda: engine.generate(prompts[:1], params))
+    rows["moeserve_single_stream"] = output_len / t
+    return rows
+
+
+def bench_arch(arch: str, preset: str, num_requests: int, prompt_len: int, output_len: int) -> dict:
+    """Engine (continuous batching) vs transformers static batches of 16, bfloat16, one arch."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = ensure_demo_model(preset, arch=arch)
+    engine = LLMEngine.from_pretrained(model_dir, device="cpu", dtype="bfloat16")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    prompts = make_prompts(num_requests, prompt_len, engine.args.vocab_size)
+    params = SamplingParams(max_tokens=output_len, min_tokens=output_len, temperature=0.0, ignore_eos=True)
+    warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts[:1], warm)
+    with torch.inference_mode():
+        hf_generate(hf, prompts[:1], 2)
+    t, outs = timed(lambda: engine.generate(prompts, params))
+    assert all(len(o.token_ids) == output_len for o in outs)
+    row = {"moeserve_batched": num_requests * output_len / t}
+    with torch.inference_mode():
+        t, n = timed(lambda: sum(hf_generate(hf, prompts[i:i + 16], output_len)
+                                 for i in range(0, num_requests, 16)))
+    row["hf_static_batch16"] = n / t
+    row["ratio"] = row["moeserve_batched"] / row["hf_static_batch16"]
+    return row
+
+
+def main_archs(archs: list[str], preset: str, num_requests: int, prompt_len: int, output_len: int) -> None:
+    archs = sorted(ARCHS) if "all" in archs else archs
+    unknown = set(archs) - set(ARCHS)
+    if unknown:
+        raise SystemExit(f"unknown arch(s) {sorted(unknown)}; choose from {sorted(ARCHS)} or all")
+    print(f"\n{preset} demo models, bf16, {num_requests} requests x {prompt_len} -> {output_len} tokens, "
+          f"{torch.get_num_threads()} threads (output tok/s)")
+    print(f"  {'arch':12s} {'moeserve':>9s} {'hf_batch16':>10s} {'ratio':>6s}")
+    rows = {}
+    for arch in archs:
+        rows[arch] = r = bench_arch(arch, preset, num_requests, prompt_len, output_len)
+        print(f"  {arch:12s} {r['moeserve_batched']:9.1f} {r['hf_static_batch16']:10.1f} {r['ratio']:5.2f}x")
+    RESULTS.mkdir(exist_ok=True)
+    record = {"date": time.strftime("%Y-%m-%d %H:%M"), "preset": preset, "requests": num_requests,
+              "prompt_len": prompt_len, "output_len": output_len, "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "archs": rows}
+    (RESULTS / f"engine_bench_archs_{preset}.json").write_text(json.dumps(record, indent=2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--sequential-subset", type=int, default=8)
+    parser.add_argument("--arch", action="append", default=[],
+                        help=f"per-architecture rows instead ({', '.join(sorted(ARCHS))} or all)")
+    parser.add_argument("--preset", default="small", help="demo model size for --arch rows")
+    args = parser.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    if args.arch:
+        main_archs(args.arch, args.preset, args.requests, args.prompt_len, args.output_len)
+        return
+    model_dir = ensure_demo_model("small")
+    rows = bench_offline(model_dir, args.requests, args.prompt_len, args.output_len, args.sequential_subset)
+    ratios = {
+        "batched / hf_sequential (target >= 10)": rows["moeserve_batched"] / rows["hf_sequential"],
+        "batched / hf_static_batch16 (target >= 2)": rows["moeserve_batched"] / rows["hf_static_batch16"],
+        "single / hf_single (target >= 2.5)": rows["moeserve_single_stream"] / rows["hf_single_stream"],
+    }
+    print(f"\nsmall demo model, bf16, {args.requests} requests x {args.prompt_len} -> {args.output_len} tokens, "
+          f"{torch.get_num_threads()} threads")
+    for name, value in rows.items():
+        print(f"  {name:28s} {value:9.1f} output tok/s")
+    for name, value in ratios.items():
+        print(f"  {name:45s} {value:6.2f}x")
+    RESULTS.mkdir(exist_ok=True)
+    record = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "tokens_per_s": rows, "ratios": ratios}
+    (RESULTS / "engine_bench.json").write_text(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Layers shared by the attention variants: RMSNorm and rotary position embeddings (the
+rotate-half layout of most checkpoints and the interleaved-pairs layout of DeepSeek's MLA)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference.config import ModelArgs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, from transformers' own rope initialisers so scaled
+    variants (linear, dynamic-free yarn, llama3) match the reference."""
+
+    def __init__(self, args: ModelArgs, max_positions: int) -> None:
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        cfg = args.hf_config
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        rope_type = rope.get("rope_type", "default")
+        if rope_type == "default":
+            theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+            dim = args.rope_dim
+            inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d]; rotate-half convention of the Hugging Face checkpoints."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d]; rotates (x[2i], x[2i+1]) pairs, as DeepSeek's view_as_complex does. The
+    tables are the rotate-half ones (each frequency twice); their first half is used."""
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    pairs = x.unflatten(-1, (half, 2))
+    xe, xo = pairs[..., 0], pairs[..., 1]
+    return torch.stack((xe * c - xo * s, xe * s + xo * c), dim=-1).flatten(-2)

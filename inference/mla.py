@@ -1,0 +1,111 @@
+"""Multi-head latent attention (DeepSeek-V2, V2-Lite) over the paged cache.
+
+Shapes: T tokens, H heads, r kv_lora_rank, n qk_nope_head_dim, p qk_rope_head_dim,
+v v_head_dim, L context length, B_d decode rows.
+
+Each token caches ONE row of r + p values: the normalised compressed latent c_kv and the
+roped key part k_pe shared by all heads (cache [S, 1, r + p]), not H expanded keys and values;
+that is the point of MLA. Keys and values are rebuilt from the latent with kv_b_proj:
+- prefill chunks expand the context's latents into per-head keys and values (as the
+  reference does) and attend causally;
+- decode rows use the absorbed form: W_UK is folded into the query (q_nope W_UK -> [H, r]),
+  so the query attends directly over the cached rows, as one-kv-head attention with keys
+  [c_kv, k_pe] and values c_kv, and W_UV is applied to the [H, r] result. Same product,
+  without expanding the whole context every step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference.attention import AttentionMetadata, gather_slots, write_kv
+from inference.config import ModelArgs
+from inference.layers import RMSNorm, apply_rope_interleaved
+
+_LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use the reference's default eps
+
+
+def softmax_scale(qk_head_dim: int, rope_parameters: dict | None) -> float:
+    """qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared when set."""
+    scale = qk_head_dim ** -0.5
+    rope = rope_parameters or {}
+    factor, mscale_all_dim = rope.get("factor") or 1.0, rope.get("mscale_all_dim") or 0.0
+    if rope.get("rope_type", "default") != "default" and mscale_all_dim and factor > 1:
+        scale *= (0.1 * mscale_all_dim * math.log(factor) + 1.0) ** 2
+    return scale
+
+
+class MLAttention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        h, d = args.num_heads, args.hidden_size
+        self.num_heads, self.kv_lora_rank = h, args.kv_lora_rank
+        self.rope_dim, self.v_dim = args.qk_rope_head_dim, args.v_head_dim
+        self.nope_dim = args.head_dim - args.qk_rope_head_dim
+        q_out = h * args.head_dim
+        self.q_lora = bool(args.q_lora_rank)
+        if self.q_lora:  # low-rank query: q_a_proj -> q_a_layernorm -> q_b_proj
+            self.wq_a = nn.Linear(d, args.q_lora_rank, bias=args.qkv_bias)
+            self.q_a_norm = RMSNorm(args.q_lora_rank, _LATENT_NORM_EPS)
+            self.wq_b = nn.Linear(args.q_lora_rank, q_out, bias=False)
+        else:
+            self.wq = nn.Linear(d, q_out, bias=False)
+        self.wkv_a = nn.Linear(d, args.kv_lora_rank + self.rope_dim, bias=args.qkv_bias)
+        self.kv_a_norm = RMSNorm(args.kv_lora_rank, _LATENT_NORM_EPS)
+        self.wkv_b = nn.Linear(args.kv_lora_rank, h * (self.nope_dim + self.v_dim), bias=False)
+        self.wo = nn.Linear(h * self.v_dim, d, bias=args.o_bias)
+        self.scale = softmax_scale(args.head_dim, getattr(args.hf_config, "rope_parameters", None))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
+        t, h, r = x.shape[0], self.num_heads, self.kv_lora_rank
+        q = self.wq_b(self.q_a_norm(self.wq_a(x))) if self.q_lora else self.wq(x)
+        q_nope, q_pe = q.view(t, h, -1).split((self.nope_dim, self.rope_dim), dim=-1)
+        q_pe = apply_rope_interleaved(q_pe, cos, sin)
+        c_kv, k_pe = self.wkv_a(x).split((r, self.rope_dim), dim=-1)
+        k_pe = apply_rope_interleaved(k_pe.unsqueeze(1), cos, sin)
+        latent = torch.cat((self.kv_a_norm(c_kv).unsqueeze(1), k_pe), dim=-1)  # [T, 1, r + p]
+        write_kv(cache, meta.slot_mapping, latent)
+        out = x.new_empty(t, h, self.v_dim)
+        nd = meta.num_decode
+        if nd:
+            out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], cache, meta)
+        for chunk in meta.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.length)
+            ctx = latent[rows] if chunk.slots is None else cache.index_select(0, chunk.slots)
+            k, v = self._expand(ctx)  # [n, H, n + p], [n, H, v]
+            mask = None
+            if chunk.slots is not None:  # continuing a prompt: the chunk sees the whole context
+                total = chunk.context_len + chunk.length
+                query_pos = torch.arange(chunk.context_len, total, device=x.device)
+                mask = torch.arange(total, device=x.device)[None, :] <= query_pos[:, None]
+            qc = torch.cat((q_nope[rows], q_pe[rows]), dim=-1).transpose(0, 1)  # [H, c, n + p]
+            o = F.scaled_dot_product_attention(qc, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                               is_causal=mask is None, scale=self.scale)
+            out[rows] = o.transpose(0, 1)
+        return self.wo(out.view(t, h * self.v_dim))
+
+    def _expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [n, 1, r + p] -> per-head keys [n, H, n + p] and values [n, H, v]."""
+        n, r = latent.shape[0], self.kv_lora_rank
+        kv = self.wkv_b(latent[:, 0, :r]).view(n, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split((self.nope_dim, self.v_dim), dim=-1)
+        k_pe = latent[:, :, r:].expand(n, self.num_heads, self.rope_dim)
+        return torch.cat((k_nope, k_pe), dim=-1), v
+
+    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Absorbed attention of B_d single-token queries over their cached latents -> [B_d, H, v]."""
+        r = self.kv_lora_rank
+        w = self.wkv_b.weight.view(self.num_heads, self.nope_dim + self.v_dim, r)
+        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim:]  # [H, n, r], [H, v, r]
+        q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
+        q_abs = torch.cat((q_lat, q_pe), dim=-1).unsqueeze(2)  # [B_d, H, 1, r + p]
+        keys = gather_slots(cache, meta.decode_slots).transpose(1, 2)  # [B_d, 1, L, r + p]
+        o = F.scaled_dot_product_attention(q_abs, keys, keys[..., :r], attn_mask=meta.decode_mask,
+                                           scale=self.scale, enable_gqa=True)  # [B_d, H, 1, r]
+        return torch.einsum("bhr,hvr->bhv", o.squeeze(2), w_uv)
