@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test bench proto lint clean
+.PHONY: setup run test bench proto lint clean loadtest bench-serving
 
 setup: $(STAMP)
 
@@ -29,6 +29,30 @@ bench: setup
 
 proto: setup
 	$(BIN)/python -m service.proto.generate
+
+# --- load tests (loadtest/) -------------------------------------------------------------
+LOADTEST_HOST  ?= http://127.0.0.1:8000
+LOADTEST_USERS ?= 8
+LOADTEST_TIME  ?= 60s
+LOADTEST_STAMP := $(shell date +%Y%m%d-%H%M%S)
+LOADTEST_OUT   ?= loadtest/results/locust-$(LOADTEST_STAMP)
+LOADTEST_ARGS  ?=
+ARGS ?=
+
+# Headless Locust against a running server (REST: LOADTEST_HOST; gRPC: MOESERVE_GRPC_TARGET,
+# default <host>:50051) for LOADTEST_TIME; CSV + HTML reports in LOADTEST_OUT.
+loadtest: setup
+	mkdir -p $(LOADTEST_OUT)
+	$(BIN)/locust -f loadtest/locustfile.py --headless -u $(LOADTEST_USERS) -r $(LOADTEST_USERS) \
+		-t $(LOADTEST_TIME) --stop-timeout 30 --host $(LOADTEST_HOST) \
+		--csv $(LOADTEST_OUT)/locust --html $(LOADTEST_OUT)/report.html \
+		--request-log $(LOADTEST_OUT)/requests.csv --only-summary $(LOADTEST_ARGS)
+	@echo "reports in $(LOADTEST_OUT)"
+
+# Serving benchmark against any OpenAI-compatible endpoint, e.g.
+#   make bench-serving ARGS="--max-concurrency 4 --num-prompts 64 --ignore-eos"
+bench-serving: setup
+	$(BIN)/python loadtest/bench_serving.py $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check inference service telemetry tests bench loadtest
