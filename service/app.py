@@ -14,11 +14,14 @@ from litestar.types import Message, Scope
 
 from service.controllers.common import REQUEST_ID_HEADER, request_id
 from service.controllers.health import HealthController
+from service.controllers.metrics import MetricsController
 from service.controllers.openai import OpenAIController
 from service.controllers.tokenize import TokenizeController
 from service.errors import Overloaded, ServiceError
+from service.observability import record_error, rest_request_context, traceparent_header
 from service.schemas import ErrorBody, ErrorResponse
 from service.state import ServingState
+from telemetry.metrics import status_from_http
 
 log = structlog.get_logger("service.app")
 
@@ -67,23 +70,62 @@ def error_response(request: Request, exc: Exception) -> Response[ErrorResponse]:
     else:
         log.exception("unhandled error", path=request.url.path, request_id=request_id(request.scope))
         status, body = 500, ErrorBody(message="internal server error", type="server_error")
+    record_error(exc, status_from_http(status))
     return Response(ErrorResponse(error=body), status_code=status, headers=headers)
 
 
 async def _add_request_id(message: Message, scope: Scope) -> None:
-    """Puts `x-request-id` on every response, errors and 404s included."""
+    """Puts `x-request-id` on every response, errors and 404s included, and `traceparent`
+    (the server span's) on every traced one."""
     if message["type"] == "http.response.start":
         headers = list(message.get("headers") or [])
         if not any(k.lower() == b"x-request-id" for k, _ in headers):
             headers.append((REQUEST_ID_HEADER.encode(), request_id(scope).encode()))
+        traceparent = traceparent_header()
+        if traceparent is not None:
+            headers.append(traceparent)
         message["headers"] = headers
+
+
+# Probes, scrapes and the schema get no spans (Prometheus alone would send one a second).
+_UNTRACED_PATHS = ["^/health$", "^/ready$", "^/metrics$", "^/schema"]
+
+
+def _span_details(scope: Scope) -> tuple[str, dict[str, str]]:
+    """Server span name "METHOD /route" and `http.route` for the app's own routes only, so a
+    stray URL cannot mint new span names (Litestar's default puts "METHOD /path" in
+    http.route)."""
+    method = str(scope.get("method") or "HTTP")
+    path = scope.get("path", "")
+    if any(route.path == path for route in scope["app"].routes):
+        return f"{method} {path}", {"http.route": path}
+    return method, {}
+
+
+def _telemetry_config(state: ServingState) -> dict:
+    """Litestar's OpenTelemetryPlugin opens each request's SERVER span (continuing an incoming
+    `traceparent`; current while the request is handled); generation requests name it after
+    their GenAI operation and add their attributes and phases (service/observability.py).
+    Every request binds its request_id for the log lines written while it is served."""
+    obs = state.observability
+    if not obs.enabled:
+        return {}
+    middleware = [rest_request_context]
+    try:
+        from litestar.plugins.opentelemetry import OpenTelemetryConfig, OpenTelemetryPlugin
+    except ImportError as exc:  # opentelemetry-instrumentation-asgi missing: serve untraced
+        log.warning("REST requests are not traced", error=str(exc))
+        return {"middleware": middleware}
+    config = OpenTelemetryConfig(tracer_provider=obs.tracer_provider, exclude=_UNTRACED_PATHS,
+                                 exclude_spans=["receive", "send"], scope_span_details_extractor=_span_details)
+    return {"plugins": [OpenTelemetryPlugin(config)], "middleware": middleware}
 
 
 def create_app(state: ServingState) -> Litestar:
     tokenizer = state.engine.tokenizer
     token_text = lru_cache(maxsize=65536)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
     return Litestar(
-        route_handlers=[OpenAIController, TokenizeController, HealthController],
+        route_handlers=[OpenAIController, TokenizeController, HealthController, MetricsController],
         state=State({"serving": state, "started_at": int(time.time()), "token_text": token_text}),
         exception_handlers={Exception: error_response},
         before_send=[_add_request_id],
@@ -91,4 +133,5 @@ def create_app(state: ServingState) -> Litestar:
         openapi_config=OpenAPIConfig(title="moeserve", version="0.1.0", path="/schema"),
         debug=False,
         logging_config=None,  # logging is configured once for the process, not by the app
+        **_telemetry_config(state),
     )

@@ -36,9 +36,11 @@ from grpc_reflection.v1alpha import reflection
 from inference import InvalidParameterError, RequestOutput, SamplingParams
 from service.auth import check_bearer
 from service.errors import BadRequest, Overloaded, ServiceError
+from service.observability import record_error
 from service.proto.moeserve.v1 import inference_pb2 as pb
 from service.sampling import build_sampling_params
 from service.state import ServingState
+from telemetry.metrics import status_from_grpc
 
 log = structlog.get_logger("service.grpc")
 
@@ -64,7 +66,8 @@ class InferenceServicer:
                 "params.n must be 1 for Generate; use GenerateStream for n > 1", param="params.n"
             )
         final: RequestOutput | None = None
-        async with aclosing(self._generate(prompt_ids, params, rid)) as outputs:
+        outputs = self._generate(prompt_ids, params, rid, request, stream=False)
+        async with aclosing(outputs):
             async for final in outputs:
                 pass
         sample = final.outputs[0]
@@ -82,7 +85,8 @@ class InferenceServicer:
     ) -> None:
         prompt_ids, params, rid = await self._parse_generate(request)
         finished: set[int] = set()
-        async with aclosing(self._generate(prompt_ids, params, rid)) as outputs:
+        outputs = self._generate(prompt_ids, params, rid, request, stream=True)
+        async with aclosing(outputs):
             async for out in outputs:
                 chunks = []
                 for sample in out.outputs:
@@ -142,9 +146,11 @@ class InferenceServicer:
         )
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _generate(self, prompt_ids: list[int], params: SamplingParams, rid: str):
-        log_context = {"request_id": rid, "api": "grpc"}
-        return self.state.generate("grpc", prompt_ids, params, rid, log_context)
+    def _generate(self, prompt_ids: list[int], params: SamplingParams, rid: str,
+                  request: pb.GenerateRequest, stream: bool):
+        operation = "chat" if request.messages else "text_completion"
+        return self.state.generate("grpc", prompt_ids, params, rid, operation=operation,
+                                   stream=stream)
 
     async def _parse_generate(
         self, request: pb.GenerateRequest
@@ -256,6 +262,9 @@ def _wrap(method: str, fn: Callable, request_type) -> Callable:
             raise
         except Exception as exc:  # noqa: BLE001 -- mapped to a status right below
             code, details, trailing = _status(exc, method)
+            record_error(exc, status_from_grpc(code))
+            if trailing:  # abort() replaces the trailing metadata set so far (traceparent)
+                trailing = (*(context.trailing_metadata() or ()), *trailing)
         if not context.done():
             await context.abort(code, details, trailing)
 
@@ -373,7 +382,8 @@ async def start_grpc_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, int]:
     """Starts the gRPC server; returns it and the bound port (port 0: a free port).
-    `interceptors` run before the API-key check (e.g. OpenTelemetry's aio server interceptor)."""
+    `interceptors` run before the API-key check (server.py passes the telemetry interceptor,
+    service.observability.GrpcTelemetryInterceptor)."""
     settings = state.settings
     chain = list(interceptors)
     if settings.api_key:

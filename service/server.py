@@ -9,21 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import structlog
 import uvicorn
+from prometheus_client import CollectorRegistry
 
 from inference import AsyncLLMEngine, InvalidParameterError, ModelLoadError
 from service.app import create_app
+from service.observability import GrpcTelemetryInterceptor, Observability
 from service.settings import Settings
 from service.state import ServingState
+from telemetry.logging import configure_logging, get_logger
+from telemetry.metrics import ServiceMetrics
+from telemetry.tracing import configure_tracing, shutdown_tracing
 
-log = structlog.get_logger("service.server")
+log = get_logger("service.server")
 
 
 class _Uvicorn(uvicorn.Server):
@@ -72,16 +76,20 @@ class MoeServer:
         engine = await asyncio.to_thread(AsyncLLMEngine.from_pretrained, path, s.device, s.dtype,
                                          **s.engine_limits())
         engine.start()
-        self.state = ServingState(engine, s, name)
+        obs = build_observability(engine, s, name)
+        engine.add_stats_listener(obs.on_step)
+        self.state = ServingState(engine, s, name, observability=obs)
         self._sock = _bind(s.host, s.port)
         self.rest_port = self._sock.getsockname()[1]
         config = uvicorn.Config(create_app(self.state), lifespan="on", log_config=None,
                                 access_log=False, timeout_graceful_shutdown=5)
         self._uvicorn = _Uvicorn(config)
         if s.grpc_port >= 0:
-            from service.grpc_server import start_grpc_server
+            from service.grpc_server import SERVICE_NAME, start_grpc_server
 
-            self._grpc, self.grpc_port = await start_grpc_server(self.state, s.host, s.grpc_port)
+            interceptors = [GrpcTelemetryInterceptor(obs, SERVICE_NAME)] if obs.enabled else []
+            self._grpc, self.grpc_port = await start_grpc_server(self.state, s.host, s.grpc_port,
+                                                                 interceptors)
 
     async def run(self) -> int:
         """Serves until shut down (see `request_shutdown`); returns the exit code."""
@@ -133,13 +141,22 @@ class MoeServer:
             await stop_grpc_server(server, 1.0)
 
 
-def _configure_logging() -> None:
-    """Minimal JSON lines on stdout (telemetry.logging replaces this later)."""
-    structlog.configure(
-        processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt="iso", utc=True),
-                    structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
-        logger_factory=structlog.PrintLoggerFactory(sys.stdout), cache_logger_on_first_use=False)
+def build_observability(engine: AsyncLLMEngine, settings: Settings, model: str) -> Observability:
+    """Tracing (the process's provider, from OTEL_* variables; configured on first use) and a
+    Prometheus registry shaped like the model: one `layer` per MoE layer (dense layers
+    route nothing), one `expert` per routed expert."""
+    if not settings.telemetry:
+        return Observability.disabled()
+    # Current HTTP semantic-convention names on the REST server span (read once, at the first
+    # app built), unless the operator chose otherwise.
+    os.environ.setdefault("OTEL_SEMCONV_STABILITY_OPT_IN", "http")
+    args = engine.engine.args
+    num_moe_layers = args.num_layers - len(args.dense_layers) if args.num_experts else 0
+    metrics = ServiceMetrics(CollectorRegistry(), model, num_moe_layers, args.num_experts,
+                             engine.max_waiting)
+    tokenizer = engine.tokenizer
+    return Observability(model, metrics=metrics, tracer_provider=configure_tracing(),
+                         log_prompts=settings.log_prompts, decode=tokenizer.decode)
 
 
 async def _serve(settings: Settings) -> int:
@@ -158,5 +175,9 @@ async def _serve(settings: Settings) -> int:
 
 
 def serve(settings: Settings) -> int:
-    _configure_logging()
-    return asyncio.run(_serve(settings))
+    configure_logging(settings.log_format)  # once for the process: service, engine, libraries
+    try:
+        return asyncio.run(_serve(settings))
+    finally:
+        if not shutdown_tracing(timeout_s=5.0):  # flush spans; a dead collector cannot hold exit
+            log.warning("trace export did not finish before exit")

@@ -27,6 +27,7 @@ class Settings:
     log_prompts: bool = False
     demo_preset: str = "small"
     drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    telemetry: bool = True  # hidden: MOESERVE_TELEMETRY=0 turns spans, metrics, request logs off
 
     def engine_limits(self) -> dict:
         return {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
@@ -46,6 +47,7 @@ _HELP = {
     "demo_preset": "preset of the demo model (tiny|small)",
     "drain_timeout": "grace period for in-flight requests after SIGTERM (seconds)",
 }
+_HIDDEN = {"telemetry"}  # for benchmarks (telemetry on against off), not for operators
 _CHOICES = {"device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "bfloat16", "float16"],
             "log_format": ["json", "console"], "demo_preset": ["tiny", "small"]}
 
@@ -55,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         env = "MOESERVE_" + f.name.upper()
         default = os.environ.get(env, f.default)
-        help_text = f"{_HELP.get(f.name, '')} [env {env}]".strip()
+        help_text = argparse.SUPPRESS if f.name in _HIDDEN else f"{_HELP.get(f.name, '')} [env {env}]".strip()
         if f.type in ("bool", bool):
             env_on = str(default).lower() in ("1", "true", "yes", "on")
             parser.add_argument(flag, action="store_true", default=env_on, help=help_text)

@@ -18,12 +18,12 @@ from service.controllers.common import (
     cancel_on_disconnect,
     chat_prompt_ids,
     check_model,
-    request_id,
     sampling_params,
     serving_state,
     text_prompt_ids,
 )
 from service.errors import BadRequest, ServiceError
+from service.observability import rest_generation_telemetry
 from service.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -71,11 +71,13 @@ class _Generation:
         self.model = state.model_name
         self.decode: Callable[[int], str] = request.app.state.token_text
 
-    async def start(self, prompt_ids: list[int], params: SamplingParams) -> tuple[RequestOutput, AsyncIterator]:
+    async def start(self, prompt_ids: list[int], params: SamplingParams,
+                    stream: bool) -> tuple[RequestOutput, AsyncIterator]:
         """Submits to the engine and waits for the first output, so admission errors (429,
-        503, 400) become HTTP statuses before any SSE byte is sent."""
-        log_context = {"request_id": self.id, "x_request_id": request_id(self.request.scope)}
-        agen = self.state.generate(self.api, prompt_ids, params, self.id, log_context)
+        503, 400) become HTTP statuses before any SSE byte is sent. Log lines carry the
+        x-request-id as request_id; the engine's id (the response id) rides along."""
+        log_context = {"response_id": self.id}
+        agen = self.state.generate(self.api, prompt_ids, params, self.id, log_context, stream=stream)
         first = await cancel_on_disconnect(self.request, agen.__anext__())
         return first, agen
 
@@ -158,7 +160,8 @@ class OpenAIController(Controller):
         return ModelList(data=[ModelCard(id=state.model_name, created=request.app.state.started_at,
                                          root=state.model_name, max_model_len=state.engine.max_model_len)])
 
-    @post("/completions", operation_id="createCompletion", status_code=200)
+    @post("/completions", operation_id="createCompletion", status_code=200,
+          middleware=[rest_generation_telemetry])
     async def create_completion(self, request: Request, data: CompletionRequest) -> Response:
         """Text completion (OpenAI `/v1/completions`), JSON or SSE."""
         state = serving_state(request)
@@ -168,7 +171,7 @@ class OpenAIController(Controller):
                                  logprobs=data.logprobs, **_common_fields(data))
         ids = await _completion_prompt(state, data.prompt)
         gen = _Generation(request, state, "openai.completions", "cmpl")
-        first, agen = await gen.start(ids, params)
+        first, agen = await gen.start(ids, params, bool(data.stream))
         want_logprobs = data.logprobs is not None
         offsets = [0] * params.n
 
@@ -213,7 +216,8 @@ class OpenAIController(Controller):
         return gen.stream(first, agen, include_usage, chunks, lambda u: CompletionResponse(
             id=gen.id, created=gen.created, model=gen.model, choices=[], usage=u))
 
-    @post("/chat/completions", operation_id="createChatCompletion", status_code=200)
+    @post("/chat/completions", operation_id="createChatCompletion", status_code=200,
+          middleware=[rest_generation_telemetry])
     async def create_chat_completion(self, request: Request, data: ChatCompletionRequest) -> Response:
         """Chat completion (OpenAI `/v1/chat/completions`) through the model's chat template."""
         state = serving_state(request)
@@ -229,7 +233,7 @@ class OpenAIController(Controller):
                                  logprobs=(data.top_logprobs or 0) if data.logprobs else None,
                                  **_common_fields(data))
         gen = _Generation(request, state, "openai.chat", "chatcmpl")
-        first, agen = await gen.start(ids, params)
+        first, agen = await gen.start(ids, params, bool(data.stream))
 
         def logprobs(entries: list[TokenLogprobs]) -> ChatLogprobs | None:
             if not data.logprobs:

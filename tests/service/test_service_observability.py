@@ -1,0 +1,119 @@
+"""Request telemetry inside the service (in-process servers): outcomes in requests_total,
+the summary line with and without --log-prompts, telemetry switched off, and
+ServingState.generate called without an API layer (it then owns the request's span)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
+
+from inference import SamplingParams
+from service.observability import Observability
+from service.state import ServingState
+from telemetry.metrics import ServiceMetrics
+
+COMP = "/v1/completions"
+
+
+def _summaries(logs: list[dict]) -> list[dict]:
+    return [r for r in logs if r.get("event") == "request finished"]
+
+
+def _requests_total(srv, **labels) -> float:
+    metrics = srv.state.observability.metrics
+    labels = {"model": srv.state.model_name, "api": "rest", **labels}
+    return metrics.registry.get_sample_value("moeserve_requests_total", labels) or 0.0
+
+
+def test_summary_line_has_no_text_without_log_prompts(server, http):
+    with capture_logs() as logs:
+        r = http.post(COMP, json={"prompt": "secret prompt", "max_tokens": 3},
+                      headers={"x-request-id": "no-text-1"})
+        assert r.status_code == 200
+    (line,) = [s for s in _summaries(logs) if s["request_id"] == "no-text-1"]
+    assert line["status"] == "ok" and line["completion_tokens"] == 3 and line["api"] == "rest"
+    assert "prompt" not in line and "output" not in line
+    assert "secret prompt" not in repr(logs)
+
+
+def test_log_prompts_adds_prompt_and_output_text(start_server):
+    with start_server(log_prompts=True) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
+        with capture_logs() as logs:
+            r = http.post(COMP, json={"prompt": "tell me", "max_tokens": 3},
+                          headers={"x-request-id": "with-text-1"})
+        (line,) = [s for s in _summaries(logs) if s["request_id"] == "with-text-1"]
+        assert "tell me" in line["prompt"] and line["output"] == r.json()["choices"][0]["text"]
+
+
+def test_outcomes_are_counted_once_per_request(server, http):
+    before = {s: _requests_total(server, status=s, finish_reason=f)
+              for s, f in (("ok", "length"), ("client_error", "none"))}
+    assert http.post(COMP, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert http.post(COMP, json={"prompt": "hi", "max_tokens": 0}).status_code == 400  # Litestar-side
+    assert http.post(COMP, json={"prompt": "hi", "max_tokens": 10_000}).status_code == 400  # engine-side
+    assert http.post(COMP, json={"prompt": "hi", "model": "nope"}).status_code == 404
+    assert _requests_total(server, status="ok", finish_reason="length") == before["ok"] + 1
+    assert _requests_total(server, status="client_error", finish_reason="none") == before["client_error"] + 3
+
+
+@pytest.mark.slow
+def test_queue_full_counts_as_rejected(start_server):
+    with start_server(max_waiting=1, max_num_seqs=1) as srv:
+        async def fire() -> list[int]:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+                body = {"prompt": "count to ten", "max_tokens": 16, "ignore_eos": True}
+                return [r.status_code for r in await asyncio.gather(*(c.post(COMP, json=body) for _ in range(12)))]
+
+        with capture_logs() as logs:
+            statuses = asyncio.run(asyncio.wait_for(fire(), 90))
+        assert statuses.count(429) >= 1
+        assert _requests_total(srv, status="rejected", finish_reason="none") == statuses.count(429)
+        assert _requests_total(srv, status="ok", finish_reason="length") == statuses.count(200)
+        rejected = [s for s in _summaries(logs) if s["status"] == "rejected"]
+        assert len(rejected) == statuses.count(429)
+
+
+def test_telemetry_off_serves_without_spans_metrics_or_request_logs(start_server):
+    with start_server(telemetry=False) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
+        with capture_logs() as logs:
+            r = http.post(COMP, json={"prompt": "hi", "max_tokens": 2},
+                          headers={"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"})
+        assert r.status_code == 200 and "traceparent" not in r.headers
+        assert not _summaries(logs)
+        assert http.get("/metrics").status_code == 404
+
+
+def test_generate_without_an_api_layer_owns_its_span(server):
+    """Direct callers (no REST/gRPC layer) still get the request span, metrics and summary."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    metrics = ServiceMetrics(CollectorRegistry(), "m", 1, 4, 8)
+    obs = Observability("m", metrics=metrics, tracer=provider.get_tracer("t"))
+    state = ServingState(server.engine, server.settings, "m", observability=obs)
+
+    async def run() -> list:
+        params = SamplingParams(max_tokens=3, n=2, ignore_eos=True)
+        return [out async for out in state.generate("openai.completions", [5, 6, 7], params, "direct-1")]
+
+    with capture_logs() as logs:
+        outputs = asyncio.run_coroutine_threadsafe(run(), server.loop).result(30)
+    assert outputs[-1].finished
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    request = spans["text_completion m"]
+    assert {"queue", "prefill", "decode"} <= set(spans)
+    assert spans["decode"].parent.span_id == request.context.span_id
+    assert request.attributes["gen_ai.usage.output_tokens"] == 6  # n=2 samples of 3
+    assert request.attributes["gen_ai.request.choice.count"] == 2
+    assert metrics.registry.get_sample_value(
+        "moeserve_requests_total", {"model": "m", "api": "rest", "status": "ok", "finish_reason": "length"}) == 1
+    (line,) = [s for s in _summaries(logs) if s["request_id"] == "direct-1"]
+    assert line["completion_tokens"] == 6 and line["trace_id"] == format(request.context.trace_id, "032x")
+    assert not obs.live  # the step-link map forgets finished requests
