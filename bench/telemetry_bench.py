@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -31,10 +29,10 @@ import grpc
 import httpx
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from bench.rest_load import closed_loop, start_server, streaming_body
 from inference.demo_model import ensure_demo_model
 
 RESULTS = Path(__file__).parent / "results"
-REPO = Path(__file__).resolve().parents[1]
 
 
 class _Sink(trace_service_pb2_grpc.TraceServiceServicer):
@@ -48,55 +46,9 @@ class _Sink(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
-def _start_server(model: Path, args: argparse.Namespace, env: dict[str, str], log: Path):
-    argv = [sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--port", "0",
-            "--grpc-port", "-1", "--device", args.device, "--log-format", "json",
-            "--max-num-seqs", str(args.concurrency)]
-    out = log.open("w")
-    proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        for line in log.read_text().splitlines():
-            if '"server started"' in line:
-                return proc, f"http://127.0.0.1:{json.loads(line)['rest_port']}"
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"server did not start:\n{log.read_text()[-3000:]}")
-
-
-async def _one(client: httpx.AsyncClient, body: dict) -> int:
-    tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                usage = json.loads(line[6:]).get("usage")
-                if usage:
-                    tokens = usage["completion_tokens"]
-    return tokens
-
-
 async def _load(url: str, args: argparse.Namespace, num_requests: int) -> tuple[float, int]:
-    body = {"prompt": "The history of the mixture of experts " * 4, "max_tokens": args.max_tokens,
-            "ignore_eos": True, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    left = num_requests
-    tokens = 0
-    limits = httpx.Limits(max_connections=args.concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-
-        async def worker() -> None:
-            nonlocal left, tokens
-            while left > 0:
-                left -= 1
-                done = await _one(client, body)  # not `tokens += await ...`: that loses updates
-                tokens += done
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
-        return time.perf_counter() - start, tokens
+    body = streaming_body("The history of the mixture of experts " * 4, args.max_tokens)
+    return await closed_loop(url, [body] * num_requests, args.concurrency)
 
 
 def _scrape(url: str, stop: threading.Event) -> None:
@@ -112,7 +64,8 @@ def run_round(model: Path, args: argparse.Namespace, telemetry: bool, sink_port:
     else:
         env = {"OTEL_TRACES_EXPORTER": "none", "MOESERVE_TELEMETRY": "0"}
     log = tmp / f"server-{'on' if telemetry else 'off'}-{time.monotonic_ns()}.log"
-    proc, url = _start_server(model, args, env, log)
+    flags = ["--device", args.device, "--max-num-seqs", str(args.concurrency)]
+    proc, url = start_server(model, flags, env, log)
     stop = threading.Event()
     try:
         asyncio.run(_load(url, args, args.concurrency))  # warm-up
