@@ -10,6 +10,11 @@ is constant, so tokens/s is unaffected) to keep the run short.
 `--arch A` (repeatable, or `--arch all`) instead prints one row per architecture: the engine
 against transformers `generate` (static batches of 16) on that architecture's demo model of
 `--preset` size, with the --requests/--prompt-len/--output-len workload.
+
+`--smollm2` instead prints the SmolLM2 rows: the trained SmolLM2-135M-Instruct (`--model
+smollm2`, a dense Llama; fetched and imported on first use) in bfloat16, engine against
+transformers `generate` on the same --requests/--prompt-len/--output-len workload, single
+stream and batched (static batches of 16).
 """
 
 from __future__ import annotations
@@ -103,6 +108,59 @@ def bench_arch(arch: str, preset: str, num_requests: int, prompt_len: int, outpu
     return row
 
 
+def bench_smollm2(num_requests: int, prompt_len: int, output_len: int) -> dict:
+    """SmolLM2-135M-Instruct, bf16: single stream and batched, engine vs transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from inference.model_zoo import resolve_model
+
+    model_dir = resolve_model("smollm2")
+    engine = LLMEngine.from_pretrained(model_dir, device="cpu", dtype="bfloat16")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    prompts = make_prompts(num_requests, prompt_len, engine.args.vocab_size)
+    params = SamplingParams(max_tokens=output_len, min_tokens=output_len, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    with torch.inference_mode():
+        hf_generate(hf, prompts[:2], 4)
+    row = {}
+    t, _ = timed(lambda: engine.generate(prompts[:1], params))
+    row["moeserve_single_stream"] = output_len / t
+    t, outs = timed(lambda: engine.generate(prompts, params))
+    assert all(len(o.token_ids) == output_len for o in outs)
+    row["moeserve_batched"] = num_requests * output_len / t
+    with torch.inference_mode():
+        t, n = timed(lambda: hf_generate(hf, prompts[:1], output_len))
+        row["hf_single_stream"] = n / t
+        t, n = timed(lambda: sum(hf_generate(hf, prompts[i:i + 16], output_len)
+                                 for i in range(0, num_requests, 16)))
+        row["hf_static_batch16"] = n / t
+    row["single_ratio"] = row["moeserve_single_stream"] / row["hf_single_stream"]
+    row["batched_ratio"] = row["moeserve_batched"] / row["hf_static_batch16"]
+    chat = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True,
+        tokenize=False)
+    [answer] = engine.generate([chat], SamplingParams(max_tokens=16, temperature=0.0))
+    row["answer"] = answer.text  # a trained model: a sensible answer, not noise
+    return row
+
+
+def main_smollm2(num_requests: int, prompt_len: int, output_len: int) -> None:
+    r = bench_smollm2(num_requests, prompt_len, output_len)
+    print(f"\nSmolLM2-135M-Instruct, bf16, {num_requests} requests x {prompt_len} -> {output_len} tokens, "
+          f"{torch.get_num_threads()} threads (output tok/s)")
+    print(f"  {'':14s} {'moeserve':>9s} {'hf':>9s} {'ratio':>6s}")
+    print(f"  {'single stream':14s} {r['moeserve_single_stream']:9.1f} {r['hf_single_stream']:9.1f} "
+          f"{r['single_ratio']:5.2f}x")
+    print(f"  {'batched':14s} {r['moeserve_batched']:9.1f} {r['hf_static_batch16']:9.1f} "
+          f"{r['batched_ratio']:5.2f}x   (hf: static batches of 16)")
+    print(f"  greedy answer to 'What is the capital of France?': {r['answer']!r}")
+    RESULTS.mkdir(exist_ok=True)
+    record = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": "smollm2", "requests": num_requests,
+              "prompt_len": prompt_len, "output_len": output_len, "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "smollm2": r}
+    (RESULTS / "engine_bench_smollm2.json").write_text(json.dumps(record, indent=2))
+
+
 def main_archs(archs: list[str], preset: str, num_requests: int, prompt_len: int, output_len: int) -> None:
     archs = sorted(ARCHS) if "all" in archs else archs
     unknown = set(archs) - set(ARCHS)
@@ -131,8 +189,13 @@ def main() -> None:
     parser.add_argument("--arch", action="append", default=[],
                         help=f"per-architecture rows instead ({', '.join(sorted(ARCHS))} or all)")
     parser.add_argument("--preset", default="small", help="demo model size for --arch rows")
+    parser.add_argument("--smollm2", action="store_true",
+                        help="SmolLM2-135M-Instruct rows instead (engine vs transformers)")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
+    if args.smollm2:
+        main_smollm2(args.requests, args.prompt_len, args.output_len)
+        return
     if args.arch:
         main_archs(args.arch, args.preset, args.requests, args.prompt_len, args.output_len)
         return

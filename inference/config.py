@@ -16,7 +16,8 @@ from inference.errors import InvalidParameterError, ModelLoadError
 
 @dataclass(slots=True)
 class ModelArgs:
-    """Architecture-independent description of an MoE decoder, derived from config.json."""
+    """Architecture-independent description of a decoder, derived from config.json: MoE, or
+    dense (num_experts 0, every layer in dense_layers)."""
 
     architecture: str
     vocab_size: int
@@ -38,6 +39,7 @@ class ModelArgs:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gated: bool = True  # Qwen2-MoE scales it by a sigmoid gate; DeepSeek does not
     dense_intermediate_size: int = 0  # MLP width of layers that are dense (not MoE)
+    mlp_bias: bool = False  # dense MLP projections have biases (Llama mlp_bias)
     dense_layers: tuple[int, ...] = ()
     topk_method: str = "greedy"  # or "group_limited_greedy" (DeepSeek-V2)
     num_groups: int = 1  # > 1 only for group-limited routing
@@ -74,7 +76,7 @@ class ModelArgs:
             "architecture": arch, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
             "num_layers": cfg.num_hidden_layers, "num_heads": cfg.num_attention_heads,
             "num_kv_heads": cfg.num_key_value_heads, "head_dim": head_dim,
-            "top_k": cfg.num_experts_per_tok, "rms_norm_eps": cfg.rms_norm_eps,
+            "top_k": getattr(cfg, "num_experts_per_tok", 0), "rms_norm_eps": cfg.rms_norm_eps,
             "max_position_embeddings": cfg.max_position_embeddings,
             "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)), "hf_config": cfg}
         return cls(**(common | _ARCH_FIELDS[arch](cfg)))
@@ -134,9 +136,20 @@ def _deepseek_v2(cfg) -> dict:
         "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim}
 
 
+def _llama(cfg) -> dict:
+    """Dense Llama (and Llama-architecture models such as SmolLM2): every layer a SwiGLU MLP."""
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"LlamaForCausalLM: hidden_act {cfg.hidden_act!r} is not supported (silu)")
+    bias = bool(getattr(cfg, "attention_bias", False))
+    return {"num_experts": 0, "top_k": 0, "moe_intermediate_size": 0, "norm_topk_prob": False,
+            "dense_layers": tuple(range(cfg.num_hidden_layers)),
+            "dense_intermediate_size": cfg.intermediate_size,
+            "mlp_bias": bool(getattr(cfg, "mlp_bias", False)), "qkv_bias": bias, "o_bias": bias}
+
+
 _ARCH_FIELDS = {"MixtralForCausalLM": _mixtral, "Qwen2MoeForCausalLM": _qwen_moe,
                 "Qwen3MoeForCausalLM": _qwen_moe, "OlmoeForCausalLM": _olmoe,
-                "DeepseekV2ForCausalLM": _deepseek_v2}
+                "DeepseekV2ForCausalLM": _deepseek_v2, "LlamaForCausalLM": _llama}
 SUPPORTED_ARCHITECTURES = tuple(_ARCH_FIELDS)
 
 

@@ -53,6 +53,9 @@ _LAYER_RULES: list[tuple[re.Pattern, str, str | None]] = [
         (r"mlp\.gate_proj\.weight", "mlp.w13", "gate"),
         (r"mlp\.up_proj\.weight", "mlp.w13", "up"),
         (r"mlp\.down_proj\.weight", "mlp.w2", None),
+        (r"mlp\.gate_proj\.bias", "mlp.b13", "gate"),  # Llama mlp_bias
+        (r"mlp\.up_proj\.bias", "mlp.b13", "up"),
+        (r"mlp\.down_proj\.bias", "mlp.b2", None),
     ]
 ]
 # MLA has an unfused query projection: checked before _LAYER_RULES' q/k/v rule.
@@ -119,7 +122,7 @@ def _rows(param_name: str, part: str | None, param: torch.Tensor, args: ModelArg
         q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         start = {"q": 0, "k": q, "v": q + kv}[part]
         return slice(start, start + (q if part == "q" else kv))
-    half = param.shape[-2] // 2  # gate rows then up rows
+    half = param.shape[0] // 2  # gate rows then up rows (of a weight or a bias)
     return slice(0, half) if part == "gate" else slice(half, 2 * half)
 
 

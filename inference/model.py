@@ -1,8 +1,9 @@
-"""The MoE decoder (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2) over a flattened batch
-of tokens.
+"""The decoder (MoE: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2; dense: Llama) over a
+flattened batch of tokens.
 
 Nothing but the model: no sampling, no scheduling. forward(input_ids [T], positions [T],
-attention metadata, kv caches) -> hidden states [T, D] and router counts [layers, E].
+attention metadata, kv caches) -> hidden states [T, D] and router counts [MoE layers, E]
+(shape [0, 0] for a dense model).
 Each layer's cache entry is a tuple of paged tensors (ModelArgs.kv_cache_shapes): key and
 value for standard attention, one compressed latent for MLA (mla.py).
 """
@@ -64,7 +65,7 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.is_moe = layer not in args.dense_layers
         if not self.is_moe:
-            self.mlp = DenseMLP(args.hidden_size, args.dense_intermediate_size)
+            self.mlp = DenseMLP(args.hidden_size, args.dense_intermediate_size, args.mlp_bias)
             return
         moe = MoE(args.hidden_size, args.moe_intermediate_size, args.num_experts, args.top_k,
                   args.norm_topk_prob, gather_max_tokens, args.num_groups, args.topk_group,

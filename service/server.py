@@ -49,11 +49,12 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def model_path_and_name(settings: Settings) -> tuple[Path, str]:
-    if settings.model == "demo":
-        from inference.demo_model import ensure_demo_model
+    """`demo`, a ready model name (`smollm2`) or a checkpoint folder -> (folder, served name)."""
+    from inference.model_zoo import READY_MODELS, resolve_model
 
-        return ensure_demo_model(settings.demo_preset), settings.served_model_name or "demo"
-    path = Path(settings.model)
+    path = resolve_model(settings.model, demo_preset=settings.demo_preset)
+    if settings.model == "demo" or settings.model in READY_MODELS:
+        return path, settings.served_model_name or settings.model
     return path, settings.served_model_name or path.resolve().name
 
 

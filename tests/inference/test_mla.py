@@ -72,7 +72,7 @@ def test_routed_scaling_factor_and_renormalisation():
 def test_architectures_and_unknown_ones(model_dirs):
     assert set(SUPPORTED_ARCHITECTURES) == {"MixtralForCausalLM", "Qwen2MoeForCausalLM",
                                             "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-                                            "DeepseekV2ForCausalLM"}
+                                            "DeepseekV2ForCausalLM", "LlamaForCausalLM"}
     cfg = LLMEngine.from_pretrained(model_dirs("deepseek_v2"), device="cpu", dtype="float32",
                                     kv_cache_tokens=64).args.hf_config
     args = ModelArgs.from_hf_config(cfg)
@@ -81,6 +81,6 @@ def test_architectures_and_unknown_ones(model_dirs):
     cfg.topk_method = "noaux_tc"
     with pytest.raises(ModelLoadError, match="noaux_tc"):
         ModelArgs.from_hf_config(cfg)
-    cfg.architectures = ["LlamaForCausalLM"]
-    with pytest.raises(ModelLoadError, match="unsupported architecture 'LlamaForCausalLM'"):
+    cfg.architectures = ["GPT2LMHeadModel"]
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'GPT2LMHeadModel'"):
         ModelArgs.from_hf_config(cfg)

@@ -90,20 +90,19 @@ def write_gguf(model, tokenizer_dir: Path, path: Path, chat_template: str) -> di
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         arr = tensor.float().numpy()
+        # Matrices quantised, norms kept in float32 (as llama.cpp does). Q8_0 blocks run along
+        # rows, so quantising commutes with the q/k row permutation below.
+        quantise = arr.ndim == 2
+        held[hf_name] = gguf.quants.dequantize(gguf.quants.quantize(arr, qtype), qtype) if quantise else arr
         if hf_name.endswith("q_proj.weight"):
             arr = _permute(arr, cfg.num_attention_heads)
         elif hf_name.endswith("k_proj.weight"):
             arr = _permute(arr, cfg.num_key_value_heads)
-        if arr.ndim == 2:  # matrices quantised, norms kept in float32 (as llama.cpp does)
+        if quantise:
             packed = gguf.quants.quantize(arr, qtype)
             w.add_tensor(names[hf_name], packed, raw_shape=packed.shape, raw_dtype=qtype)
-            arr = gguf.quants.dequantize(packed, qtype)
         else:
             w.add_tensor(names[hf_name], arr)
-        if hf_name.endswith("q_proj.weight") or hf_name.endswith("k_proj.weight"):
-            n = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
-            arr = arr.reshape(n, arr.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(arr.shape)
-        held[hf_name] = arr
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
