@@ -10,7 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from inference import AsyncLLMEngine, InvalidParameterError, LLMEngine, ModelLoadError, QueueFullError, SamplingParams
+from inference import (
+    AsyncLLMEngine,
+    InvalidParameterError,
+    LLMEngine,
+    ModelLoadError,
+    QueueFullError,
+    SamplingParams,
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +43,9 @@ def test_bad_inputs_raise_clear_errors(engine, prompt, params, param):
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
-    (dict(top_k=-5), "top_k"), (dict(n=0), "n"), (dict(logprobs=99), "logprobs"),
-    (dict(min_tokens=20, max_tokens=10), "min_tokens"), (dict(stop=[""]), "stop"),
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+    ({"top_k": -5}, "top_k"), ({"n": 0}, "n"), ({"logprobs": 99}, "logprobs"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ({"stop": [""]}, "stop"),
 ])
 def test_bad_sampling_params(kwargs, param):
     with pytest.raises(InvalidParameterError) as info:

@@ -62,7 +62,7 @@ def test_temperature_sharpens():
 
 def test_penalties_change_the_choice():
     sampler = Sampler(V, {0})
-    greedy = dict(temperature=0.0)
+    greedy = {"temperature": 0.0}
     # token 1 already generated twice: frequency/presence penalties push it below token 2
     for p in (SamplingParams(frequency_penalty=0.2, **greedy), SamplingParams(presence_penalty=0.5, **greedy),
               SamplingParams(repetition_penalty=1.5, **greedy)):
