@@ -5,8 +5,18 @@ from inference.errors import EngineDeadError, InvalidParameterError, ModelLoadEr
 from inference.outputs import CompletionOutput, RequestOutput, StepStats
 from inference.sampling_params import SamplingParams
 
-__all__ = ["LLMEngine", "AsyncLLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "StepStats", "InvalidParameterError", "QueueFullError", "EngineDeadError", "ModelLoadError"]
+__all__ = [
+    "AsyncLLMEngine",
+    "CompletionOutput",
+    "EngineDeadError",
+    "InvalidParameterError",
+    "LLMEngine",
+    "ModelLoadError",
+    "QueueFullError",
+    "RequestOutput",
+    "SamplingParams",
+    "StepStats",
+]
 
 
 def __getattr__(name):  # the async engine pulls in asyncio/threading only when used

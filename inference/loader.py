@@ -133,7 +133,7 @@ def load_weights(model, path: Path, args: ModelArgs) -> None:
     filled: dict[str, int] = {}  # parameter -> number of elements written
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 tgt = _target(name, model, args)
                 if tgt is None:
                     if ".rotary_emb." in name:

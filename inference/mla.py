@@ -24,7 +24,7 @@ from torch import nn
 
 from inference.attention import AttentionMetadata, gather_slots, write_kv
 from inference.config import ModelArgs
-from inference.layers import RMSNorm, apply_rope_interleaved
+from inference.layers import Linear, RMSNorm, apply_rope_interleaved
 
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use the reference's default eps
 
@@ -49,15 +49,15 @@ class MLAttention(nn.Module):
         q_out = h * args.head_dim
         self.q_lora = bool(args.q_lora_rank)
         if self.q_lora:  # low-rank query: q_a_proj -> q_a_layernorm -> q_b_proj
-            self.wq_a = nn.Linear(d, args.q_lora_rank, bias=args.qkv_bias)
+            self.wq_a = Linear(d, args.q_lora_rank, bias=args.qkv_bias)
             self.q_a_norm = RMSNorm(args.q_lora_rank, _LATENT_NORM_EPS)
-            self.wq_b = nn.Linear(args.q_lora_rank, q_out, bias=False)
+            self.wq_b = Linear(args.q_lora_rank, q_out, bias=False)
         else:
-            self.wq = nn.Linear(d, q_out, bias=False)
-        self.wkv_a = nn.Linear(d, args.kv_lora_rank + self.rope_dim, bias=args.qkv_bias)
+            self.wq = Linear(d, q_out, bias=False)
+        self.wkv_a = Linear(d, args.kv_lora_rank + self.rope_dim, bias=args.qkv_bias)
         self.kv_a_norm = RMSNorm(args.kv_lora_rank, _LATENT_NORM_EPS)
-        self.wkv_b = nn.Linear(args.kv_lora_rank, h * (self.nope_dim + self.v_dim), bias=False)
-        self.wo = nn.Linear(h * self.v_dim, d, bias=args.o_bias)
+        self.wkv_b = Linear(args.kv_lora_rank, h * (self.nope_dim + self.v_dim), bias=False)
+        self.wo = Linear(h * self.v_dim, d, bias=args.o_bias)
         self.scale = softmax_scale(args.head_dim, getattr(args.hf_config, "rope_parameters", None))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -15,7 +15,7 @@ from torch import nn
 
 from inference.attention import AttentionMetadata, paged_attention, write_kv
 from inference.config import ModelArgs
-from inference.layers import RMSNorm, RotaryEmbedding, apply_rope
+from inference.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
 from inference.mla import MLAttention
 from inference.moe import DenseMLP, MoE, SharedExpertMoE
 
@@ -25,8 +25,8 @@ class Attention(nn.Module):
         super().__init__()
         h, g, d = args.num_heads, args.num_kv_heads, args.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, g, d
-        self.wqkv = nn.Linear(args.hidden_size, (h + 2 * g) * d, bias=args.qkv_bias)  # q, k, v fused
-        self.wo = nn.Linear(h * d, args.hidden_size, bias=args.o_bias)
+        self.wqkv = Linear(args.hidden_size, (h + 2 * g) * d, bias=args.qkv_bias)  # q, k, v fused
+        self.wo = Linear(h * d, args.hidden_size, bias=args.o_bias)
         self.scale = d ** -0.5
         # q/k RMSNorm before rope: per head (Qwen3-MoE) or over the whole projection (OLMoE)
         self.per_head_norm = args.qk_norm == "head"
@@ -91,7 +91,7 @@ class MoETransformer(nn.Module):
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, i, gather_max_tokens) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope = RotaryEmbedding(args, max_positions)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

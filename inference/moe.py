@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference.layers import linear
+
 
 def select_experts(probs: torch.Tensor, top_k: int, norm_topk_prob: bool, num_groups: int = 1,
                    topk_group: int = 1, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +58,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Softmax router (in float32, as the reference does) -> top-A weights and expert ids."""
-        logits = F.linear(x.float(), self.gate.float()) if self.router_fp32 else F.linear(x, self.gate)
+        logits = linear(x.float(), self.gate.float()) if self.router_fp32 else linear(x, self.gate)
         probs = logits.softmax(dim=-1, dtype=torch.float32)
         return select_experts(probs, self.top_k, self.norm_topk_prob, self.num_groups,
                               self.topk_group, self.scaling)
@@ -90,7 +92,7 @@ class MoE(nn.Module):
         for expert, n in enumerate(counts.tolist()):
             if n:
                 end = start + n
-                ys[start:end] = F.linear(self._act(F.linear(xs[start:end], self.w13[expert])),
+                ys[start:end] = linear(self._act(linear(xs[start:end], self.w13[expert])),
                                          self.w2[expert])
                 start = end
         ys *= weights.flatten()[order].to(ys.dtype).unsqueeze(1)
@@ -110,8 +112,8 @@ class DenseMLP(nn.Module):
         self.b2 = nn.Parameter(torch.empty(hidden_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.w13, self.b13).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w2, self.b2)
+        gate, up = linear(x, self.w13, self.b13).split(self.intermediate_size, dim=-1)
+        return linear(F.silu(gate) * up, self.w2, self.b2)
 
 
 class SharedExpertMoE(nn.Module):
@@ -127,4 +129,4 @@ class SharedExpertMoE(nn.Module):
         routed, counts = self.moe(x)
         if self.shared_gate is None:
             return routed + self.shared(x), counts
-        return routed + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x), counts
+        return routed + torch.sigmoid(linear(x, self.shared_gate)) * self.shared(x), counts
