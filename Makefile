@@ -26,6 +26,7 @@ test: setup
 
 bench: setup
 	$(BIN)/python -m bench.engine_bench
+	$(BIN)/python -m bench.engine_bench --arch all
 	$(BIN)/python -m bench.engine_bench --smollm2
 	$(BIN)/python -m bench.serving_bench
 	$(BIN)/python -m bench.telemetry_bench
