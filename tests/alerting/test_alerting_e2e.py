@@ -27,7 +27,8 @@ import pytest
 import test_anomaly_alertmanager as am_test
 import uvicorn
 import yaml
-from test_anomaly_alertmanager import free_port, incidents, wait_until
+from alerting_support import free_port, wait_until
+from test_anomaly_alertmanager import incidents
 
 from telemetry.anomaly import create_app
 from telemetry.anomaly.config import WebhookSettings

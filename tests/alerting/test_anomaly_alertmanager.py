@@ -6,11 +6,9 @@ inhibition rules hold back what they should. Skips, saying so, without the binar
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -18,30 +16,12 @@ import httpx
 import pytest
 import uvicorn
 import yaml
+from alerting_support import free_port, wait_until
 
 from telemetry.anomaly import create_app
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTMANAGER_YML = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-        except httpx.HTTPError:
-            value = None
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture

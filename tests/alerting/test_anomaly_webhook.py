@@ -12,11 +12,10 @@ import json
 import math
 import secrets
 import shutil
-import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -25,6 +24,7 @@ from urllib.parse import parse_qs
 import httpx
 import numpy as np
 import pytest
+from alerting_support import free_port, wait_until
 from litestar.testing import TestClient
 
 from telemetry.anomaly import WebhookSettings, create_app
@@ -33,22 +33,6 @@ from telemetry.anomaly.prometheus_api import PrometheusAPI
 from telemetry.anomaly.schemas import AlertmanagerAlert
 
 NOW = 1_700_000_000.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def iso(ts: float) -> str:
