@@ -26,7 +26,6 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
-import jinja2
 import structlog
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -37,6 +36,7 @@ from inference import InvalidParameterError, RequestOutput, SamplingParams
 from service.auth import check_bearer
 from service.errors import BadRequest, Overloaded, ServiceError
 from service.observability import record_error
+from service.prompts import chat_prompt_ids, text_prompt_ids
 from service.proto.moeserve.v1 import inference_pb2 as pb
 from service.sampling import build_sampling_params
 from service.state import ServingState
@@ -169,35 +169,17 @@ class InferenceServicer:
         return await self._prompt_ids(request.prompt, request.messages), params, rid
 
     async def _prompt_ids(self, text: str, messages: Sequence[pb.ChatMessage]) -> list[int]:
-        """Tokenizes as the REST API does, off the event loop: a chat is rendered with the
-        model's template, which writes its own special tokens; plain text gets the tokenizer's.
-        Length and vocabulary checks stay with the engine (state.generate)."""
+        """Tokenizes as the REST API does (service/prompts.py)."""
         tokenizer = self.state.engine.tokenizer
         if not messages:
-            return await asyncio.to_thread(tokenizer.encode, text)
-        if not getattr(tokenizer, "chat_template", None):
-            raise BadRequest(
-                "messages need a chat template and this model has none", param="messages"
-            )
+            return await text_prompt_ids(tokenizer, text)
         for i, m in enumerate(messages):
             if not m.role:
                 raise BadRequest(
                     f"messages[{i}].role must not be empty", param=f"messages[{i}].role"
                 )
         conversation = [{"role": m.role, "content": m.content} for m in messages]
-        return await asyncio.to_thread(_render_chat, tokenizer, conversation)
-
-
-def _render_chat(tokenizer, conversation: list[dict]) -> list[int]:
-    try:
-        text = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=False
-        )
-    except (jinja2.TemplateError, TypeError, ValueError) as exc:  # raise_exception() too
-        raise BadRequest(
-            f"the chat template rejected the messages: {exc}", param="messages"
-        ) from None
-    return tokenizer.encode(text, add_special_tokens=False)
+        return await chat_prompt_ids(tokenizer, conversation)
 
 
 def _sampling_params(p: pb.SamplingParams) -> SamplingParams:

@@ -10,11 +10,11 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import grpc
-from jinja2 import TemplateError
 from litestar import Request
 from litestar.types import Scope
 
 from inference import InvalidParameterError, SamplingParams
+from service import prompts
 from service.errors import BadRequest, NotFound, ServiceError
 from service.sampling import build_sampling_params
 from service.schemas import ChatMessage
@@ -73,32 +73,17 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def _render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)
-    except TemplateError as exc:
-        raise BadRequest(f"the chat template rejected the messages: {exc}", param="messages") from None
-    # The template already wrote any special tokens it wants (vLLM does the same).
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
 async def chat_prompt_ids(state: ServingState, messages: list[ChatMessage],
                           add_generation_prompt: bool = True) -> list[int]:
-    """Renders the chat template and tokenizes, off the event loop."""
     if not messages:
         raise BadRequest("messages must not be empty", param="messages")
-    tokenizer = state.engine.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        raise BadRequest("this model has no chat template; use /v1/completions with a plain prompt",
-                         param="messages", code="no_chat_template")
-    return await asyncio.to_thread(_render_chat, tokenizer, _message_dicts(messages), add_generation_prompt)
+    return await prompts.chat_prompt_ids(state.engine.tokenizer, _message_dicts(messages), add_generation_prompt)
 
 
 async def text_prompt_ids(state: ServingState, prompt: str, add_special_tokens: bool = True) -> list[int]:
     if not prompt:
         raise BadRequest("prompt must not be empty", param="prompt")
-    return await asyncio.to_thread(state.engine.tokenizer.encode, prompt, add_special_tokens=add_special_tokens)
+    return await prompts.text_prompt_ids(state.engine.tokenizer, prompt, add_special_tokens)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
