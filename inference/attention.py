@@ -27,7 +27,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's k/v is written
     num_decode: int  # rows [0, num_decode) are single-token queries
     decode_slots: torch.Tensor | None  # [B_d, L] cache slots of each decode row's context
-    decode_mask: torch.Tensor | None  # [B_d, 1, 1, L] True where the slot is part of the context
+    decode_mask: torch.Tensor | None  # [B_d, 1, 1, L] True where the slot is part of the context; None: one row
     prefills: list[PrefillChunk]
 
 

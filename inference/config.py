@@ -165,6 +165,9 @@ class EngineConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # torch.compile the decode steps (pure decode batches; prefill steps stay eager). Compiles
+    # at start-up (warm-up generations), so the first request does not pay for it.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size"):

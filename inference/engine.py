@@ -68,9 +68,22 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    on_preempt=self._on_preempt)
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size,
-                                  Sampler(args.vocab_size, self.eos_token_ids), self.device)
+                                  Sampler(args.vocab_size, self.eos_token_ids), self.device, config.compile)
         self.requests: dict[str, list[Sequence]] = {}
         self._aborted: list[FinishedSequence] = []  # reported with the next step's stats
+        if config.compile:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compiles the decode graphs before any request: one sequence, then a batch (the
+        dynamic graph). Prompt lengths keep the batch and context sizes distinct, so no shape
+        is specialised by coincidence."""
+        started = time.monotonic()
+        log.info("compiling decode steps")
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        for batch in (1, 3):
+            self.generate([[1] * 11] * batch, params)
+        log.info("decode steps compiled", seconds=round(time.monotonic() - started, 1))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "auto", dtype: str = "auto", **limits) -> LLMEngine:

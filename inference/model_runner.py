@@ -22,16 +22,27 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: MoETransformer, kv_caches, block_size: int, sampler: Sampler,
-                 device: torch.device) -> None:
+                 device: torch.device, compile: bool = False) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.sampler, self.device = sampler, device
         self._offsets = torch.arange(block_size)
+        # Decode-only steps run the compiled model: a few hundred small per-layer ops (norms,
+        # rope, routing) become a handful of fused kernels, which is most of a decode step's
+        # time at this size. dynamic=True: one graph for one sequence (0/1 specialisation) and
+        # one for every larger batch and context length.
+        if compile:
+            from torch._inductor.decomposition import decompositions
+            decompositions.pop(torch.ops.aten.mv.default, None)
+        self.decode_model = torch.compile(model, dynamic=True) if compile else model
 
-    def _slots(self, block_tables: list[list[int]]) -> torch.Tensor:
-        """[rows, blocks * block_size] cache slots of each row's blocks (rows padded with block 0)."""
+    def _slots(self, block_tables: list[list[int]], length: int) -> torch.Tensor:
+        """[rows, length] cache slots of each row's first `length` positions (rows padded with
+        block 0). A fresh tensor, never a slice: the compiled decode graph would otherwise
+        specialise on the stride of a wider table."""
         width = max(len(b) for b in block_tables)
         table = torch.tensor([b + [0] * (width - len(b)) for b in block_tables])
-        return (table.unsqueeze(-1) * self.block_size + self._offsets).view(len(block_tables), -1)
+        pos = torch.arange(length)
+        return table[:, pos // self.block_size] * self.block_size + pos % self.block_size
 
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -45,9 +56,10 @@ class ModelRunner:
         decode_slots = decode_mask = None
         if decode:
             context = max(positions) + 1
-            decode_slots = self._slots([s.block_table for s in decode])[:, :context]
-            lens = torch.tensor(positions) + 1
-            decode_mask = (torch.arange(context).unsqueeze(0) < lens.unsqueeze(1)).view(len(decode), 1, 1, context)
+            decode_slots = self._slots([s.block_table for s in decode], context)
+            if len(decode) > 1:  # one row has no padding to mask
+                lens = torch.tensor(positions) + 1
+                decode_mask = (torch.arange(context).unsqueeze(0) < lens.unsqueeze(1)).view(len(decode), 1, 1, context)
         sample_rows = list(range(len(decode)))
         sampled = list(decode)
         chunks = []
@@ -55,7 +67,7 @@ class ModelRunner:
             start, p0 = len(input_ids), s.num_computed_tokens
             input_ids.extend(s.token_ids[p0:p0 + n])
             positions.extend(range(p0, p0 + n))
-            slots = self._slots([s.block_table])[0, : p0 + n]
+            slots = self._slots([s.block_table], p0 + n)[0]
             slot_parts.append(slots[p0:])
             chunks.append(PrefillChunk(start, n, p0, slots.to(self.device) if p0 else None))
             if p0 + n == s.num_tokens:  # the chunk reaches the end: sample the next token
@@ -66,7 +78,8 @@ class ModelRunner:
             slot_mapping=torch.cat(slot_parts).to(dev), num_decode=len(decode),
             decode_slots=None if decode_slots is None else decode_slots.to(dev),
             decode_mask=None if decode_mask is None else decode_mask.to(dev), prefills=chunks)
-        hidden, expert_counts = self.model(torch.tensor(input_ids, device=dev),
+        forward = self.model if chunks else self.decode_model
+        hidden, expert_counts = forward(torch.tensor(input_ids, device=dev),
                                            torch.tensor(positions, device=dev), meta, self.kv_caches)
         sample = None
         if sampled:

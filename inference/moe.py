@@ -3,7 +3,7 @@
 Shapes: T tokens, D hidden, E experts, A experts per token (top-k), I expert FFN width.
 Expert weights are stacked per projection: w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I].
 
-Three dispatch paths, same result:
+Four dispatch paths, same result:
 - gather (gpt-fast): each token gathers its A experts' weights and runs one batched matmul.
   No host sync and a fixed op count, so it suits small decode batches on a GPU; it copies
   T*A expert matrices, which is why it is not used for large batches.
@@ -11,8 +11,9 @@ Three dispatch paths, same result:
   buffer, two bmm over all experts.
 - grouped: (token, expert) pairs sorted by expert, one matmul per expert that received
   tokens, on contiguous slices and weight views (no weight copies). Its loop is over experts,
-  never tokens. On CPU the per-expert counts cost nothing to read: single tokens and large
-  prefills take this path.
+  never tokens. On CPU the per-expert counts cost nothing to read: large prefills take this
+  path.
+- single token (CPU decode of one sequence): its A experts one after the other, a dozen ops.
 """
 
 from __future__ import annotations
@@ -50,6 +51,92 @@ def select_experts(probs: torch.Tensor, top_k: int, norm_topk_prob: bool, num_gr
 _PADDED_MAX_ROUTED = 512
 
 
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+             w2: torch.Tensor, gather_max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed tokens -> the MoE output [T, D] and the per-expert token counts [E]."""
+    counts = torch.bincount(ids.flatten(), minlength=w13.shape[0])
+    if x.shape[0] <= gather_max_tokens:
+        return gather_dispatch(x, weights, ids, w13, w2), counts
+    if x.device.type == "cpu":
+        if x.shape[0] == 1:
+            return single_token_dispatch(x, weights, ids, w13, w2), counts
+        if w13.shape[0] <= ids.numel() <= _PADDED_MAX_ROUTED:
+            return padded_dispatch(x, weights, ids, counts, w13, w2), counts
+    return grouped_dispatch(x, weights, ids, counts, w13, w2), counts
+
+
+def gather_dispatch(x, weights, ids, w13, w2) -> torch.Tensor:
+    h = swiglu(torch.einsum("td,tahd->tah", x, w13[ids]))  # w13[ids]: [T, A, 2I, D]
+    y = torch.einsum("tai,tadi->tad", h, w2[ids])
+    return torch.einsum("tad,ta->td", y, weights.to(y.dtype))
+
+
+def single_token_dispatch(x, weights, ids, w13, w2) -> torch.Tensor:
+    """One token on the CPU: its A experts one after the other, in expert order (the
+    reference's summation order), four kernels each: w13 GEMV, SiLU, gate * up, and the
+    w2 GEMV accumulating weight * output into the result (addmv)."""
+    out = torch.zeros_like(x[0])
+    for expert, weight in sorted(zip(ids[0].tolist(), weights[0].tolist())):
+        gate, up = torch.mv(w13[expert], x[0]).chunk(2)
+        out.addmv_(w2[expert], F.silu(gate).mul_(up), alpha=weight)
+    return out.unsqueeze(0)
+
+
+def padded_dispatch(x, weights, ids, counts, w13, w2) -> torch.Tensor:
+    """Decode batches: tokens sorted by expert into an [E, C, D] buffer (C: the busiest
+    expert's load), then two batched matmuls over all experts. At this size the experts
+    are memory-bound and every one is hit; one bmm streams their weights faster than E
+    small matmuls (15% on our CPUs) and costs a fixed number of ops."""
+    top_k = ids.shape[1]
+    flat_ids = ids.flatten()
+    order = flat_ids.argsort(stable=True)
+    sorted_ids = flat_ids[order]
+    token_of = order // top_k
+    starts = counts.cumsum(0) - counts
+    slot = torch.arange(flat_ids.numel(), device=x.device) - starts[sorted_ids]
+    buf = x.new_zeros(w13.shape[0], int(counts.max()), x.shape[1])
+    buf[sorted_ids, slot] = x[token_of]
+    h = swiglu(torch.bmm(buf, w13.transpose(1, 2)))
+    ys = torch.bmm(h, w2.transpose(1, 2))[sorted_ids, slot]  # [T*A, D], expert order
+    ys *= weights.flatten()[order].to(ys.dtype).unsqueeze(1)
+    return torch.zeros_like(x).index_add_(0, token_of, ys)
+
+
+def grouped_dispatch(x, weights, ids, counts, w13, w2) -> torch.Tensor:
+    top_k = ids.shape[1]
+    flat_ids = ids.flatten()
+    order = flat_ids.argsort(stable=True)
+    token_of = order // top_k
+    xs = x[token_of]  # [T*A, D], grouped by expert
+    ys = torch.empty_like(xs)
+    start = 0
+    for expert, n in enumerate(counts.tolist()):
+        if n:
+            end = start + n
+            ys[start:end] = linear(swiglu(linear(xs[start:end], w13[expert])), w2[expert])
+            start = end
+    ys *= weights.flatten()[order].to(ys.dtype).unsqueeze(1)
+    return torch.zeros_like(x).index_add_(0, token_of, ys)
+
+
+# The dispatch as one opaque op for torch.compile: its paths read expert counts on the host,
+# which would split the compiled graph at every MoE layer.
+@torch.library.custom_op("moeserve::moe_dispatch", mutates_args=())
+def dispatch_op(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                w2: torch.Tensor, gather_max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return dispatch(x, weights, ids, w13, w2, gather_max_tokens)
+
+
+@dispatch_op.register_fake
+def _(x, weights, ids, w13, w2, gather_max_tokens):
+    return torch.empty_like(x), x.new_empty(w13.shape[0], dtype=torch.long)
+
+
 class MoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool, gather_max_tokens: int = 0, num_groups: int = 1,
@@ -58,7 +145,6 @@ class MoE(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.num_groups, self.topk_group, self.scaling = num_groups, topk_group, routed_scaling_factor
         self.router_fp32 = router_fp32
-        self.intermediate_size = intermediate_size
         self.gather_max_tokens = gather_max_tokens  # use the gather path up to this many tokens
         self.gate = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
@@ -74,59 +160,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the MoE output [T, D] and the per-expert token counts [E]."""
         weights, ids = self.route(x)
-        counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
-        if x.shape[0] <= self.gather_max_tokens:
-            return self.gather_dispatch(x, weights, ids), counts
-        routed = ids.numel()
-        if self.num_experts <= routed <= _PADDED_MAX_ROUTED and x.device.type == "cpu":
-            return self.padded_dispatch(x, weights, ids, counts), counts
-        return self.grouped_dispatch(x, weights, ids, counts), counts
-
-    def _act(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = h.split(self.intermediate_size, dim=-1)
-        return F.silu(gate) * up
-
-    def gather_dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        w13, w2 = self.w13[ids], self.w2[ids]  # [T, A, 2I, D], [T, A, D, I]
-        h = self._act(torch.einsum("td,tahd->tah", x, w13))
-        y = torch.einsum("tai,tadi->tad", h, w2)
-        return torch.einsum("tad,ta->td", y, weights.to(y.dtype))
-
-    def padded_dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                        counts: torch.Tensor) -> torch.Tensor:
-        """Decode batches: tokens sorted by expert into an [E, C, D] buffer (C: the busiest
-        expert's load), then two batched matmuls over all experts. At this size the experts
-        are memory-bound and every one is hit; one bmm streams their weights faster than E
-        small matmuls (15% on our CPUs) and costs a fixed number of ops."""
-        flat_ids = ids.flatten()
-        order = flat_ids.argsort(stable=True)
-        sorted_ids = flat_ids[order]
-        token_of = order // self.top_k
-        starts = counts.cumsum(0) - counts
-        slot = torch.arange(flat_ids.numel(), device=x.device) - starts[sorted_ids]
-        buf = x.new_zeros(self.num_experts, int(counts.max()), x.shape[1])
-        buf[sorted_ids, slot] = x[token_of]
-        h = self._act(torch.bmm(buf, self.w13.transpose(1, 2)))
-        ys = torch.bmm(h, self.w2.transpose(1, 2))[sorted_ids, slot]  # [T*A, D], expert order
-        ys *= weights.flatten()[order].to(ys.dtype).unsqueeze(1)
-        return torch.zeros_like(x).index_add_(0, token_of, ys)
-
-    def grouped_dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                         counts: torch.Tensor) -> torch.Tensor:
-        flat_ids = ids.flatten()
-        order = flat_ids.argsort(stable=True)
-        token_of = order // self.top_k
-        xs = x[token_of]  # [T*A, D], grouped by expert
-        ys = torch.empty_like(xs)
-        start = 0
-        for expert, n in enumerate(counts.tolist()):
-            if n:
-                end = start + n
-                ys[start:end] = linear(self._act(linear(xs[start:end], self.w13[expert])),
-                                         self.w2[expert])
-                start = end
-        ys *= weights.flatten()[order].to(ys.dtype).unsqueeze(1)
-        return torch.zeros_like(x).index_add_(0, token_of, ys)
+        run = dispatch_op if torch.compiler.is_compiling() else dispatch
+        return run(x, weights, ids, self.w13, self.w2, self.gather_max_tokens)
 
 
 class DenseMLP(nn.Module):
@@ -135,15 +170,13 @@ class DenseMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
         self.w13 = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(hidden_size, intermediate_size))
         self.b13 = nn.Parameter(torch.empty(2 * intermediate_size)) if bias else None
         self.b2 = nn.Parameter(torch.empty(hidden_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.w13, self.b13).split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate) * up, self.w2, self.b2)
+        return linear(swiglu(linear(x, self.w13, self.b13)), self.w2, self.b2)
 
 
 class SharedExpertMoE(nn.Module):

@@ -22,6 +22,7 @@ class Settings:
     max_model_len: int | None = None
     max_waiting: int = 256
     kv_cache_tokens: int | None = None
+    compile: bool = False
     max_body_bytes: int = 1 << 20
     log_format: str | None = None  # json | console; default: console on a TTY, JSON otherwise
     log_prompts: bool = False
@@ -32,7 +33,7 @@ class Settings:
     def engine_limits(self) -> dict:
         return {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
                 "max_model_len": self.max_model_len, "kv_cache_tokens": self.kv_cache_tokens,
-                "max_waiting": self.max_waiting}
+                "max_waiting": self.max_waiting, "compile": self.compile}
 
 
 _HELP = {
@@ -43,6 +44,7 @@ _HELP = {
     "api_key": "require 'Authorization: Bearer KEY' on /v1 routes and gRPC",
     "max_waiting": "waiting-queue bound; beyond it requests get 429 / RESOURCE_EXHAUSTED",
     "kv_cache_tokens": "KV cache size in tokens (CPU; GPU default: from free memory)",
+    "compile": "torch.compile the decode steps at start-up (faster decoding, slower start)",
     "max_body_bytes": "request body size limit (413 beyond)",
     "log_prompts": "include prompt and output text in logs",
     "demo_preset": "preset of the demo model (tiny|small)",

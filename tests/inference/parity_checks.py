@@ -47,8 +47,8 @@ def check_logits_match(path) -> None:
             torch.testing.assert_close(model.logits(hidden)[0], expected, atol=1e-4, rtol=1e-4)
 
 
-def check_greedy_alone_matches_generate(path) -> None:
-    engine = LLMEngine.from_pretrained(path, device="cpu", dtype="float32", kv_cache_tokens=1024)
+def check_greedy_alone_matches_generate(path, **options) -> None:
+    engine = LLMEngine.from_pretrained(path, device="cpu", dtype="float32", kv_cache_tokens=1024, **options)
     ref = hf_model(path)
     for prompt in prompts(engine.args.vocab_size, [7, 40]):
         [out] = engine.generate([prompt], GREEDY_32)
@@ -56,11 +56,11 @@ def check_greedy_alone_matches_generate(path) -> None:
         assert out.finish_reason == "length"
 
 
-def check_continuous_batch_with_chunked_prefill_and_preemption(path) -> None:
+def check_continuous_batch_with_chunked_prefill_and_preemption(path, **options) -> None:
     """Mixed prompt lengths, a 24-token step budget (prefills are chunked) and a KV cache of
     12 blocks of 16 tokens, far below what the batch needs, so sequences get preempted."""
     engine = LLMEngine.from_pretrained(path, device="cpu", dtype="float32", kv_cache_tokens=192,
-                                       max_num_batched_tokens=24, max_num_seqs=8)
+                                       max_num_batched_tokens=24, max_num_seqs=8, **options)
     ref = hf_model(path)
     batch = prompts(engine.args.vocab_size, [5, 61, 17, 33, 9, 48])
     ids = [f"r{i}" for i in range(len(batch))]
