@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,30 +34,34 @@ def start_server(model: Path, flags: list[str], env: dict[str, str], log: Path):
     raise RuntimeError(f"server did not start:\n{log.read_text()[-3000:]}")
 
 
-async def stream_completion(client: httpx.AsyncClient, body: dict) -> int:
-    """One SSE completion; returns its completion tokens from the final usage chunk."""
-    tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as r:
+async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict) -> int:
+    """One SSE completion; returns its completion tokens from the final usage chunk.
+
+    The stream is read in raw chunks and only its tail is parsed: the load generator shares
+    the machine with the server, so it does as little per token as it can (aiohttp's C
+    parser, no per-event JSON)."""
+    tail = b""
+    async with session.post(url + "/v1/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                usage = json.loads(line[6:]).get("usage")
-                if usage:
-                    tokens = usage["completion_tokens"]
-    return tokens
+        async for chunk in r.content.iter_any():
+            tail = (tail + chunk)[-4096:]
+    events = [e for e in tail.split(b"\n\n") if e.strip()]
+    if events[-1] != b"data: [DONE]":
+        raise RuntimeError(f"stream did not end with [DONE]: {tail[-200:]!r}")
+    return json.loads(events[-2].removeprefix(b"data: "))["usage"]["completion_tokens"]
 
 
 async def closed_loop(url: str, bodies: list[dict], concurrency: int) -> tuple[float, int]:
     """`concurrency` clients work through `bodies`; returns (seconds, output tokens)."""
     pending = list(reversed(bodies))
     tokens = 0
-    limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
 
         async def worker() -> None:
             nonlocal tokens
             while pending:
-                done = await stream_completion(client, pending.pop())
+                done = await stream_completion(session, url, pending.pop())
                 tokens += done
 
         start = time.perf_counter()

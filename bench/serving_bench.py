@@ -1,10 +1,15 @@
 """`make bench`, serving tax: output tokens/s through the REST API with 16 concurrent
 streams against the offline engine on the same requests (target: ratio >= 0.9).
 
-Both sides run the same 64 requests (128 random prompt token ids, 128 greedy output tokens,
-EOS ignored) on the `small` demo model in bfloat16, with max_num_seqs equal to the REST
+Both sides run the same 64 requests per round (128 random prompt token ids, 128 greedy output
+tokens, EOS ignored) on the `small` demo model in bfloat16, with max_num_seqs equal to the REST
 concurrency so both see the same batch sizes: the ratio is the cost of HTTP, SSE,
 detokenisation for the wire and the event loop, not of a different batch shape.
+
+Both are loaded before anything is timed (the server in its own process, idle while the offline
+engine runs, and the other way round) and warmed up on other prompts of the same shapes. Rounds
+alternate offline/REST (ABBA), each round on fresh prompts; the ratio is the median of the
+per-round REST/offline ratios, so that the drift of a shared VM hits both sides of each pair.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import asyncio
 import json
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -27,27 +33,17 @@ from inference.demo_model import ensure_demo_model
 RESULTS = Path(__file__).parent / "results"
 
 
-def offline(model: Path, prompts: list[list[int]], args) -> float:
-    engine = LLMEngine.from_pretrained(model, device=args.device, dtype="bfloat16",
-                                       max_num_seqs=args.concurrency)
-    engine.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
+def offline_round(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> float:
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
 
 
-def served(model: Path, prompts: list[list[int]], args, tmp: Path) -> float:
-    flags = ["--device", args.device, "--dtype", "bfloat16", "--max-num-seqs", str(args.concurrency)]
-    proc, url = start_server(model, flags, {}, tmp / "server.log")
-    try:
-        asyncio.run(closed_loop(url, [streaming_body(p, 4) for p in prompts[:2]], 2))  # warm-up
-        bodies = [streaming_body(p, args.output_len) for p in prompts]
-        seconds, tokens = asyncio.run(closed_loop(url, bodies, args.concurrency))
-    finally:
-        proc.terminate()
-        proc.wait(60)
-    assert tokens == len(prompts) * args.output_len, tokens
+def rest_round(url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> float:
+    bodies = [streaming_body(p, output_len) for p in prompts]
+    seconds, tokens = asyncio.run(closed_loop(url, bodies, concurrency))
+    assert tokens == len(prompts) * output_len, tokens
     return tokens / seconds
 
 
@@ -59,22 +55,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=4, help="offline/REST pairs")
     args = parser.parse_args(argv)
     model = ensure_demo_model(args.preset)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.requests)]
-    # the offline engine runs in this process; the server gets the cores to itself afterwards
-    engine_tps = offline(model, prompts, args)
+
+    def prompts(seed: int) -> list[list[int]]:
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.requests)]
+
+    engine = LLMEngine.from_pretrained(model, device=args.device, dtype="bfloat16", max_num_seqs=args.concurrency)
+    flags = ["--device", args.device, "--dtype", "bfloat16", "--max-num-seqs", str(args.concurrency)]
+    rounds = []
     with tempfile.TemporaryDirectory() as tmp:
-        rest_tps = served(model, prompts, args, Path(tmp))
-    ratio = rest_tps / engine_tps
+        proc, url = start_server(model, flags, {}, Path(tmp) / "server.log")
+        try:
+            warm = prompts(1000)  # other prompts, same shapes: oneDNN builds kernels per shape
+            offline_round(engine, warm, 4)
+            rest_round(url, warm, 4, args.concurrency)
+            for r in range(args.rounds):
+                batch = prompts(r)  # fresh each round: no prefix-cache hits from an earlier round
+                order = ("offline", "rest") if r % 2 == 0 else ("rest", "offline")
+                rates = {}
+                for side in order:
+                    rates[side] = (offline_round(engine, batch, args.output_len) if side == "offline"
+                                   else rest_round(url, batch, args.output_len, args.concurrency))
+                rounds.append({**rates, "ratio": rates["rest"] / rates["offline"]})
+                print(f"round {r}: REST {rates['rest']:.1f} tok/s, offline {rates['offline']:.1f} tok/s, "
+                      f"ratio {rounds[-1]['ratio']:.3f}", flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    ratio = statistics.median(r["ratio"] for r in rounds)
+    rest_tps = statistics.median(r["rest"] for r in rounds)
+    engine_tps = statistics.median(r["offline"] for r in rounds)
     print(f"serving tax: REST {rest_tps:.1f} tok/s with {args.concurrency} streams vs offline engine "
-          f"{engine_tps:.1f} tok/s -> ratio {ratio:.3f} (target >= 0.9)")
+          f"{engine_tps:.1f} tok/s (medians) -> ratio {ratio:.3f} (median of {args.rounds} paired rounds; "
+          f"target >= 0.9)")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "serving_bench.json").write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.platform(),
-        "rest_tokens_per_s": rest_tps, "offline_tokens_per_s": engine_tps, "ratio": ratio,
+        "rest_tokens_per_s": rest_tps, "offline_tokens_per_s": engine_tps, "ratio": ratio, "rounds": rounds,
         "config": {k: str(v) for k, v in vars(args).items()}}, indent=2))
     return 0
 

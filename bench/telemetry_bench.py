@@ -2,13 +2,14 @@
 against all of them off, same server flags and same load, printed as a ratio (target >= 0.97).
 
 On:  spans exported over OTLP/gRPC to a local sink (a real exporter doing real work), JSON
-     request logs to a file, /metrics scraped with exemplars once a second (as Prometheus
-     would).
+     request logs to a file, /metrics scraped with exemplars every 5 s (the interval of the
+     moeserve job in deploy/prometheus/prometheus.yml).
 Off: MOESERVE_TELEMETRY=0 (no spans, no metrics, no request logs) and OTEL_TRACES_EXPORTER=none.
 
 Load: `concurrency` clients streaming completions (SSE, EOS ignored) until `requests` are
-done, after a warm-up. Rounds alternate off/on so drift hits both; each reports output
-tokens/s and the ratio uses the medians.
+done. Both servers are started and warmed up before anything is timed (each idle while the
+other is measured); rounds alternate off/on (ABBA) and the ratio is the median of the per-round
+on/off ratios, so that the drift of a shared VM hits both sides of each pair.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import statistics
 import sys
 import tempfile
 import threading
-import time
 from concurrent import futures
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from bench.rest_load import closed_loop, start_server, streaming_body
 from inference.demo_model import ensure_demo_model
 
 RESULTS = Path(__file__).parent / "results"
+SCRAPE_INTERVAL_S = 5.0  # as deploy/prometheus/prometheus.yml scrapes moeserve
 
 
 class _Sink(trace_service_pb2_grpc.TraceServiceServicer):
@@ -53,32 +55,40 @@ async def _load(url: str, args: argparse.Namespace, num_requests: int) -> tuple[
 
 def _scrape(url: str, stop: threading.Event) -> None:
     with httpx.Client(base_url=url, timeout=10) as client:
-        while not stop.wait(1.0):
+        while not stop.wait(SCRAPE_INTERVAL_S):
             client.get("/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
 
 
-def run_round(model: Path, args: argparse.Namespace, telemetry: bool, sink_port: int, tmp: Path) -> dict:
+def start(model: Path, args: argparse.Namespace, telemetry: bool, sink_port: int, tmp: Path):
     if telemetry:
         env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}",
                "MOESERVE_TELEMETRY": "1"}
     else:
         env = {"OTEL_TRACES_EXPORTER": "none", "MOESERVE_TELEMETRY": "0"}
-    log = tmp / f"server-{'on' if telemetry else 'off'}-{time.monotonic_ns()}.log"
+    log = tmp / f"server-{'on' if telemetry else 'off'}.log"
     flags = ["--device", args.device, "--max-num-seqs", str(args.concurrency)]
     proc, url = start_server(model, flags, env, log)
+    asyncio.run(_load(url, args, args.concurrency))  # warm-up
+    return proc, url, log
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_round(url: str, pid: int, args: argparse.Namespace, telemetry: bool) -> dict:
     stop = threading.Event()
+    if telemetry:
+        threading.Thread(target=_scrape, args=(url, stop), daemon=True).start()
+    cpu = cpu_seconds(pid)
     try:
-        asyncio.run(_load(url, args, args.concurrency))  # warm-up
-        if telemetry:
-            threading.Thread(target=_scrape, args=(url, stop), daemon=True).start()
         elapsed, tokens = asyncio.run(_load(url, args, args.requests))
     finally:
         stop.set()
-        proc.terminate()
-        proc.wait(60)
-    lines = sum(1 for line in log.read_text().splitlines() if '"request finished"' in line)
-    return {"telemetry": telemetry, "seconds": elapsed, "output_tokens": tokens,
-            "tokens_per_s": tokens / elapsed, "summary_log_lines": lines}
+    return {"telemetry": telemetry, "seconds": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed,
+            "server_cpu_ms_per_token": (cpu_seconds(pid) - cpu) / tokens * 1e3}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2, help="off/on pairs")
+    parser.add_argument("--rounds", type=int, default=6, help="off/on pairs")
     parser.add_argument("--out", type=Path, default=RESULTS / "telemetry_bench.json")
     args = parser.parse_args(argv)
 
@@ -98,24 +108,39 @@ def main(argv: list[str] | None = None) -> int:
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
     sink_port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    rounds = []
+    rounds, pairs, procs = [], [], []
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for _ in range(args.rounds):
-                for telemetry in (False, True):
-                    rounds.append(run_round(model, args, telemetry, sink_port, Path(tmp)))
-                    r = rounds[-1]
-                    print(f"telemetry {'on ' if telemetry else 'off'}: {r['tokens_per_s']:8.1f} tok/s "
-                          f"({r['output_tokens']} tokens in {r['seconds']:.2f} s)", flush=True)
+            servers = {}
+            for telemetry in (False, True):
+                proc, url, log = start(model, args, telemetry, sink_port, Path(tmp))
+                procs.append(proc)
+                servers[telemetry] = url, log, proc.pid
+            for r in range(args.rounds):
+                rates = {}
+                for telemetry in ((False, True) if r % 2 == 0 else (True, False)):
+                    url, _, pid = servers[telemetry]
+                    rounds.append(run_round(url, pid, args, telemetry))
+                    rates[telemetry] = rounds[-1]["tokens_per_s"]
+                    print(f"telemetry {'on ' if telemetry else 'off'}: {rates[telemetry]:8.1f} tok/s, server CPU "
+                          f"{rounds[-1]['server_cpu_ms_per_token']:.2f} ms per output token", flush=True)
+                pairs.append(rates[True] / rates[False])
+            summary_lines = sum(1 for line in servers[True][1].read_text().splitlines()
+                                if '"request finished"' in line)
     finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(60)
         server.stop(grace=None)
+    ratio = statistics.median(pairs)
     on = statistics.median(r["tokens_per_s"] for r in rounds if r["telemetry"])
     off = statistics.median(r["tokens_per_s"] for r in rounds if not r["telemetry"])
-    result = {"ratio_on_over_off": on / off, "target": 0.97, "on_tokens_per_s": on,
-              "off_tokens_per_s": off, "spans_exported": sink.spans, "rounds": rounds,
+    result = {"ratio_on_over_off": ratio, "target": 0.97, "on_tokens_per_s": on, "off_tokens_per_s": off,
+              "pair_ratios": pairs, "spans_exported": sink.spans, "summary_log_lines": summary_lines,
+              "rounds": rounds,
               "config": {**{k: str(v) for k, v in vars(args).items()}, "machine": platform.platform()}}
-    print(f"telemetry overhead: on/off throughput = {on / off:.3f} (target >= 0.97); "
-          f"{sink.spans} spans exported")
+    print(f"telemetry overhead: on/off throughput = {ratio:.3f} (median of {args.rounds} paired rounds; "
+          f"target >= 0.97); {sink.spans} spans exported, {summary_lines} request summary lines")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     return 0

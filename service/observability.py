@@ -48,6 +48,11 @@ from telemetry.tracing import (
 log = get_logger("service.observability")
 
 MAX_LIVE_SPANS = 16384  # request id -> span context for step-span links (bounded)
+# Routine decode steps (no prefill, no preemption, not slow) get a span one time in this many;
+# the others always do. At ~30 steps/s per replica, spans for every routine step were about
+# half of telemetry's CPU (building and OTLP-encoding them) for no diagnostic value.
+ROUTINE_STEP_SPAN_EVERY = 16
+SLOW_STEP_FACTOR = 2.0  # a step this many times the typical decode step is never routine
 _OPERATIONS = {"openai.chat": "chat", "openai.completions": "text_completion"}
 _CURRENT: ContextVar[RequestTelemetry | None] = ContextVar("moeserve_request", default=None)
 
@@ -86,6 +91,8 @@ class Observability:
         self.log_prompts = log_prompts
         self.decode = decode
         self.live: dict[str, SpanContext] = {}
+        self._typical_decode_s: float | None = None  # moving average of routine decode steps
+        self._routine_steps = 0
 
     @classmethod
     def disabled(cls) -> Observability:
@@ -98,8 +105,21 @@ class Observability:
             return
         if self.metrics is not None:
             self.metrics.observe_step(stats)
-        if stats.batch_size or stats.request_ids:
+        if (stats.batch_size or stats.request_ids) and self._wants_step_span(stats):
             record_step_span(stats, self.live.get, tracer=self.tracer)
+
+    def _wants_step_span(self, stats: Any) -> bool:
+        """Every step that prefilled, preempted or ran slow (SLOW_STEP_FACTOR x the typical
+        decode step) gets a span, so a slow request's trace shows the steps that slowed it;
+        one routine decode step in ROUTINE_STEP_SPAN_EVERY does too."""
+        if stats.num_prefill_tokens or stats.num_preemptions:
+            return True
+        typical = self._typical_decode_s
+        if typical is not None and stats.duration_s > SLOW_STEP_FACTOR * typical:
+            return True
+        self._typical_decode_s = stats.duration_s if typical is None else 0.9 * typical + 0.1 * stats.duration_s
+        self._routine_steps += 1
+        return self._routine_steps % ROUTINE_STEP_SPAN_EVERY == 1
 
     # ---- requests -------------------------------------------------------------------------
     @contextmanager

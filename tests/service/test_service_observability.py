@@ -117,3 +117,32 @@ def test_generate_without_an_api_layer_owns_its_span(server):
     (line,) = [s for s in _summaries(logs) if s["request_id"] == "direct-1"]
     assert line["completion_tokens"] == 6 and line["trace_id"] == format(request.context.trace_id, "032x")
     assert not obs.live  # the step-link map forgets finished requests
+
+
+def _step(duration_s: float, prefill: int = 0, preemptions: int = 0):
+    from inference.outputs import StepStats
+
+    return StepStats(started=0.0, started_unix_ns=1, duration_s=duration_s, num_running=1, num_waiting=0,
+                     batch_size=1, num_prefill_tokens=prefill, num_decode_tokens=1 - bool(prefill),
+                     num_generated_tokens=1, kv_usage=0.1, num_preemptions=preemptions, request_ids=["r"])
+
+
+def test_step_spans_keep_unusual_steps_and_sample_routine_ones():
+    from service.observability import ROUTINE_STEP_SPAN_EVERY
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    obs = Observability("m", tracer=provider.get_tracer("t"))
+
+    def spans_for(stats) -> int:
+        before = len(exporter.get_finished_spans())
+        obs.on_step(stats)
+        return len(exporter.get_finished_spans()) - before
+
+    assert spans_for(_step(0.5, prefill=128)) == 1  # prefill: always
+    routine = [spans_for(_step(0.010)) for _ in range(3 * ROUTINE_STEP_SPAN_EVERY)]
+    assert sum(routine) == 3 and routine[0] == 1  # one routine decode step in N
+    assert spans_for(_step(0.010, preemptions=1)) == 1  # preemption: always
+    assert spans_for(_step(0.050)) == 1  # 5x the typical decode step: slow, always
+    assert all(s.name == "engine_step" for s in exporter.get_finished_spans())
