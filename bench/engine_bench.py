@@ -111,56 +111,54 @@ def bench_offline(model_dir: Path, num_requests: int, prompt_len: int, output_le
     return rows
 
 
-def bench_arch(arch: str, preset: str, num_requests: int, prompt_len: int, output_len: int) -> dict:
+def bench_arch(arch: str, preset: str, num_requests: int, prompt_len: int, output_len: int, rounds: int) -> dict:
     """Engine (continuous batching) vs transformers static batches of 16, bfloat16, one arch."""
     from transformers import AutoModelForCausalLM
 
     model_dir = ensure_demo_model(preset, arch=arch)
-    engine = LLMEngine.from_pretrained(model_dir, device="cpu", dtype="bfloat16")
+    engine = load_engine(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     prompts = make_prompts(num_requests, prompt_len, engine.args.vocab_size)
     params = SamplingParams(max_tokens=output_len, min_tokens=output_len, temperature=0.0, ignore_eos=True)
-    warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    engine.generate(prompts[:1], warm)
+    warm_up([engine], hf, prompts)
+
+    def run_engine() -> int:
+        outs = engine.generate(prompts, params)
+        assert all(len(o.token_ids) == output_len for o in outs)
+        return num_requests * output_len
+
+    row = {"moeserve_batched": best_rate(run_engine, rounds)}
     with torch.inference_mode():
-        hf_generate(hf, prompts[:1], 2)
-    t, outs = timed(lambda: engine.generate(prompts, params))
-    assert all(len(o.token_ids) == output_len for o in outs)
-    row = {"moeserve_batched": num_requests * output_len / t}
-    with torch.inference_mode():
-        t, n = timed(lambda: sum(hf_generate(hf, prompts[i:i + 16], output_len)
-                                 for i in range(0, num_requests, 16)))
-    row["hf_static_batch16"] = n / t
+        row["hf_static_batch16"] = best_rate(
+            lambda: sum(hf_generate(hf, prompts[i:i + 16], output_len) for i in range(0, num_requests, 16)), rounds)
     row["ratio"] = row["moeserve_batched"] / row["hf_static_batch16"]
     return row
 
 
-def bench_smollm2(num_requests: int, prompt_len: int, output_len: int) -> dict:
+def bench_smollm2(num_requests: int, prompt_len: int, output_len: int, rounds: int) -> dict:
     """SmolLM2-135M-Instruct, bf16: single stream and batched, engine vs transformers."""
     from transformers import AutoModelForCausalLM
 
     from inference.model_zoo import resolve_model
 
     model_dir = resolve_model("smollm2")
-    engine = LLMEngine.from_pretrained(model_dir, device="cpu", dtype="bfloat16")
+    engine = load_engine(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     prompts = make_prompts(num_requests, prompt_len, engine.args.vocab_size)
     params = SamplingParams(max_tokens=output_len, min_tokens=output_len, temperature=0.0, ignore_eos=True)
-    engine.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    warm_up([engine], hf, prompts)
+
+    def run_engine(batch: list[list[int]]) -> int:
+        outs = engine.generate(batch, params)
+        assert all(len(o.token_ids) == output_len for o in outs)
+        return len(batch) * output_len
+
+    row = {"moeserve_single_stream": best_rate(lambda: run_engine(prompts[:1]), rounds),
+           "moeserve_batched": best_rate(lambda: run_engine(prompts), rounds)}
     with torch.inference_mode():
-        hf_generate(hf, prompts[:2], 4)
-    row = {}
-    t, _ = timed(lambda: engine.generate(prompts[:1], params))
-    row["moeserve_single_stream"] = output_len / t
-    t, outs = timed(lambda: engine.generate(prompts, params))
-    assert all(len(o.token_ids) == output_len for o in outs)
-    row["moeserve_batched"] = num_requests * output_len / t
-    with torch.inference_mode():
-        t, n = timed(lambda: hf_generate(hf, prompts[:1], output_len))
-        row["hf_single_stream"] = n / t
-        t, n = timed(lambda: sum(hf_generate(hf, prompts[i:i + 16], output_len)
-                                 for i in range(0, num_requests, 16)))
-        row["hf_static_batch16"] = n / t
+        row["hf_single_stream"] = best_rate(lambda: hf_generate(hf, prompts[:1], output_len), rounds)
+        row["hf_static_batch16"] = best_rate(
+            lambda: sum(hf_generate(hf, prompts[i:i + 16], output_len) for i in range(0, num_requests, 16)), rounds)
     row["single_ratio"] = row["moeserve_single_stream"] / row["hf_single_stream"]
     row["batched_ratio"] = row["moeserve_batched"] / row["hf_static_batch16"]
     chat = engine.tokenizer.apply_chat_template(
@@ -171,8 +169,8 @@ def bench_smollm2(num_requests: int, prompt_len: int, output_len: int) -> dict:
     return row
 
 
-def main_smollm2(num_requests: int, prompt_len: int, output_len: int) -> None:
-    r = bench_smollm2(num_requests, prompt_len, output_len)
+def main_smollm2(num_requests: int, prompt_len: int, output_len: int, rounds: int) -> None:
+    r = bench_smollm2(num_requests, prompt_len, output_len, rounds)
     print(f"\nSmolLM2-135M-Instruct, bf16, {num_requests} requests x {prompt_len} -> {output_len} tokens, "
           f"{torch.get_num_threads()} threads (output tok/s)")
     print(f"  {'':14s} {'moeserve':>9s} {'hf':>9s} {'ratio':>6s}")
@@ -188,7 +186,8 @@ def main_smollm2(num_requests: int, prompt_len: int, output_len: int) -> None:
     (RESULTS / "engine_bench_smollm2.json").write_text(json.dumps(record, indent=2))
 
 
-def main_archs(archs: list[str], preset: str, num_requests: int, prompt_len: int, output_len: int) -> None:
+def main_archs(archs: list[str], preset: str, num_requests: int, prompt_len: int, output_len: int,
+               rounds: int) -> None:
     archs = sorted(ARCHS) if "all" in archs else archs
     unknown = set(archs) - set(ARCHS)
     if unknown:
@@ -198,7 +197,7 @@ def main_archs(archs: list[str], preset: str, num_requests: int, prompt_len: int
     print(f"  {'arch':12s} {'moeserve':>9s} {'hf_batch16':>10s} {'ratio':>6s}")
     rows = {}
     for arch in archs:
-        rows[arch] = r = bench_arch(arch, preset, num_requests, prompt_len, output_len)
+        rows[arch] = r = bench_arch(arch, preset, num_requests, prompt_len, output_len, rounds)
         print(f"  {arch:12s} {r['moeserve_batched']:9.1f} {r['hf_static_batch16']:10.1f} {r['ratio']:5.2f}x")
     RESULTS.mkdir(exist_ok=True)
     record = {"date": time.strftime("%Y-%m-%d %H:%M"), "preset": preset, "requests": num_requests,
@@ -222,10 +221,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     if args.smollm2:
-        main_smollm2(args.requests, args.prompt_len, args.output_len)
+        main_smollm2(args.requests, args.prompt_len, args.output_len, args.rounds)
         return
     if args.arch:
-        main_archs(args.arch, args.preset, args.requests, args.prompt_len, args.output_len)
+        main_archs(args.arch, args.preset, args.requests, args.prompt_len, args.output_len, args.rounds)
         return
     model_dir = ensure_demo_model("small")
     rows = bench_offline(model_dir, args.requests, args.prompt_len, args.output_len, args.sequential_subset,

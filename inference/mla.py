@@ -104,8 +104,12 @@ class MLAttention(nn.Module):
         w = self.wkv_b.weight.view(self.num_heads, self.nope_dim + self.v_dim, r)
         w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim:]  # [H, n, r], [H, v, r]
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
-        q_abs = torch.cat((q_lat, q_pe), dim=-1).unsqueeze(2)  # [B_d, H, 1, r + p]
-        keys = gather_slots(cache, meta.decode_slots).transpose(1, 2)  # [B_d, 1, L, r + p]
-        o = F.scaled_dot_product_attention(q_abs, keys, keys[..., :r], attn_mask=meta.decode_mask,
-                                           scale=self.scale, enable_gqa=True)  # [B_d, H, 1, r]
-        return torch.einsum("bhr,hvr->bhv", o.squeeze(2), w_uv)
+        q_abs = torch.cat((q_lat, q_pe), dim=-1)  # [B_d, H, r + p]
+        keys = gather_slots(cache, meta.decode_slots)[:, :, 0]  # [B_d, L, r + p]
+        # One kv head shared by all H query heads: two bmm with the heads as rows, instead of
+        # SDPA, whose CPU path would copy the keys H times (enable_gqa) every step.
+        scores = torch.bmm(q_abs, keys.transpose(1, 2)).float() * self.scale  # [B_d, H, L]
+        if meta.decode_mask is not None:
+            scores = scores.masked_fill(~meta.decode_mask.view(scores.shape[0], 1, -1), float("-inf"))
+        o = torch.bmm(scores.softmax(dim=-1).to(keys.dtype), keys[..., :r])  # [B_d, H, r]
+        return torch.einsum("bhr,hvr->bhv", o, w_uv)
