@@ -48,6 +48,18 @@ def hf_generate(model, batch: list[list[int]], new_tokens: int) -> int:
     return (out.shape[1] - width) * len(batch)
 
 
+def hf_static_batches(model, prompts: list[list[int]], new_tokens: int, size: int = 16) -> int:
+    """transformers `generate` over static batches of `size`; returns generated tokens."""
+    return sum(hf_generate(model, prompts[i:i + size], new_tokens) for i in range(0, len(prompts), size))
+
+
+def engine_tokens(engine: LLMEngine, batch: list[list[int]], params: SamplingParams) -> int:
+    """Generates `batch`, checks each request got all params.max_tokens tokens; returns them."""
+    outs = engine.generate(batch, params)
+    assert all(len(o.token_ids) == params.max_tokens for o in outs)
+    return len(batch) * params.max_tokens
+
+
 def timed(fn) -> tuple[float, object]:
     start = time.perf_counter()
     result = fn()
@@ -91,22 +103,14 @@ def bench_offline(model_dir: Path, num_requests: int, prompt_len: int, output_le
     prompts = make_prompts(num_requests, prompt_len, engines["moeserve"].args.vocab_size)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     warm_up(list(engines.values()), hf, prompts)
-
-    def run_engine(engine: LLMEngine, batch: list[list[int]]) -> int:
-        outs = engine.generate(batch, params)
-        assert all(len(o.token_ids) == output_len for o in outs)
-        return len(batch) * output_len
-
     rows = {}
     for name, engine in engines.items():
-        rows[f"{name}_batched"] = best_rate(lambda e=engine: run_engine(e, prompts), rounds)
-        rows[f"{name}_single_stream"] = best_rate(lambda e=engine: run_engine(e, prompts[:1]), rounds)
+        rows[f"{name}_batched"] = best_rate(lambda e=engine: engine_tokens(e, prompts, params), rounds)
+        rows[f"{name}_single_stream"] = best_rate(lambda e=engine: engine_tokens(e, prompts[:1], params), rounds)
     with torch.inference_mode():
         rows["hf_sequential"] = best_rate(
             lambda: sum(hf_generate(hf, [p], output_len) for p in prompts[:sequential_subset]), 1)
-        rows["hf_static_batch16"] = best_rate(
-            lambda: sum(hf_generate(hf, prompts[i:i + 16], output_len) for i in range(0, num_requests, 16)),
-            rounds)
+        rows["hf_static_batch16"] = best_rate(lambda: hf_static_batches(hf, prompts, output_len), rounds)
         rows["hf_single_stream"] = best_rate(lambda: hf_generate(hf, prompts[:1], output_len), rounds)
     return rows
 
@@ -121,16 +125,9 @@ def bench_arch(arch: str, preset: str, num_requests: int, prompt_len: int, outpu
     prompts = make_prompts(num_requests, prompt_len, engine.args.vocab_size)
     params = SamplingParams(max_tokens=output_len, min_tokens=output_len, temperature=0.0, ignore_eos=True)
     warm_up([engine], hf, prompts)
-
-    def run_engine() -> int:
-        outs = engine.generate(prompts, params)
-        assert all(len(o.token_ids) == output_len for o in outs)
-        return num_requests * output_len
-
-    row = {"moeserve_batched": best_rate(run_engine, rounds)}
+    row = {"moeserve_batched": best_rate(lambda: engine_tokens(engine, prompts, params), rounds)}
     with torch.inference_mode():
-        row["hf_static_batch16"] = best_rate(
-            lambda: sum(hf_generate(hf, prompts[i:i + 16], output_len) for i in range(0, num_requests, 16)), rounds)
+        row["hf_static_batch16"] = best_rate(lambda: hf_static_batches(hf, prompts, output_len), rounds)
     row["ratio"] = row["moeserve_batched"] / row["hf_static_batch16"]
     return row
 
@@ -147,18 +144,11 @@ def bench_smollm2(num_requests: int, prompt_len: int, output_len: int, rounds: i
     prompts = make_prompts(num_requests, prompt_len, engine.args.vocab_size)
     params = SamplingParams(max_tokens=output_len, min_tokens=output_len, temperature=0.0, ignore_eos=True)
     warm_up([engine], hf, prompts)
-
-    def run_engine(batch: list[list[int]]) -> int:
-        outs = engine.generate(batch, params)
-        assert all(len(o.token_ids) == output_len for o in outs)
-        return len(batch) * output_len
-
-    row = {"moeserve_single_stream": best_rate(lambda: run_engine(prompts[:1]), rounds),
-           "moeserve_batched": best_rate(lambda: run_engine(prompts), rounds)}
+    row = {"moeserve_single_stream": best_rate(lambda: engine_tokens(engine, prompts[:1], params), rounds),
+           "moeserve_batched": best_rate(lambda: engine_tokens(engine, prompts, params), rounds)}
     with torch.inference_mode():
         row["hf_single_stream"] = best_rate(lambda: hf_generate(hf, prompts[:1], output_len), rounds)
-        row["hf_static_batch16"] = best_rate(
-            lambda: sum(hf_generate(hf, prompts[i:i + 16], output_len) for i in range(0, num_requests, 16)), rounds)
+        row["hf_static_batch16"] = best_rate(lambda: hf_static_batches(hf, prompts, output_len), rounds)
     row["single_ratio"] = row["moeserve_single_stream"] / row["hf_single_stream"]
     row["batched_ratio"] = row["moeserve_batched"] / row["hf_static_batch16"]
     chat = engine.tokenizer.apply_chat_template(

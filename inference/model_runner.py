@@ -25,10 +25,6 @@ class ModelRunner:
                  device: torch.device, compile: bool = False) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.sampler, self.device = sampler, device
-        # Decode-only steps run the compiled model: a few hundred small per-layer ops (norms,
-        # rope, routing) become a handful of fused kernels, which is most of a decode step's
-        # time at this size. dynamic=True: one graph for one sequence (0/1 specialisation) and
-        # one for every larger batch and context length.
         if compile:
             # Inductor would decompose the single-row GEMVs into a generated reduction that
             # runs 1.4-2x slower than the ATen/MKL kernel on our CPUs (768x512 bf16: 53 vs
@@ -36,6 +32,10 @@ class ModelRunner:
             from torch._inductor.decomposition import decompositions
 
             decompositions.pop(torch.ops.aten.mv.default, None)
+        # Decode-only steps run the compiled model: a few hundred small per-layer ops (norms,
+        # rope, routing) become a handful of fused kernels, which is most of a decode step's
+        # time at this size. dynamic=True: one graph for one sequence (0/1 specialisation) and
+        # one for every larger batch and context length.
         self.decode_model = torch.compile(model, dynamic=True) if compile else model
 
     def _slots(self, block_tables: list[list[int]], length: int) -> torch.Tensor:
