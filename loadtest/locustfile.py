@@ -67,6 +67,7 @@ import locust.stats
 import requests
 from locust import User, events, tag, task
 from locust.runners import WorkerRunner
+from prompt_words import FALLBACK_TOKENS_PER_WORD, WORDS
 
 try:  # grpcio must cooperate with gevent before any channel exists
     import grpc
@@ -79,18 +80,6 @@ except ImportError:  # REST-only runs work without grpcio
 log = logging.getLogger("moeserve.loadtest")
 
 DEFAULT_GRPC_PORT = 50051
-FALLBACK_TOKENS_PER_WORD = 1.3
-_WORDS_TEXT = (
-    "the of and to in is was for on that with as by at from his her they this be are or an which "
-    "one had not but all were when there can more has their been would will what if who out so "
-    "about up into them other time some could these two may then do first any like my now over "
-    "such our man me even most made after also did many before must through back years where much "
-    "your way well down should because each just those people how too little state good very make "
-    "world still own see men work long get here between both life being under never day same "
-    "another know while last might us great old year off come since against go came right used "
-    "take three small house number water light river system market theory music history garden"
-)
-WORDS = _WORDS_TEXT.split()
 
 
 # ---------------------------------------------------------------------------------------------

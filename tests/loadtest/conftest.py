@@ -102,7 +102,10 @@ def live_server(tiny_model_dir) -> Iterator[RunningServer]:
 
 @pytest.fixture(scope="session")
 def bench_serving():
-    """loadtest/bench_serving.py as a module (it is a script, not a package member)."""
+    """loadtest/bench_serving.py as a module (it is a script, not a package member; like
+    `python loadtest/bench_serving.py`, it finds its sibling prompt_words.py on sys.path)."""
+    if str(LOADTEST) not in sys.path:
+        sys.path.insert(0, str(LOADTEST))
     spec = importlib.util.spec_from_file_location("bench_serving", LOADTEST / "bench_serving.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("bench_serving", module)
