@@ -219,7 +219,8 @@ def test_graceful_stop_lets_in_flight_streams_finish(make_server):
 # ---- deadlines and cancels free the request's KV blocks -------------------------------------
 @pytest.fixture
 def aborted(server, monkeypatch):
-    """request ids the engine really aborted (LLMEngine.abort found them unfinished)."""
+    """request ids the engine really aborted (LLMEngine.abort found them unfinished). Appended
+    on the engine thread just after abort() has freed the blocks: wait for both."""
     ids: list[str] = []
     engine = server.engine.engine
     original = engine.abort
@@ -249,7 +250,7 @@ def test_deadline_mid_stream_aborts_and_frees_kv(server, aborted):
     with pytest.raises(grpc.RpcError) as info:
         list(stream)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    _wait_until(lambda: server.kv_blocks_used == 0, timeout=1.0)
+    _wait_until(lambda: server.kv_blocks_used == 0 and aborted, timeout=1.0)
     assert aborted == ["deadline-stream"]
     assert server.state.in_flight == 0 and not server.engine.engine.requests
 
@@ -257,7 +258,7 @@ def test_deadline_mid_stream_aborts_and_frees_kv(server, aborted):
 def test_deadline_on_unary_generate_aborts_and_frees_kv(server, aborted):
     code, _ = _code(server.stub.Generate, _long_request("deadline-unary"), timeout=0.4)
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-    _wait_until(lambda: server.kv_blocks_used == 0, timeout=1.0)
+    _wait_until(lambda: server.kv_blocks_used == 0 and aborted, timeout=1.0)
     assert aborted == ["deadline-unary"]
 
 
@@ -266,7 +267,7 @@ def test_client_cancel_aborts_and_frees_kv(server, aborted):
     next(stream), next(stream)
     assert server.kv_blocks_used > 0
     stream.cancel()
-    _wait_until(lambda: server.kv_blocks_used == 0, timeout=1.0)
+    _wait_until(lambda: server.kv_blocks_used == 0 and aborted, timeout=1.0)
     assert aborted == ["cancelled"] and server.state.in_flight == 0
 
 
