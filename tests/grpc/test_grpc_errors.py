@@ -163,7 +163,7 @@ def test_api_key_required_on_inference_only(make_server):
 def test_full_waiting_queue_is_resource_exhausted(make_server):
     srv = make_server(max_num_seqs=1, max_waiting=1)
     request = pb.GenerateRequest(
-        prompt="burst", params=pb.SamplingParams(max_tokens=48, ignore_eos=True)
+        prompt="burst", params=pb.SamplingParams(max_tokens=128, ignore_eos=True)
     )
     calls = [srv.stub.Generate.future(request, timeout=30) for _ in range(8)]
     codes, retry_after = [], []

@@ -162,7 +162,7 @@ def test_overload_gets_429_with_retry_after_and_nothing_is_lost(start_server, wa
     with start_server(max_waiting=2, max_num_seqs=1) as srv:
         async def fire() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
-                body = {"prompt": "count to ten", "max_tokens": 16, "ignore_eos": True}
+                body = {"prompt": "count to ten", "max_tokens": 64, "ignore_eos": True}
                 return await asyncio.gather(*(c.post(COMP, json=body) for _ in range(20)))
 
         responses = asyncio.run(asyncio.wait_for(fire(), 90))
@@ -175,5 +175,5 @@ def test_overload_gets_429_with_retry_after_and_nothing_is_lost(start_server, wa
                 assert r.json()["error"]["type"] == "rate_limit_error"
                 assert int(r.headers["retry-after"]) >= 1
             else:
-                assert r.json()["usage"]["completion_tokens"] == 16
+                assert r.json()["usage"]["completion_tokens"] == 64
         wait_idle(srv, 5)

@@ -6,6 +6,7 @@ import json
 import signal
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -41,12 +42,18 @@ def test_stream_disconnect_aborts_and_frees_kv_blocks(server, wait_idle):
 
 
 def test_non_streaming_disconnect_aborts_the_request(server, wait_idle):
+    """The client hangs up once its request is running (a read timeout would race a fast machine:
+    CI generated all 230 tokens in 0.27 s once)."""
     mark = len(server.finished)
-    with (
-        httpx.Client(base_url=server.url, timeout=httpx.Timeout(30, read=0.3)) as c,
-        pytest.raises(httpx.ReadTimeout),
-    ):
-        c.post("/v1/completions", json=LONG)
+    body = json.dumps(LONG).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.server.rest_port), timeout=10) as sock:
+        sock.sendall(head + body)
+        deadline = time.monotonic() + 10
+        while server.engine.engine.block_manager.num_used == 0:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.001)
     wait_idle(server, 2.0)
     aborted = _aborted_since(server, mark)
     assert len(aborted) == 1 and aborted[0].startswith("cmpl-"), server.finished[mark:]
@@ -72,12 +79,12 @@ def test_disconnected_client_does_not_disturb_others(server, wait_idle):
     wait_idle(server, 2.0)
 
 
-def _stream_until_done(url: str, out: dict, key: int, started: threading.Event) -> None:
+def _stream_until_done(url: str, out: dict, key: int, started: threading.Event, body: dict) -> None:
     events = []
     try:
         with (
             httpx.Client(base_url=url, timeout=120) as c,
-            c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r,
+            c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r,
         ):
             out[f"status{key}"] = r.status_code
             for line in r.iter_lines():
@@ -92,7 +99,7 @@ def _stream_until_done(url: str, out: dict, key: int, started: threading.Event) 
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_model_dir, subprocess_server):
     srv = subprocess_server(["--model", str(tiny_model_dir), "--port", "0", "--grpc-port", "0",
-                             "--max-model-len", "256", "--kv-cache-tokens", "4096", "--dtype", "float32",
+                             "--max-model-len", "2048", "--kv-cache-tokens", "8192", "--dtype", "float32",
                              "--drain-timeout", "60"])
     try:
         started = srv.wait_for_event("server started", 120)
@@ -100,9 +107,11 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_model_dir, subproce
         assert isinstance(started["grpc_port"], int) and started["grpc_port"] > 0
         socket.create_connection(("127.0.0.1", started["grpc_port"]), timeout=5).close()  # gRPC listens too
 
+        # long enough (seconds even on a fast machine) that the drain window is always observable
+        body = {**LONG, "max_tokens": 1500}
         out: dict = {}
         flags = [threading.Event(), threading.Event()]
-        threads = [threading.Thread(target=_stream_until_done, args=(url, out, i, flags[i])) for i in range(2)]
+        threads = [threading.Thread(target=_stream_until_done, args=(url, out, i, flags[i], body)) for i in range(2)]
         for t in threads:
             t.start()
         assert all(f.wait(60) for f in flags), out

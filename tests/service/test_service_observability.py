@@ -68,7 +68,7 @@ def test_queue_full_counts_as_rejected(start_server):
     with start_server(max_waiting=1, max_num_seqs=1) as srv:
         async def fire() -> list[int]:
             async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
-                body = {"prompt": "count to ten", "max_tokens": 16, "ignore_eos": True}
+                body = {"prompt": "count to ten", "max_tokens": 64, "ignore_eos": True}
                 return [r.status_code for r in await asyncio.gather(*(c.post(COMP, json=body) for _ in range(12)))]
 
         with capture_logs() as logs:
