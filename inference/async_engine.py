@@ -1,30 +1,44 @@
-"""AsyncLLMEngine: the engine loop on its own thread, per-request output streams on asyncio.
+"""AsyncLLMEngine: the API process's handle on the engine core process, with per-request
+output streams on asyncio.
 
-Requests and aborts reach the engine thread through a queue and are applied between steps;
-outputs come back to the event loop in one callback per step. Each request's stream is a
-single slot that merges deltas when its consumer lags, so no queue grows without bound.
-Torch releases the GIL during kernels, so the event loop stays responsive while a step runs.
+The engine itself (weights, KV cache, scheduler) lives in a process of its own
+(inference/engine_core.py); this side keeps the tokenizer and the model's config, validates
+prompts before they cross, and learns the engine's state from each step's stats. A reader
+thread turns the core's messages into one event-loop callback per step. Each request's stream
+is a single slot that merges deltas when its consumer lags, so no queue grows without bound.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
+import subprocess
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import msgspec
 import structlog
 
-from inference.config import EngineConfig
-from inference.engine import LLMEngine, Prompt
-from inference.errors import EngineDeadError, InvalidParameterError, QueueFullError
+from inference.config import EngineConfig, ModelArgs
+from inference.engine_core import (
+    AbortRequest,
+    AddRequest,
+    Failed,
+    FromCore,
+    Ready,
+    Rejected,
+    Shutdown,
+    StepResult,
+    spawn_engine_core,
+)
+from inference.errors import EngineDeadError, InvalidParameterError, ModelLoadError, QueueFullError
+from inference.loader import load_hf_config, load_tokenizer
 from inference.outputs import RequestOutput, StepStats
+from inference.prompts import Prompt, tokenize_prompt
 from inference.sampling_params import SamplingParams
 
 log = structlog.get_logger("inference.async_engine")
-
 
 class RequestStream:
     """Single-slot output holder (vLLM's RequestOutputCollector)."""
@@ -60,87 +74,142 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.max_waiting = engine.config.max_waiting
-        self._inputs: queue.SimpleQueue = queue.SimpleQueue()
-        self._wakeup = threading.Event()
+    def __init__(self, model_dir: str | Path, device: str = "auto", dtype: str = "auto",
+                 config: EngineConfig | None = None,
+                 process_init: Callable[[], None] | None = None) -> None:
+        """Starts the engine core process and waits until it has loaded the model (blocking:
+        call it off the event loop). `process_init` (picklable) runs first in that process,
+        e.g. to configure logging the way the API process does."""
+        path = Path(model_dir)
+        self.config = config = config or EngineConfig()
+        self.max_waiting = config.max_waiting
+        self.args = ModelArgs.from_hf_config(load_hf_config(path))
+        self.tokenizer = load_tokenizer(path)
         self._streams: dict[str, RequestStream] = {}
+        self._unscheduled: set[str] = set()  # submitted, no output yet: the waiting queue
         self._listeners: list[Callable[[StepStats], None]] = []
-        self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: threading.Thread | None = None
         self._stopping = False
         self._error: BaseException | None = None
+        self._stats: StepStats | None = None
+        self._send_lock = threading.Lock()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FromCore)
+        self._process, self._conn = spawn_engine_core(str(path), device, dtype, config, process_init)
+        ready = self._receive_start()
+        self.max_model_len = ready.max_model_len
+        self.device, self.dtype = ready.device, ready.dtype
+
+    def _receive_start(self) -> Ready:
+        try:
+            message = self._decoder.decode(self._conn.recv_bytes())
+        except EOFError:
+            self._conn.close()
+            raise ModelLoadError(f"the engine process exited while starting (exit code "
+                                 f"{self._process.wait(10)})") from None
+        if isinstance(message, Failed):
+            self._conn.close()
+            self._process.wait(10)
+            if message.kind == "parameter":
+                raise InvalidParameterError(message.param, message.message)
+            raise (ModelLoadError if message.kind == "model" else RuntimeError)(message.message)
+        return message
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str = "auto", dtype: str = "auto", **limits) -> AsyncLLMEngine:
-        return cls(LLMEngine(path, device, dtype, EngineConfig.from_kwargs(**limits)))
+    def from_pretrained(cls, path: str | Path, device: str = "auto", dtype: str = "auto",
+                        process_init: Callable[[], None] | None = None, **limits) -> AsyncLLMEngine:
+        return cls(path, device, dtype, EngineConfig.from_kwargs(**limits), process_init)
 
-    # ---- state read by the service ----------------------------------------------------------
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
+    # ---- state read by the service (as of the last step) ------------------------------------
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._error is None
+        return (self._reader is not None and self._reader.is_alive() and self._process.poll() is None
+                and self._error is None and not self._stopping)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + self._inputs.qsize()
+        return len(self._unscheduled)
 
     @property
     def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+        return self._stats.num_running if self._stats else 0
+
+    @property
+    def num_requests(self) -> int:
+        """Unfinished requests in the engine after its last step."""
+        return self._stats.num_requests if self._stats else 0
 
     @property
     def kv_usage(self) -> float:
-        return self.engine.block_manager.usage
+        return self._stats.kv_usage if self._stats else 0.0
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self._stats.kv_blocks_used if self._stats else 0
 
     def add_stats_listener(self, listener: Callable[[StepStats], None]) -> None:
         """listener(stats) runs on the event loop after every step; it must be quick."""
         self._listeners.append(listener)
 
+    def remove_stats_listener(self, listener: Callable[[StepStats], None]) -> None:
+        self._listeners.remove(listener)
+
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        self._reader = threading.Thread(target=self._read, name="engine-core-output", daemon=True)
+        self._reader.start()
 
     async def shutdown(self) -> None:
-        self._stopping = True
-        self._wakeup.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30)
+        if not self._stopping:
+            self._stopping = True
+            try:
+                self._send(Shutdown())
+            except OSError:
+                pass
+        await asyncio.to_thread(self._stop_process)
+
+    def _stop_process(self) -> None:
+        try:
+            self._process.wait(30)
+        except subprocess.TimeoutExpired:
+            log.warning("engine process did not stop; killing it")
+            self._process.kill()
+            self._process.wait(5)
+        if self._reader is not None:
+            self._reader.join(5)
+        self._conn.close()
 
     # ---- requests ---------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        return tokenize_prompt(self.tokenizer, self.args.vocab_size, self.max_model_len, prompt, params)
+
     async def stream(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
                      log_context: dict | None = None,
                      prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
         """Yields outputs as tokens arrive (deltas in `delta_*`); aborts the request in the
         engine if the consumer stops early (disconnect, cancellation, deadline)."""
         if not self.is_alive:
-            raise EngineDeadError("the engine loop is not running")
-        ids = prompt_token_ids if prompt_token_ids is not None else self.engine.tokenize_prompt(prompt, params)
+            raise EngineDeadError("the engine is not running")
+        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt, params)
         if self.num_waiting >= self.max_waiting:
             raise QueueFullError(f"{self.num_waiting} requests are waiting (max_waiting={self.max_waiting})")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise InvalidParameterError("request_id", f"{request_id!r} is already in use")
         stream = self._streams[request_id] = RequestStream()
-        self._submit(("add", request_id, ids, params, log_context))
+        self._unscheduled.add(request_id)
         finished = False
         try:
+            self._send(AddRequest(request_id, ids, params, log_context))
             while not finished:
                 output = await stream.get()
                 finished = output.finished
                 yield output
         finally:
             self._streams.pop(request_id, None)
+            self._unscheduled.discard(request_id)
             if not finished:
                 self.abort(request_id)
 
@@ -152,43 +221,38 @@ class AsyncLLMEngine:
         return output
 
     def abort(self, request_id: str) -> None:
-        """Frees the request's KV blocks before the next engine step."""
-        self._submit(("abort", request_id))
-
-    def _submit(self, item: tuple) -> None:
-        self._inputs.put(item)
-        self._wakeup.set()
-
-    # ---- the engine thread ------------------------------------------------------------------
-    def _drain_inputs(self) -> None:
-        while True:
-            try:
-                item = self._inputs.get_nowait()
-            except queue.Empty:
-                return
-            if item[0] == "add":
-                _, rid, ids, params, log_context = item
-                try:
-                    self.engine.add_request(rid, None, params, log_context, prompt_token_ids=ids)
-                except InvalidParameterError as exc:  # e.g. the id was reused meanwhile
-                    self._call_soon(self._fail_stream, rid, exc)
-            else:
-                self.engine.abort(item[1])
-
-    def _run(self) -> None:
+        """Frees the request's KV blocks before the engine's next step."""
         try:
-            while not self._stopping:
-                self._wakeup.clear()
-                self._drain_inputs()
-                if not self.engine.has_unfinished and not self.engine.has_pending_stats:
-                    self._wakeup.wait()
-                    continue
-                outputs, stats = self.engine.step()
-                self._call_soon(self._deliver, outputs, stats)
-        except BaseException as exc:  # the loop must never die silently
-            self._error = exc
-            log.exception("engine loop crashed")
-            self._call_soon(self._fail_all, EngineDeadError(f"engine loop crashed: {exc!r}"))
+            self._send(AbortRequest(request_id))
+        except OSError:  # the engine is gone: nothing left to free
+            pass
+
+    def _send(self, message) -> None:
+        data = self._encoder.encode(message)
+        with self._send_lock:  # the event loop and gRPC threads may both submit
+            self._conn.send_bytes(data)
+
+    # ---- the engine's messages (reader thread -> event loop) ---------------------------------
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self._decoder.decode(self._conn.recv_bytes())
+                if isinstance(message, StepResult):
+                    self._call_soon(self._deliver, message.outputs, message.stats)
+                elif isinstance(message, Rejected):
+                    error = InvalidParameterError(message.param, message.message)
+                    self._call_soon(self._fail_stream, message.request_id, error)
+                else:
+                    self._died(f"engine loop crashed: {message.message}")
+                    return
+        except (EOFError, OSError):
+            if not self._stopping:
+                self._died(f"engine process exited (exit code {self._process.poll()})")
+
+    def _died(self, reason: str) -> None:
+        self._error = EngineDeadError(reason)
+        log.error("engine process failed", reason=reason)
+        self._call_soon(self._fail_all, self._error)
 
     def _call_soon(self, fn, *args) -> None:
         try:
@@ -197,7 +261,9 @@ class AsyncLLMEngine:
             pass
 
     def _deliver(self, outputs: list[RequestOutput], stats: StepStats) -> None:
+        self._stats = stats
         for output in outputs:
+            self._unscheduled.discard(output.request_id)
             stream = self._streams.get(output.request_id)
             if stream is not None:
                 stream.put(output)

@@ -1,6 +1,6 @@
 """LLMEngine: step() = schedule -> run -> update, plus request bookkeeping and outputs.
 
-Single-threaded by design; AsyncLLMEngine drives it from its own thread.
+Single-threaded by design; AsyncLLMEngine drives it in a process of its own (engine_core.py).
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ from inference.loader import load_hf_config, load_tokenizer, load_weights
 from inference.model import MoETransformer
 from inference.model_runner import ModelRunner
 from inference.outputs import CompletionOutput, FinishedSequence, RequestOutput, StepStats
+from inference.prompts import Prompt, tokenize_prompt
 from inference.sampler import Sampler
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sequence import Sequence
 
 log = structlog.get_logger("inference.engine")
-
-Prompt = str | list[int]
 
 
 class LLMEngine:
@@ -105,27 +104,7 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         """Validates a prompt against the model's limits and returns its token ids."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidParameterError("prompt", "must not be empty")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-            if any(t < 0 or t >= self.args.vocab_size for t in ids):
-                raise InvalidParameterError("prompt", f"token ids must be in [0, {self.args.vocab_size})")
-        else:
-            raise InvalidParameterError("prompt", "must be a string or a list of token ids")
-        if not ids:
-            raise InvalidParameterError("prompt", "must not be empty")
-        if len(ids) >= self.max_model_len:
-            raise InvalidParameterError("prompt", f"has {len(ids)} tokens; the maximum context length is "
-                                                  f"{self.max_model_len}")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise InvalidParameterError("max_tokens", f"{params.max_tokens} + {len(ids)} prompt tokens exceeds "
-                                                      f"the maximum context length {self.max_model_len}")
-        if any(t >= self.args.vocab_size for t in params.stop_token_ids):
-            raise InvalidParameterError("stop_token_ids", f"must be below the vocabulary size {self.args.vocab_size}")
-        return ids
+        return tokenize_prompt(self.tokenizer, self.args.vocab_size, self.max_model_len, prompt, params)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     log_context: dict | None = None, prompt_token_ids: list[int] | None = None) -> None:
@@ -202,7 +181,8 @@ class LLMEngine:
             num_prefill_tokens=sum(n for _, n in sched.scheduled if n > 1),
             num_decode_tokens=sum(1 for _, n in sched.scheduled if n == 1),
             num_generated_tokens=len(result.sampled) if result else 0,
-            kv_usage=self.block_manager.usage, num_preemptions=sched.num_preempted,
+            kv_usage=self.block_manager.usage, kv_blocks_used=self.block_manager.num_used,
+            num_requests=len(self.requests), num_preemptions=sched.num_preempted,
             request_ids=list(touched), expert_tokens=expert_tokens, finished=finished)
         return outputs, stats
 

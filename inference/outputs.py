@@ -94,6 +94,8 @@ class StepStats(msgspec.Struct):
     num_decode_tokens: int
     num_generated_tokens: int
     kv_usage: float  # blocks held by live requests / all blocks
+    kv_blocks_used: int
+    num_requests: int  # unfinished requests in the engine after this step
     num_preemptions: int
     request_ids: list[str]  # requests in the batch (span links)
     expert_tokens: list[list[int]] | None = None  # [layer][expert] routed token counts

@@ -130,7 +130,7 @@ class InferenceServicer:
     async def ModelInfo(
         self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfoResponse:
-        engine = self.state.engine.engine
+        engine = self.state.engine
         args = engine.args
         return pb.ModelInfoResponse(
             model_name=self.state.model_name,
@@ -141,8 +141,8 @@ class InferenceServicer:
             num_layers=args.num_layers,
             num_experts=args.num_experts,
             num_experts_per_token=args.top_k,
-            dtype=str(engine.dtype).removeprefix("torch."),
-            device=str(engine.device),
+            dtype=engine.dtype,
+            device=engine.device,
         )
 
     # ---- helpers ----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -74,8 +75,9 @@ class MoeServer:
     async def start(self) -> None:
         s = self.settings
         path, name = await asyncio.to_thread(model_path_and_name, s)
+        # the engine core process logs like this one (same stdout, same format)
         engine = await asyncio.to_thread(AsyncLLMEngine.from_pretrained, path, s.device, s.dtype,
-                                         **s.engine_limits())
+                                         functools.partial(configure_logging, s.log_format), **s.engine_limits())
         engine.start()
         obs = build_observability(engine, s, name)
         engine.add_stats_listener(obs.on_step)
@@ -151,7 +153,7 @@ def build_observability(engine: AsyncLLMEngine, settings: Settings, model: str) 
     # Current HTTP semantic-convention names on the REST server span (read once, at the first
     # app built), unless the operator chose otherwise.
     os.environ.setdefault("OTEL_SEMCONV_STABILITY_OPT_IN", "http")
-    args = engine.engine.args
+    args = engine.args
     num_moe_layers = args.num_layers - len(args.dense_layers) if args.num_experts else 0
     metrics = ServiceMetrics(CollectorRegistry(), model, num_moe_layers, args.num_experts,
                              engine.max_waiting)

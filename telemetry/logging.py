@@ -6,7 +6,7 @@ grpc, litestar, opentelemetry) end up in the same processor chain and the same s
 
 Inside a request the service should `clear_contextvars()` then
 `bind_contextvars(request_id=...)`; `add_otel_ids` adds `trace_id`/`span_id` of the current
-OTel span. Contextvars do not cross into the engine thread, so code there passes
+OTel span. Contextvars do not cross into the engine core process, so code there passes
 `trace_id=`/`span_id=`/`request_id=` explicitly; explicit fields always win.
 """
 

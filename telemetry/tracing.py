@@ -193,7 +193,7 @@ def extract_context(carrier: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> o
 
 
 def inject_carrier(ctx: otel_context.Context | None = None) -> dict[str, str]:
-    """The current (or given) context as a plain dict, e.g. to hand to the engine thread."""
+    """The current (or given) context as a plain dict, e.g. to hand to the engine core."""
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=ctx)
     return carrier

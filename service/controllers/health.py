@@ -25,5 +25,5 @@ class HealthController(Controller):
         status = "ready" if state.ready else "draining" if state.draining else "engine_dead"
         body = ReadyResponse(status=status, model=state.model_name, num_running=engine.num_running,
                              num_waiting=engine.num_waiting, in_flight=state.in_flight,
-                             kv_usage=engine.kv_usage, kv_blocks_used=engine.engine.block_manager.num_used)
+                             kv_usage=engine.kv_usage, kv_blocks_used=engine.kv_blocks_used)
         return Response(body, status_code=200 if state.ready else 503)

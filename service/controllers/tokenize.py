@@ -36,7 +36,7 @@ class TokenizeController(Controller):
         state = serving_state(request)
         check_model(state, data.model)
         tokenizer = state.engine.tokenizer
-        vocab = max(len(tokenizer), state.engine.engine.args.vocab_size)
+        vocab = max(len(tokenizer), state.engine.args.vocab_size)
         if any(t < 0 or t >= vocab for t in data.tokens):
             raise BadRequest(f"token ids must be in [0, {vocab})", param="tokens")
         text = await asyncio.to_thread(tokenizer.decode, data.tokens)

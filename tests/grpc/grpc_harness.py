@@ -57,7 +57,7 @@ class GrpcServerThread:
 
     @property
     def kv_blocks_used(self) -> int:
-        return self.engine.engine.block_manager.num_used
+        return self.engine.kv_blocks_used
 
     def __exit__(self, *exc) -> None:
         self.channel.close()

@@ -218,21 +218,17 @@ def test_graceful_stop_lets_in_flight_streams_finish(make_server):
 
 # ---- deadlines and cancels free the request's KV blocks -------------------------------------
 @pytest.fixture
-def aborted(server, monkeypatch):
-    """request ids the engine really aborted (LLMEngine.abort found them unfinished). Appended
-    on the engine thread just after abort() has freed the blocks: wait for both."""
+def aborted(server):
+    """request ids the engine finished as "abort", from the step stats that also report their
+    blocks freed (appended on the event loop thread)."""
     ids: list[str] = []
-    engine = server.engine.engine
-    original = engine.abort
 
-    def abort(request_id):
-        out = original(request_id)
-        if out is not None and all(o.finish_reason == "abort" for o in out.outputs):
-            ids.append(request_id)
-        return out
+    def listener(stats) -> None:
+        ids.extend(f.request_id for f in stats.finished if f.finish_reason == "abort")
 
-    monkeypatch.setattr(engine, "abort", abort)
-    return ids
+    server.engine.add_stats_listener(listener)
+    yield ids
+    server.engine.remove_stats_listener(listener)
 
 
 def _long_request(rid: str) -> pb.GenerateRequest:
@@ -252,7 +248,7 @@ def test_deadline_mid_stream_aborts_and_frees_kv(server, aborted):
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     _wait_until(lambda: server.kv_blocks_used == 0 and aborted, timeout=1.0)
     assert aborted == ["deadline-stream"]
-    assert server.state.in_flight == 0 and not server.engine.engine.requests
+    assert server.state.in_flight == 0 and server.engine.num_requests == 0
 
 
 def test_deadline_on_unary_generate_aborts_and_frees_kv(server, aborted):

@@ -119,7 +119,7 @@ def test_tokenize_round_trip(server):
 
 def test_model_info_describes_the_served_model(server):
     info = server.stub.ModelInfo(pb.ModelInfoRequest(), timeout=10)
-    args = server.engine.engine.args
+    args = server.engine.args
     assert info.model_name == MODEL_NAME and info.architecture == "MixtralForCausalLM"
     assert (info.vocab_size, info.num_layers, info.num_experts, info.num_experts_per_token) == (
         args.vocab_size,

@@ -174,10 +174,10 @@ async def test_async_stream_deltas_abort_and_back_pressure(tiny_model_dir):
                 break
         await agen.aclose()
         for _ in range(100):
-            if engine.engine.block_manager.num_used == 0:
+            if engine.kv_blocks_used == 0:
                 break
             await asyncio.sleep(0.01)
-        assert engine.engine.block_manager.num_used == 0
+        assert engine.kv_blocks_used == 0
 
         # max_num_seqs=1 and max_waiting=2: a burst sees some requests shed, none lost
         async def one(i):

@@ -137,12 +137,12 @@ def _wait_idle(server: InProcessServer, timeout: float) -> float:
     """Seconds until the engine holds no KV block and no request; fails after `timeout`."""
     start = time.monotonic()
     while time.monotonic() - start < timeout:
-        used = server.engine.engine.block_manager.num_used
-        if used == 0 and not server.engine.engine.requests and server.state.in_flight == 0:
+        engine = server.engine
+        if engine.kv_blocks_used == 0 and engine.num_requests == 0 and server.state.in_flight == 0:
             return time.monotonic() - start
         time.sleep(0.01)
-    raise AssertionError(f"engine still busy after {timeout} s: {server.engine.engine.block_manager.num_used} "
-                         f"blocks, requests {list(server.engine.engine.requests)}")
+    raise AssertionError(f"engine still busy after {timeout} s: {server.engine.kv_blocks_used} blocks, "
+                         f"{server.engine.num_requests} requests")
 
 
 class SubprocessServer:

@@ -34,7 +34,7 @@ def test_stream_disconnect_aborts_and_frees_kv_blocks(server, wait_idle):
         request_id = json.loads(first.removeprefix("data: "))["id"]
         for _ in range(4):
             next(lines)
-        assert server.engine.engine.block_manager.num_used > 0  # it is running
+        assert server.engine.kv_blocks_used > 0  # it is running
     # leaving both `with` blocks closed the connection mid-stream
     elapsed = wait_idle(server, 2.0)
     assert elapsed < 2.0
@@ -51,7 +51,7 @@ def test_non_streaming_disconnect_aborts_the_request(server, wait_idle):
     with socket.create_connection(("127.0.0.1", server.server.rest_port), timeout=10) as sock:
         sock.sendall(head + body)
         deadline = time.monotonic() + 10
-        while server.engine.engine.block_manager.num_used == 0:
+        while server.engine.kv_blocks_used == 0:
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.001)
     wait_idle(server, 2.0)

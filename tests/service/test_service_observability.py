@@ -124,7 +124,8 @@ def _step(duration_s: float, prefill: int = 0, preemptions: int = 0):
 
     return StepStats(started=0.0, started_unix_ns=1, duration_s=duration_s, num_running=1, num_waiting=0,
                      batch_size=1, num_prefill_tokens=prefill, num_decode_tokens=1 - bool(prefill),
-                     num_generated_tokens=1, kv_usage=0.1, num_preemptions=preemptions, request_ids=["r"])
+                     num_generated_tokens=1, kv_usage=0.1, kv_blocks_used=1, num_requests=1,
+                     num_preemptions=preemptions, request_ids=["r"])
 
 
 def test_step_spans_keep_unusual_steps_and_sample_routine_ones():

@@ -1,0 +1,198 @@
+"""The engine core process: LLMEngine's step loop behind a pipe (vLLM v1's EngineCore).
+
+AsyncLLMEngine starts it and talks to it with the messages below (msgspec msgpack, tagged
+structs). In its own process the loop shares no GIL with the API server: the HTTP, SSE and
+telemetry work of the event loop cannot stall a step between two kernels (on a small CPU
+box such stalls also let the OpenMP workers fall asleep mid-step; bench/NOTES.md has the
+measurements).
+
+Inside the process a reader thread drains the pipe into a queue, so the API side never blocks
+on a full pipe; requests and aborts are applied between steps, and each step's outputs and
+stats go back as one message.
+"""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import structlog
+
+from inference.config import EngineConfig
+from inference.errors import InvalidParameterError, ModelLoadError
+from inference.outputs import RequestOutput, StepStats
+from inference.sampling_params import SamplingParams
+
+log = structlog.get_logger("inference.engine_core")
+
+
+# ---- API process -> engine core ---------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    log_context: dict[str, Any] | None = None
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+ToCore = AddRequest | AbortRequest | Shutdown
+
+
+# ---- engine core -> API process ---------------------------------------------------------------
+class Ready(msgspec.Struct, tag=True):
+    max_model_len: int
+    device: str
+    dtype: str
+
+
+class StepResult(msgspec.Struct, tag=True):
+    outputs: list[RequestOutput]
+    stats: StepStats
+
+
+class Rejected(msgspec.Struct, tag=True):
+    """add_request refused the request (its stream fails with this error)."""
+
+    request_id: str
+    param: str
+    message: str
+
+
+class Failed(msgspec.Struct, tag=True):
+    """The engine could not start, or its loop crashed: the process exits."""
+
+    kind: str  # "model" | "parameter" | "other"
+    message: str
+    param: str = ""
+
+
+FromCore = Ready | StepResult | Rejected | Failed
+
+
+def failure(exc: BaseException) -> Failed:
+    if isinstance(exc, InvalidParameterError):
+        return Failed("parameter", str(exc).removeprefix(f"{exc.param} "), exc.param)
+    if isinstance(exc, ModelLoadError):
+        return Failed("model", str(exc))
+    return Failed("other", f"{type(exc).__name__}: {exc}")
+
+
+def spawn_engine_core(model_dir: str, device: str, dtype: str, config: EngineConfig,
+                      process_init: Callable[[], None] | None) -> tuple[subprocess.Popen, Connection]:
+    """Starts `python -m inference.engine_core` on one end of a socket pair. A fresh
+    interpreter rather than multiprocessing's spawn, which re-imports the caller's __main__
+    (a script without a __main__ guard would start itself again). The core exits when its
+    end of the pair closes, so it never outlives the API process."""
+    ours, theirs = socket.socketpair()
+    process = subprocess.Popen([sys.executable, "-m", "inference.engine_core", str(theirs.fileno())],
+                               pass_fds=[theirs.fileno()])
+    theirs.close()
+    conn = Connection(ours.detach())
+    # the start-up arguments, pickled: process_init is any picklable callable
+    conn.send_bytes(pickle.dumps((model_dir, device, dtype, config, process_init)))
+    return process, conn
+
+
+def main(fd: int) -> None:
+    """The core process's entry point."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API process decides
+    conn = Connection(fd)
+    model_dir, device, dtype, config, process_init = pickle.loads(conn.recv_bytes())
+    if process_init is not None:
+        process_init()
+    encoder = msgspec.msgpack.Encoder()
+    from inference.engine import LLMEngine  # torch is imported here, after logging is set up
+
+    try:
+        engine = LLMEngine(model_dir, device, dtype, config)
+    except Exception as exc:  # noqa: BLE001 - any start failure is reported to the API process
+        conn.send_bytes(encoder.encode(failure(exc)))
+        return
+    conn.send_bytes(encoder.encode(Ready(engine.max_model_len, str(engine.device),
+                                         str(engine.dtype).removeprefix("torch."))))
+    EngineCore(engine, conn, encoder).run()
+
+
+class EngineCore:
+    def __init__(self, engine, conn: Connection, encoder: msgspec.msgpack.Encoder) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.encoder = encoder
+        self.inputs: queue.SimpleQueue = queue.SimpleQueue()
+        self.wakeup = threading.Event()
+        self.stopping = False
+
+    def _read_inputs(self) -> None:
+        decoder = msgspec.msgpack.Decoder(ToCore)
+        try:
+            while True:
+                message = decoder.decode(self.conn.recv_bytes())
+                self.inputs.put(message)
+                self.wakeup.set()
+                if isinstance(message, Shutdown):
+                    return
+        except (EOFError, OSError):  # the API process is gone: stop too
+            self.inputs.put(Shutdown())
+            self.wakeup.set()
+
+    def _apply_inputs(self) -> None:
+        while True:
+            try:
+                message = self.inputs.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(message, AddRequest):
+                try:
+                    self.engine.add_request(message.request_id, None, message.params, message.log_context,
+                                            prompt_token_ids=message.prompt_token_ids)
+                except InvalidParameterError as exc:
+                    self._send(Rejected(message.request_id, exc.param, str(exc).removeprefix(f"{exc.param} ")))
+            elif isinstance(message, AbortRequest):
+                self.engine.abort(message.request_id)
+            else:
+                self.stopping = True
+
+    def _send(self, message: FromCore) -> None:
+        self.conn.send_bytes(self.encoder.encode(message))
+
+    def run(self) -> None:
+        threading.Thread(target=self._read_inputs, name="engine-core-input", daemon=True).start()
+        try:
+            while True:
+                self.wakeup.clear()
+                self._apply_inputs()
+                if self.stopping:
+                    return
+                if not self.engine.has_unfinished and not self.engine.has_pending_stats:
+                    self.wakeup.wait()
+                    continue
+                outputs, stats = self.engine.step()
+                self._send(StepResult(outputs, stats))
+        except (BrokenPipeError, EOFError):  # the API process is gone
+            return
+        except BaseException as exc:  # the loop must never die silently
+            log.exception("engine loop crashed")
+            try:
+                self._send(failure(exc))
+            except OSError:
+                pass
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
