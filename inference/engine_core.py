@@ -111,7 +111,10 @@ def spawn_engine_core(model_dir: str, device: str, dtype: str, config: EngineCon
 
 def main(fd: int) -> None:
     """The core process's entry point."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API process decides
+    # Ctrl-C, or a SIGTERM sent to the whole group (systemd, a terminal), must not cut the
+    # steps under a graceful drain: the API process decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
     model_dir, device, dtype, config, process_init = pickle.loads(conn.recv_bytes())
     if process_init is not None:

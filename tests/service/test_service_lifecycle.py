@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import threading
@@ -143,3 +144,21 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_model_dir, subproce
         srv.wait_for_event("server stopped", 5)
     finally:
         srv.stop()
+
+
+def test_engine_core_death_fails_streams_and_turns_ready_503(start_server):
+    """The engine core process dies mid-stream: the stream ends with an error event, /ready
+    and new requests answer 503 engine_dead (an orchestrator restarts the pod), no 5xx hang."""
+    with start_server() as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+            lines = (line for line in r.iter_lines() if line)
+            next(lines)
+            os.kill(srv.engine._process.pid, signal.SIGKILL)
+            rest = list(lines)
+        events = [json.loads(line[6:]) for line in rest if line != "data: [DONE]"]
+        assert events and events[-1]["error"]["code"] == "engine_dead", rest[-3:]
+        ready = c.get("/ready")
+        assert ready.status_code == 503 and ready.json()["status"] == "engine_dead"
+        late = c.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
+        assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
+        assert c.get("/health").status_code == 200  # the process itself is up
