@@ -7,11 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from inference.demo_model import ensure_demo_model
-
-try:
-    from tests.grpc.grpc_harness import GrpcServerThread
-except ImportError:  # tests/ is not a package: pytest put this folder on sys.path
-    from grpc_harness import GrpcServerThread  # type: ignore[no-redef]
+from tests.grpc.grpc_harness import GrpcServerThread
 
 
 @pytest.fixture(scope="session")

@@ -13,11 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from service.proto.moeserve.v1 import inference_pb2 as pb
-
-try:
-    from tests.grpc.grpc_harness import MAX_MODEL_LEN
-except ImportError:  # tests/ is not a package
-    from grpc_harness import MAX_MODEL_LEN  # type: ignore[no-redef]
+from tests.grpc.grpc_harness import MAX_MODEL_LEN
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 from service.proto.moeserve.v1 import inference_pb2 as pb
-
-try:
-    from tests.grpc.grpc_harness import MAX_MODEL_LEN, MODEL_NAME
-except ImportError:  # tests/ is not a package
-    from grpc_harness import MAX_MODEL_LEN, MODEL_NAME  # type: ignore[no-redef]
+from tests.grpc.grpc_harness import MAX_MODEL_LEN, MODEL_NAME
 
 
 def _req(prompt="The quick brown fox", **params) -> pb.GenerateRequest:

@@ -7,19 +7,11 @@ import pytest
 import torch._dynamo.utils
 
 from inference import LLMEngine, SamplingParams
-
-try:
-    from tests.inference.parity_checks import (
-        check_continuous_batch_with_chunked_prefill_and_preemption,
-        check_greedy_alone_matches_generate,
-        prompts,
-    )
-except ImportError:  # tests/ is not a package
-    from parity_checks import (  # type: ignore[no-redef]
-        check_continuous_batch_with_chunked_prefill_and_preemption,
-        check_greedy_alone_matches_generate,
-        prompts,
-    )
+from tests.inference.parity_checks import (
+    check_continuous_batch_with_chunked_prefill_and_preemption,
+    check_greedy_alone_matches_generate,
+    prompts,
+)
 
 pytestmark = pytest.mark.slow  # each engine compiles its decode graphs (10-30 s on 2 cores)
 

@@ -16,11 +16,7 @@ from inference import model_zoo
 from inference.demo_model import CHAT_TEMPLATE
 from inference.errors import ModelLoadError
 from inference.gguf_import import import_gguf
-
-try:
-    from tests.inference.tiny_gguf import random_llama, write_gguf
-except ImportError:  # tests/ is not a package
-    from tiny_gguf import random_llama, write_gguf  # type: ignore[no-redef]
+from tests.inference.tiny_gguf import random_llama, write_gguf
 
 DEAD_INDEX = "http://127.0.0.1:9/simple"  # nothing listens on the discard port
 

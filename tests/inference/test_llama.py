@@ -11,29 +11,17 @@ import pytest
 from inference import LLMEngine
 from inference.demo_model import CHAT_TEMPLATE
 from inference.gguf_import import import_gguf
+from tests.inference.parity_checks import (
+    GREEDY_32,
+    check_continuous_batch_with_chunked_prefill_and_preemption,
+    check_greedy_alone_matches_generate,
+    check_logits_match,
+    hf_greedy,
+    hf_model,
+    prompts,
+)
+from tests.inference.tiny_gguf import random_llama, write_gguf
 
-try:
-    from tests.inference.parity_checks import (
-        GREEDY_32,
-        check_continuous_batch_with_chunked_prefill_and_preemption,
-        check_greedy_alone_matches_generate,
-        check_logits_match,
-        hf_greedy,
-        hf_model,
-        prompts,
-    )
-    from tests.inference.tiny_gguf import random_llama, write_gguf
-except ImportError:  # tests/ is not a package
-    from parity_checks import (  # type: ignore[no-redef]
-        GREEDY_32,
-        check_continuous_batch_with_chunked_prefill_and_preemption,
-        check_greedy_alone_matches_generate,
-        check_logits_match,
-        hf_greedy,
-        hf_model,
-        prompts,
-    )
-    from tiny_gguf import random_llama, write_gguf  # type: ignore[no-redef]
 CONFIGS = {
     "llama": {},
     # SmolLM2-like tied embeddings; Llama-3 rope scaling (original 64 positions, so most

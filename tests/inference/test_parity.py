@@ -5,27 +5,15 @@ from __future__ import annotations
 import pytest
 
 from inference import LLMEngine
-
-try:
-    from tests.inference.parity_checks import (
-        GREEDY_32,
-        check_continuous_batch_with_chunked_prefill_and_preemption,
-        check_greedy_alone_matches_generate,
-        check_logits_match,
-        hf_greedy,
-        hf_model,
-        prompts,
-    )
-except ImportError:  # tests/ is not a package
-    from parity_checks import (  # type: ignore[no-redef]
-        GREEDY_32,
-        check_continuous_batch_with_chunked_prefill_and_preemption,
-        check_greedy_alone_matches_generate,
-        check_logits_match,
-        hf_greedy,
-        hf_model,
-        prompts,
-    )
+from tests.inference.parity_checks import (
+    GREEDY_32,
+    check_continuous_batch_with_chunked_prefill_and_preemption,
+    check_greedy_alone_matches_generate,
+    check_logits_match,
+    hf_greedy,
+    hf_model,
+    prompts,
+)
 
 ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2"]
 

@@ -13,13 +13,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-try:
-    from tests.telemetry.otlp_receiver import OtlpReceiver
-except ImportError:  # tests/ is not a package: pytest put this folder on sys.path
-    from otlp_receiver import OtlpReceiver  # type: ignore[no-redef]
-
 from telemetry import logging as tlog
 from telemetry import tracing
+from tests.telemetry.otlp_receiver import OtlpReceiver
 
 
 @pytest.fixture

@@ -14,12 +14,10 @@ from typing import Any, Self
 
 import grpc
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "telemetry"))  # tests/ is not a package
-
-from otlp_receiver import OtlpReceiver, ReceivedSpan
-
 from service.proto.moeserve.v1 import inference_pb2_grpc
+from tests.telemetry.otlp_receiver import OtlpReceiver, ReceivedSpan
+
+REPO = Path(__file__).resolve().parents[2]
 
 __all__ = ["OtlpReceiver", "ReceivedSpan", "Service"]
 
