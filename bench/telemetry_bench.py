@@ -78,17 +78,27 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def engine_core_pid(pid: int) -> int:
+    """The server's one child, its engine core process (listed under the thread that started it)."""
+    children = [c for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    return int(children[0])
+
+
 def run_round(url: str, pid: int, args: argparse.Namespace, telemetry: bool) -> dict:
+    """Throughput, and the CPU per output token of the API process (where telemetry runs) and
+    of the engine core."""
     stop = threading.Event()
     if telemetry:
         threading.Thread(target=_scrape, args=(url, stop), daemon=True).start()
-    cpu = cpu_seconds(pid)
+    core = engine_core_pid(pid)
+    api_cpu, core_cpu = cpu_seconds(pid), cpu_seconds(core)
     try:
         elapsed, tokens = asyncio.run(_load(url, args, args.requests))
     finally:
         stop.set()
     return {"telemetry": telemetry, "seconds": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed,
-            "server_cpu_ms_per_token": (cpu_seconds(pid) - cpu) / tokens * 1e3}
+            "api_cpu_ms_per_token": (cpu_seconds(pid) - api_cpu) / tokens * 1e3,
+            "engine_cpu_ms_per_token": (cpu_seconds(core) - core_cpu) / tokens * 1e3}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
                     url, _, pid = servers[telemetry]
                     rounds.append(run_round(url, pid, args, telemetry))
                     rates[telemetry] = rounds[-1]["tokens_per_s"]
-                    print(f"telemetry {'on ' if telemetry else 'off'}: {rates[telemetry]:8.1f} tok/s, server CPU "
-                          f"{rounds[-1]['server_cpu_ms_per_token']:.2f} ms per output token", flush=True)
+                    print(f"telemetry {'on ' if telemetry else 'off'}: {rates[telemetry]:8.1f} tok/s, CPU per "
+                          f"output token: API process {rounds[-1]['api_cpu_ms_per_token']:.3f} ms, engine core "
+                          f"{rounds[-1]['engine_cpu_ms_per_token']:.2f} ms", flush=True)
                 pairs.append(rates[True] / rates[False])
             summary_lines = sum(1 for line in servers[True][1].read_text().splitlines()
                                 if '"request finished"' in line)
