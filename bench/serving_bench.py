@@ -3,8 +3,8 @@ streams against the offline engine on the same requests (target: ratio >= 0.9).
 
 Both sides run the same 64 requests per round (128 random prompt token ids, 128 greedy output
 tokens, EOS ignored) on the `small` demo model in bfloat16, with max_num_seqs equal to the REST
-concurrency so both see the same batch sizes: the ratio is the cost of HTTP, SSE,
-detokenisation for the wire and the event loop, not of a different batch shape.
+concurrency so both see the same batch sizes: the ratio is the cost of HTTP, SSE, the event
+loop and the pipe to the server's engine core process, not of a different batch shape.
 
 Both are loaded before anything is timed (the server in its own process, idle while the offline
 engine runs, and the other way round) and warmed up on other prompts of the same shapes. Rounds
