@@ -13,9 +13,12 @@ class HealthController(Controller):
     tags = ("Probes",)
 
     @get("/health", operation_id="health")
-    async def health(self, request: Request) -> HealthResponse:
-        """200 while the process runs (liveness); `engine_alive` tells whether the loop is up."""
-        return HealthResponse(status="ok", engine_alive=serving_state(request).engine.is_alive)
+    async def health(self, request: Request) -> Response[HealthResponse]:
+        """Liveness: 200 while the engine core runs (draining included), 503 once it has died
+        (vLLM's behaviour), so that the orchestrator restarts a server that cannot serve."""
+        alive = serving_state(request).engine.is_alive
+        return Response(HealthResponse(status="ok" if alive else "engine_dead", engine_alive=alive),
+                        status_code=200 if alive else 503)
 
     @get("/ready", operation_id="ready")
     async def ready(self, request: Request) -> Response[ReadyResponse]:
