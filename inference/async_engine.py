@@ -202,7 +202,10 @@ class AsyncLLMEngine:
         self._unscheduled.add(request_id)
         finished = False
         try:
-            self._send(AddRequest(request_id, ids, params, log_context))
+            try:
+                self._send(AddRequest(request_id, ids, params, log_context))
+            except OSError as exc:  # the core died just now; the reader has not noticed yet
+                raise EngineDeadError(f"the engine process is gone: {exc!r}") from exc
             while not finished:
                 output = await stream.get()
                 finished = output.finished
