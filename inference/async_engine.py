@@ -40,6 +40,7 @@ from inference.sampling_params import SamplingParams
 
 log = structlog.get_logger("inference.async_engine")
 
+
 class RequestStream:
     """Single-slot output holder (vLLM's RequestOutputCollector)."""
 
@@ -81,7 +82,7 @@ class AsyncLLMEngine:
         call it off the event loop). `process_init` (picklable) runs first in that process,
         e.g. to configure logging the way the API process does."""
         path = Path(model_dir)
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
         self.max_waiting = config.max_waiting
         self.args = ModelArgs.from_hf_config(load_hf_config(path))
         self.tokenizer = load_tokenizer(path)

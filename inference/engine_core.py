@@ -87,7 +87,7 @@ FromCore = Ready | StepResult | Rejected | Failed
 
 def failure(exc: BaseException) -> Failed:
     if isinstance(exc, InvalidParameterError):
-        return Failed("parameter", str(exc).removeprefix(f"{exc.param} "), exc.param)
+        return Failed("parameter", exc.message, exc.param)
     if isinstance(exc, ModelLoadError):
         return Failed("model", str(exc))
     return Failed("other", f"{type(exc).__name__}: {exc}")
@@ -165,7 +165,7 @@ class EngineCore:
                     self.engine.add_request(message.request_id, None, message.params, message.log_context,
                                             prompt_token_ids=message.prompt_token_ids)
                 except InvalidParameterError as exc:
-                    self._send(Rejected(message.request_id, exc.param, str(exc).removeprefix(f"{exc.param} ")))
+                    self._send(Rejected(message.request_id, exc.param, exc.message))
             elif isinstance(message, AbortRequest):
                 self.engine.abort(message.request_id)
             else:

@@ -6,7 +6,7 @@ class InvalidParameterError(ValueError):
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param} {message}")
-        self.param = param
+        self.param, self.message = param, message
 
 
 class QueueFullError(RuntimeError):
