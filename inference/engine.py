@@ -11,6 +11,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from inference import cpu_kernels
 from inference.block_manager import BlockManager
 from inference.config import EngineConfig, ModelArgs, resolve_device, resolve_dtype
 from inference.detokenizer import IncrementalDetokenizer
@@ -51,6 +52,8 @@ class LLMEngine:
         model.rope.to(torch.float32)
         load_weights(model, path, args)
         self.model = model.eval()
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            log.info("single-sequence decode kernels", bf16_gemv=cpu_kernels.enable())
         num_blocks = num_cache_blocks(args, self.dtype, self.device, config.block_size,
                                       config.kv_cache_tokens, config.gpu_memory_utilization)
         cache_tokens = num_blocks * config.block_size

@@ -8,16 +8,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference import cpu_kernels
 from inference.config import ModelArgs
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except that one row of bf16/fp16 on the CPU goes through torch.mv: for a
-    single token oneDNN's GEMM is 1.3-2.6x slower than the matrix-vector kernel (measured on
-    our 2-core machines: lm_head 1.44 vs 0.92 ms, an expert's w13 88 vs 53 us). float32 keeps
-    F.linear, so parity tests compare the reference's own kernels."""
+    """F.linear, except for one row of bf16/fp16 on the CPU: our AVX512-BF16 GEMV where it is
+    enabled (cpu_kernels), else torch.mv. For a single token oneDNN's GEMM is 1.3-2.6x slower
+    than ATen's matrix-vector kernel (lm_head 1.44 vs 0.92 ms, an expert's w13 88 vs 53 us),
+    and ours streams the weights 1.5-3x faster again. float32 keeps F.linear, so parity tests
+    compare the reference's own kernels."""
     if x.shape[0] == 1 and x.dim() == 2 and x.dtype != torch.float32 and x.device.type == "cpu":
-        y = torch.mv(weight, x[0]).unsqueeze(0)
+        if cpu_kernels.ACTIVE and weight.dtype == torch.bfloat16 and weight.is_contiguous():
+            gemv = torch.ops.moeserve.bf16_gemv if torch.compiler.is_compiling() else cpu_kernels.gemv
+            y = gemv(weight, x[0]).unsqueeze(0)
+        else:
+            y = torch.mv(weight, x[0]).unsqueeze(0)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 

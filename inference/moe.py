@@ -13,7 +13,8 @@ Four dispatch paths, same result:
   tokens, on contiguous slices and weight views (no weight copies). Its loop is over experts,
   never tokens. On CPU the per-expert counts cost nothing to read: large prefills take this
   path.
-- single token (CPU decode of one sequence): its A experts one after the other, a dozen ops.
+- single token (CPU decode of one sequence): one fused call in bf16 (cpu_kernels), else its A
+  experts one after the other, a dozen ops.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference import cpu_kernels
 from inference.layers import linear
 
 
@@ -77,9 +79,13 @@ def gather_dispatch(x, weights, ids, w13, w2) -> torch.Tensor:
 
 
 def single_token_dispatch(x, weights, ids, w13, w2) -> torch.Tensor:
-    """One token on the CPU: its A experts one after the other, in expert order (the
-    reference's summation order), four kernels each: w13 GEMV, SiLU, gate * up, and the
-    w2 GEMV accumulating weight * output into the result (addmv)."""
+    """One token on the CPU: in bf16 one call of our fused kernel (cpu_kernels) where it is
+    enabled. Otherwise its A experts one after the other, in expert order (the reference's
+    summation order), four kernels each: w13 GEMV, SiLU, gate * up, and the w2 GEMV
+    accumulating weight * output into the result (addmv)."""
+    if (cpu_kernels.ACTIVE and x.dtype == w13.dtype == w2.dtype == torch.bfloat16
+            and w13.is_contiguous() and w2.is_contiguous()):
+        return cpu_kernels.moe_token(x[0], w13, w2, ids[0], weights[0]).unsqueeze(0)
     out = torch.zeros_like(x[0])
     for expert, weight in sorted(zip(ids[0].tolist(), weights[0].tolist())):
         gate, up = torch.mv(w13[expert], x[0]).chunk(2)
