@@ -128,8 +128,8 @@ def moe_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.T
     return out
 
 
-# gemv as an operator, for compiled decode graphs (eager code calls gemv() directly: the
-# operator dispatch costs ~8 us per call).
+# The kernels as operators, for compiled decode graphs (eager code calls the functions
+# directly: an operator dispatch costs ~8 us per call).
 @torch.library.custom_op("moeserve::bf16_gemv", mutates_args=())
 def gemv_op(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return gemv(weight, x)
@@ -138,3 +138,14 @@ def gemv_op(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 @gemv_op.register_fake
 def _(weight, x):
     return x.new_empty(weight.shape[0])
+
+
+@torch.library.custom_op("moeserve::bf16_moe_token", mutates_args=())
+def moe_token_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+    return moe_token(x, w13, w2, ids, weights)
+
+
+@moe_token_op.register_fake
+def _(x, w13, w2, ids, weights):
+    return x.new_empty(w2.shape[1])

@@ -13,8 +13,8 @@ Four dispatch paths, same result:
   tokens, on contiguous slices and weight views (no weight copies). Its loop is over experts,
   never tokens. On CPU the per-expert counts cost nothing to read: large prefills take this
   path.
-- single token (CPU decode of one sequence): one fused call in bf16 (cpu_kernels), else its A
-  experts one after the other, a dozen ops.
+- single token (CPU decode of one sequence): one fused kernel call in bf16 (cpu_kernels, from
+  MoE.forward), else its A experts one after the other, a dozen ops.
 """
 
 from __future__ import annotations
@@ -79,13 +79,9 @@ def gather_dispatch(x, weights, ids, w13, w2) -> torch.Tensor:
 
 
 def single_token_dispatch(x, weights, ids, w13, w2) -> torch.Tensor:
-    """One token on the CPU: in bf16 one call of our fused kernel (cpu_kernels) where it is
-    enabled. Otherwise its A experts one after the other, in expert order (the reference's
-    summation order), four kernels each: w13 GEMV, SiLU, gate * up, and the w2 GEMV
-    accumulating weight * output into the result (addmv)."""
-    if (cpu_kernels.ACTIVE and x.dtype == w13.dtype == w2.dtype == torch.bfloat16
-            and w13.is_contiguous() and w2.is_contiguous()):
-        return cpu_kernels.moe_token(x[0], w13, w2, ids[0], weights[0]).unsqueeze(0)
+    """One token on the CPU: its A experts one after the other, in expert order (the
+    reference's summation order), four kernels each: w13 GEMV, SiLU, gate * up, and the
+    w2 GEMV accumulating weight * output into the result (addmv)."""
     out = torch.zeros_like(x[0])
     for expert, weight in sorted(zip(ids[0].tolist(), weights[0].tolist())):
         gate, up = torch.mv(w13[expert], x[0]).chunk(2)
@@ -156,6 +152,10 @@ class MoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
+    def _fused_token_kernel(self, x: torch.Tensor) -> bool:
+        return (cpu_kernels.ACTIVE and x.device.type == "cpu" and x.dtype == self.w13.dtype == torch.bfloat16
+                and self.w13.is_contiguous() and self.w2.is_contiguous())
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Softmax router (in float32, as the reference does) -> top-A weights and expert ids."""
         logits = linear(x.float(), self.gate.float()) if self.router_fp32 else linear(x, self.gate)
@@ -166,6 +166,12 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the MoE output [T, D] and the per-expert token counts [E]."""
         weights, ids = self.route(x)
+        if x.shape[0] == 1 and self._fused_token_kernel(x):
+            # one token: its A distinct experts are the counts; no host reads, so compiled
+            # graphs call the kernel directly instead of the opaque dispatch
+            counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_fill_(0, ids[0], 1)
+            moe = torch.ops.moeserve.bf16_moe_token if torch.compiler.is_compiling() else cpu_kernels.moe_token
+            return moe(x[0], self.w13, self.w2, ids[0], weights[0]).unsqueeze(0), counts
         run = dispatch_op if torch.compiler.is_compiling() else dispatch
         return run(x, weights, ids, self.w13, self.w2, self.gather_max_tokens)
 

@@ -143,3 +143,25 @@ def test_kernels_off_by_environment_and_when_the_build_fails(monkeypatch, tmp_pa
         monkeypatch.undo()
         cpu_kernels._library.cache_clear()
         cpu_kernels.enable()
+
+
+def test_moe_layer_takes_the_fused_kernel_for_one_token_eager_and_compiled():
+    from inference.moe import MoE, single_token_dispatch
+
+    moe = MoE(64, 40, num_experts=8, top_k=2, norm_topk_prob=True)
+    for p, shape in ((moe.gate, (8, 64)), (moe.w13, (8, 80, 64)), (moe.w2, (8, 64, 40))):
+        p.data = randn(*shape, scale=0.2)
+    x = randn(1, 64)
+    with torch.inference_mode():
+        out, counts = moe(x)
+        weights, ids = moe.route(x)
+        aten = single_token_dispatch(x, weights, ids, moe.w13, moe.w2)
+        torch.testing.assert_close(out, aten, rtol=2 ** -7, atol=float(aten.abs().max()) * 2 ** -7)
+        assert counts.tolist() == [int(e in ids[0].tolist()) for e in range(8)]
+        explanation = torch._dynamo.explain(moe)(x)
+        assert explanation.graph_break_count == 0
+        ops = {n.target for g in explanation.graphs for n in g.graph.nodes if n.op == "call_function"}
+        assert ops & {torch.ops.moeserve.bf16_moe_token.default, torch.ops.moeserve.bf16_moe_token}
+        compiled_out, compiled_counts = torch.compile(moe, dynamic=True)(x)
+        assert torch.equal(compiled_counts, counts)
+        torch.testing.assert_close(compiled_out, out, rtol=2 ** -7, atol=float(out.abs().max()) * 2 ** -7)
