@@ -85,7 +85,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib.bf16_gemv.argtypes = [_P, _P, _P, _I64, _I64, _INT]
     lib.bf16_moe_token.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _INT]
-    lib.bf16_gemv.restype = lib.bf16_moe_token.restype = None
+    lib.bf16_expert_gemm.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT]
+    lib.bf16_gemv.restype = lib.bf16_moe_token.restype = lib.bf16_expert_gemm.restype = None
     return lib
 
 
@@ -126,6 +127,21 @@ def moe_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.T
                               weights.data_ptr(), a, i, d, out.data_ptr(), scratch.data_ptr(),
                               hidden.data_ptr(), torch.get_num_threads())
     return out
+
+
+def expert_gemm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Tokens sorted by expert through their experts: x [E, C, K] (C a multiple of 4; row t
+    of expert e is used for t < counts[e]), weight [E, N, K] -> [E, C, N] (rows past the
+    counts are left unset), bf16 with float32 accumulation."""
+    e, c, k = x.shape
+    n = weight.shape[1]
+    x = x.contiguous()
+    counts = counts.to(torch.int64).contiguous()
+    y = x.new_empty(e, c, n)
+    widened = torch.empty(e * c * ((k + 31) // 32 * 32), dtype=torch.float32)
+    _library().bf16_expert_gemm(x.data_ptr(), weight.data_ptr(), counts.data_ptr(), y.data_ptr(),
+                                widened.data_ptr(), e, c, n, k, torch.get_num_threads())
+    return y
 
 
 # The kernels as operators, for compiled decode graphs (eager code calls the functions

@@ -8,7 +8,8 @@ Four dispatch paths, same result:
   No host sync and a fixed op count, so it suits small decode batches on a GPU; it copies
   T*A expert matrices, which is why it is not used for large batches.
 - padded (CPU decode batches): (token, expert) pairs sorted by expert into an [E, C, D]
-  buffer, two bmm over all experts.
+  buffer, two bmm over all experts (in bf16 with few tokens per expert: our kernel, which
+  skips the experts without tokens).
 - grouped: (token, expert) pairs sorted by expert, one matmul per expert that received
   tokens, on contiguous slices and weight views (no weight copies). Its loop is over experts,
   never tokens. On CPU the per-expert counts cost nothing to read: large prefills take this
@@ -51,6 +52,13 @@ def select_experts(probs: torch.Tensor, top_k: int, norm_topk_prob: bool, num_gr
 # Up to this many (token, expert) pairs a step uses padded_dispatch on CPU (decode batches);
 # larger prefills go through grouped_dispatch, whose matmuls are big enough on their own.
 _PADDED_MAX_ROUTED = 512
+
+
+# Up to this many tokens on the busiest expert, padded_dispatch runs our bf16 kernel
+# (cpu_kernels.expert_gemm) instead of two bmm: it reads only the experts that got tokens and
+# skips the padding. Decode steps of 8-16 sequences: 12% faster; at 32 sequences (12-16
+# tokens per expert) the kernel is compute-bound and oneDNN's bmm is 6-8% faster.
+_EXPERT_KERNEL_MAX_TOKENS = 8
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -101,10 +109,19 @@ def padded_dispatch(x, weights, ids, counts, w13, w2) -> torch.Tensor:
     token_of = order // top_k
     starts = counts.cumsum(0) - counts
     slot = torch.arange(flat_ids.numel(), device=x.device) - starts[sorted_ids]
-    buf = x.new_zeros(w13.shape[0], int(counts.max()), x.shape[1])
+    capacity = int(counts.max())
+    kernel = (capacity <= _EXPERT_KERNEL_MAX_TOKENS and cpu_kernels.ACTIVE and x.dtype == w13.dtype == torch.bfloat16
+              and w13.is_contiguous() and w2.is_contiguous())
+    if kernel:  # whole groups of four tokens; experts nobody was routed to are skipped
+        capacity = (capacity + 3) // 4 * 4
+    buf = x.new_zeros(w13.shape[0], capacity, x.shape[1])
     buf[sorted_ids, slot] = x[token_of]
-    h = swiglu(torch.bmm(buf, w13.transpose(1, 2)))
-    ys = torch.bmm(h, w2.transpose(1, 2))[sorted_ids, slot]  # [T*A, D], expert order
+    if kernel:
+        h = swiglu(cpu_kernels.expert_gemm(buf, w13, counts))
+        ys = cpu_kernels.expert_gemm(h, w2, counts)[sorted_ids, slot]
+    else:
+        h = swiglu(torch.bmm(buf, w13.transpose(1, 2)))
+        ys = torch.bmm(h, w2.transpose(1, 2))[sorted_ids, slot]  # [T*A, D], expert order
     ys *= weights.flatten()[order].to(ys.dtype).unsqueeze(1)
     return torch.zeros_like(x).index_add_(0, token_of, ys)
 

@@ -165,3 +165,36 @@ def test_moe_layer_takes_the_fused_kernel_for_one_token_eager_and_compiled():
         compiled_out, compiled_counts = torch.compile(moe, dynamic=True)(x)
         assert torch.equal(compiled_counts, counts)
         torch.testing.assert_close(compiled_out, out, rtol=2 ** -7, atol=float(out.abs().max()) * 2 ** -7)
+
+
+@pytest.mark.parametrize("n,k,counts", [(2048, 512, [3, 0, 8, 1, 0, 5, 2, 7]), (13, 40, [4, 1, 0, 2]),
+                                        (6, 33, [0, 0]), (4, 32, [1])])
+def test_expert_gemm_matches_float32_arithmetic_on_the_rows_in_use(n, k, counts):
+    e, capacity = len(counts), max(4, (max(counts) + 3) // 4 * 4)
+    w, x = randn(e, n, k, scale=0.1), randn(e, capacity, k)
+    y = cpu_kernels.expert_gemm(x, w, torch.tensor(counts))
+    assert y.shape == (e, capacity, n) and y.dtype == torch.bfloat16
+    for expert, used in enumerate(counts):
+        if not used:
+            continue
+        exact = x[expert, :used].float() @ w[expert].float().T
+        terms = x[expert, :used].float().unsqueeze(1) * w[expert].float()
+        torch.testing.assert_close(y[expert, :used].float(), exact, **bf16_tolerance(exact, terms))
+
+
+def test_padded_dispatch_with_the_kernel_matches_batched_matmuls():
+    from inference.moe import padded_dispatch, select_experts
+
+    g = torch.Generator().manual_seed(5)
+    w13, w2 = randn(8, 80, 64, scale=0.2), randn(8, 64, 40, scale=0.2)
+    x = randn(6, 64)
+    weights, ids = select_experts(torch.rand(6, 8, generator=g).softmax(-1), 2, True)
+    counts = torch.bincount(ids.flatten(), minlength=8)
+    assert counts.max() <= 8  # the kernel's range
+    out = padded_dispatch(x, weights, ids, counts, w13, w2)
+    cpu_kernels.ACTIVE = False
+    try:
+        bmm = padded_dispatch(x, weights, ids, counts, w13, w2)
+    finally:
+        cpu_kernels.enable()
+    torch.testing.assert_close(out, bmm, rtol=2 ** -7, atol=float(bmm.abs().max()) * 2 ** -7)
