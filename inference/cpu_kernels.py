@@ -1,4 +1,5 @@
-"""bf16 matrix-vector kernels for one-sequence decode on the CPU (csrc/bf16_gemv.c).
+"""bf16 kernels for decode on the CPU (csrc/bf16_gemv.c): matrix-vector products for
+one-sequence steps, and the experts of decode batches on AMX.
 
 A single-sequence decode step reads every weight it uses once, so it runs at the speed the
 GEMVs stream memory. ATen's bf16 GEMV reaches 5-9 GB/s on expert-sized matrices here (one
@@ -30,7 +31,7 @@ from inference.demo_model import cache_root
 log = structlog.get_logger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "bf16_gemv.c"
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-shared", "-fPIC"]
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
@@ -87,18 +88,33 @@ def _library() -> ctypes.CDLL | None:
     lib.bf16_moe_token.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _INT]
     lib.bf16_expert_gemm.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT]
     lib.bf16_gemv.restype = lib.bf16_moe_token.restype = lib.bf16_expert_gemm.restype = None
+    lib.bf16_amx_init.restype = ctypes.c_int
     return lib
 
 
-# Set by enable(); a plain bool so compiled graphs read it as a constant.
+# Set by enable(); plain bools so compiled graphs read them as constants. ACTIVE: the
+# AVX512-BF16 kernels (single-row GEMVs, one-token MoE layers); AMX: expert_gemm too.
 ACTIVE = False
+AMX = False
+
+
+@functools.cache
+def _amx_ready() -> bool:
+    lib = _library()
+    if lib is None or not {"amx_tile", "amx_bf16"} <= _cpu_flags():
+        return False
+    if not lib.bf16_amx_init():
+        log.info("AMX expert kernel off: the kernel refused AMX state (arch_prctl)")
+        return False
+    return True
 
 
 def enable() -> bool:
     """Build or load the kernels once (engines on the CPU in bf16 call this at start-up);
     True when single-row bf16 GEMVs and one-token MoE layers will use them."""
-    global ACTIVE
+    global ACTIVE, AMX
     ACTIVE = _library() is not None
+    AMX = ACTIVE and _amx_ready()
     return ACTIVE
 
 
@@ -130,17 +146,18 @@ def moe_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.T
 
 
 def expert_gemm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Tokens sorted by expert through their experts: x [E, C, K] (C a multiple of 4; row t
-    of expert e is used for t < counts[e]), weight [E, N, K] -> [E, C, N] (rows past the
-    counts are left unset), bf16 with float32 accumulation."""
+    """Tokens sorted by expert through their experts, on AMX (only where `AMX`):
+    x [E, C, K] (row t of expert e is used for t < counts[e]), weight [E, N, K] with
+    K % 32 == 0 and N % 16 == 0 -> [E, C, N] (rows past the counts are left unset), bf16
+    with float32 accumulation."""
     e, c, k = x.shape
     n = weight.shape[1]
     x = x.contiguous()
     counts = counts.to(torch.int64).contiguous()
     y = x.new_empty(e, c, n)
-    widened = torch.empty(e * c * ((k + 31) // 32 * 32), dtype=torch.float32)
+    packed = x.new_empty(e * ((c + 15) // 16) * 16 * k)
     _library().bf16_expert_gemm(x.data_ptr(), weight.data_ptr(), counts.data_ptr(), y.data_ptr(),
-                                widened.data_ptr(), e, c, n, k, torch.get_num_threads())
+                                packed.data_ptr(), e, c, n, k, torch.get_num_threads())
     return y
 
 

@@ -8,8 +8,8 @@ Four dispatch paths, same result:
   No host sync and a fixed op count, so it suits small decode batches on a GPU; it copies
   T*A expert matrices, which is why it is not used for large batches.
 - padded (CPU decode batches): (token, expert) pairs sorted by expert into an [E, C, D]
-  buffer, two bmm over all experts (in bf16 with few tokens per expert: our kernel, which
-  skips the experts without tokens).
+  buffer, two bmm over all experts (in bf16 on AMX: our kernel, which reads each expert with
+  tokens once and skips the others).
 - grouped: (token, expert) pairs sorted by expert, one matmul per expert that received
   tokens, on contiguous slices and weight views (no weight copies). Its loop is over experts,
   never tokens. On CPU the per-expert counts cost nothing to read: large prefills take this
@@ -54,11 +54,12 @@ def select_experts(probs: torch.Tensor, top_k: int, norm_topk_prob: bool, num_gr
 _PADDED_MAX_ROUTED = 512
 
 
-# Up to this many tokens on the busiest expert, padded_dispatch runs our bf16 kernel
-# (cpu_kernels.expert_gemm) instead of two bmm: it reads only the experts that got tokens and
-# skips the padding. Decode steps of 8-16 sequences: 12% faster; at 32 sequences (12-16
-# tokens per expert) the kernel is compute-bound and oneDNN's bmm is 6-8% faster.
-_EXPERT_KERNEL_MAX_TOKENS = 8
+def _amx_experts(x, w13, w2) -> bool:
+    """Whether padded_dispatch can run our AMX kernel (cpu_kernels.expert_gemm) instead of two
+    bmm: bf16, contiguous experts, sizes in whole tiles."""
+    return (cpu_kernels.AMX and x.dtype == w13.dtype == torch.bfloat16 and w13.is_contiguous()
+            and w2.is_contiguous() and w13.shape[2] % 32 == 0 and w2.shape[2] % 32 == 0
+            and w13.shape[1] % 16 == 0 and w2.shape[1] % 16 == 0)
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -109,14 +110,9 @@ def padded_dispatch(x, weights, ids, counts, w13, w2) -> torch.Tensor:
     token_of = order // top_k
     starts = counts.cumsum(0) - counts
     slot = torch.arange(flat_ids.numel(), device=x.device) - starts[sorted_ids]
-    capacity = int(counts.max())
-    kernel = (capacity <= _EXPERT_KERNEL_MAX_TOKENS and cpu_kernels.ACTIVE and x.dtype == w13.dtype == torch.bfloat16
-              and w13.is_contiguous() and w2.is_contiguous())
-    if kernel:  # whole groups of four tokens; experts nobody was routed to are skipped
-        capacity = (capacity + 3) // 4 * 4
-    buf = x.new_zeros(w13.shape[0], capacity, x.shape[1])
+    buf = x.new_zeros(w13.shape[0], int(counts.max()), x.shape[1])
     buf[sorted_ids, slot] = x[token_of]
-    if kernel:
+    if _amx_experts(x, w13, w2):
         h = swiglu(cpu_kernels.expert_gemm(buf, w13, counts))
         ys = cpu_kernels.expert_gemm(h, w2, counts)[sorted_ids, slot]
     else:

@@ -1,4 +1,5 @@
-/* Matrix-vector kernels for single-sequence decode in bfloat16 on x86 CPUs with AVX512-BF16.
+/* bfloat16 kernels for CPU decode on x86: matrix-vector products for single-sequence steps
+ * (AVX512-BF16) and the experts of decode batches (AMX).
  *
  * One decode token reads every weight it uses once, so a step is bound by memory bandwidth.
  * ATen's bf16 GEMV converts each weight to float32 before its FMA and runs expert-sized
@@ -135,115 +136,75 @@ void bf16_moe_token(const bf16 *x, const bf16 *w13, const bf16 *w2, const int64_
     }
 }
 
-/* Several tokens per block of weights are compute-bound, and on our CPUs vdpbf16ps issues
- * every other cycle while float32 FMAs issue twice a cycle: the batched kernel widens the
- * weights instead (a bf16 pair in a 32-bit lane is two float32 numbers: the high half masked,
- * the low half shifted up) and multiplies them with the tokens already widened the same way,
- * 1.7x the dot products of vdpbf16ps. */
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
-/* Token x [K] bf16 -> float32 [chunks * 32]: per chunk of 32, the 16 even elements then the
- * 16 odd ones (lanes past K are zero). */
-static inline void widen(const bf16 *x, int64_t K, float *out) {
-    const int64_t chunks = (K + 31) / 32;
-    for (int64_t i = 0; i < chunks; i++) {
-        const __m512i v = (__m512i)load32(x, i, K);
-        _mm512_storeu_ps(out + 32 * i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-        _mm512_storeu_ps(out + 32 * i + 16, _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u))));
-    }
+/* Linux hands out the AMX register state only after this request (once per process). */
+int bf16_amx_init(void) {
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
 }
 
-/* The sums of 16 vectors at once, lane i = sum of v[i]: unpacks and lane shuffles with
- * pairwise adds, instead of 16 separate horizontal reductions. */
-static inline __m512 hsum16(const __m512 *v) {
-    __m512 s0[8], s1[4];
-    for (int i = 0; i < 8; i++)  /* per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3) */
-        s0[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                              _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int j = 0; j < 4; j++) {  /* per lane: the lane's sums of v[4j .. 4j+3] */
-        const __m512d x = _mm512_castps_pd(s0[2 * j]), y = _mm512_castps_pd(s0[2 * j + 1]);
-        s1[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                              _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(s1[0], s1[1], 0x88), _mm512_shuffle_f32x4(s1[0], s1[1], 0xDD));
-    const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2], s1[3], 0x88), _mm512_shuffle_f32x4(s1[2], s1[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
-}
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
 
-/* Token t's two FMAs per weight row (even and odd elements) into its four accumulators. */
-#define DOT4X4_TOKEN(t, a0, a1, a2, a3)                                          \
-    do {                                                                        \
-        const __m512 xe = _mm512_loadu_ps(xf + (t) * kf + 32 * i);              \
-        const __m512 xo = _mm512_loadu_ps(xf + (t) * kf + 32 * i + 16);         \
-        a0 = _mm512_fmadd_ps(w0o, xo, _mm512_fmadd_ps(w0e, xe, a0));            \
-        a1 = _mm512_fmadd_ps(w1o, xo, _mm512_fmadd_ps(w1e, xe, a1));            \
-        a2 = _mm512_fmadd_ps(w2o, xo, _mm512_fmadd_ps(w2e, xe, a2));            \
-        a3 = _mm512_fmadd_ps(w3o, xo, _mm512_fmadd_ps(w3e, xe, a3));            \
-    } while (0)
-
-#define WIDEN_ROW(r, raw, e, o)                                                  \
-    const __m512i raw = (__m512i)load32(w + (r) * K, i, K);                     \
-    const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));           \
-    const __m512 o = _mm512_castsi512_ps(_mm512_and_si512(raw, hi_mask))
-
-/* Rows w[0..3] (bf16, stride K) times four widened tokens xf (stride kf): out[4 * t + r].
- * The rows stay in L1 across the tokens. The 16 accumulators are named variables: as an
- * array whose address reaches hsum16, gcc stores each to the stack on every iteration. */
-static inline void dot4x4(const bf16 *w, const float *xf, int64_t K, int64_t kf, float out[16]) {
-    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
-    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00,
-           c12 = c00, c13 = c00, c20 = c00, c21 = c00, c22 = c00, c23 = c00, c30 = c00,
-           c31 = c00, c32 = c00, c33 = c00;
-    const int64_t chunks = (K + 31) / 32;
-    for (int64_t i = 0; i < chunks; i++) {
-        _mm_prefetch((const char *)(w + 4 * K + 32 * i), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + 5 * K + 32 * i), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + 6 * K + 32 * i), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + 7 * K + 32 * i), _MM_HINT_T0);
-        WIDEN_ROW(0, w0, w0e, w0o);
-        WIDEN_ROW(1, w1, w1e, w1o);
-        WIDEN_ROW(2, w2, w2e, w2o);
-        WIDEN_ROW(3, w3, w3e, w3o);
-        DOT4X4_TOKEN(0, c00, c01, c02, c03);
-        DOT4X4_TOKEN(1, c10, c11, c12, c13);
-        DOT4X4_TOKEN(2, c20, c21, c22, c23);
-        DOT4X4_TOKEN(3, c30, c31, c32, c33);
-    }
-    const __m512 v[16] = {c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33};
-    _mm512_storeu_ps(out, hsum16(v));
-}
-
-/* Decode batches through the experts: Y[e, t] = W[e] X[e, t] for t < counts[e], each
- * expert's weights read once for all of its tokens (a batched matmul would also read the
- * experts nobody was routed to, and multiply their padding).
- * X [E, C, K] (C a multiple of 4; rows from counts[e] on are never stored), W [E, N, K],
- * Y [E, C, N], all bf16; scratch: E * C * ceil(K / 32) * 32 floats (the widened tokens). */
-void bf16_expert_gemm(const bf16 *X, const bf16 *W, const int64_t *counts, bf16 *Y, float *scratch,
-                      int64_t E, int64_t C, int64_t N, int64_t K, int nthreads) {
-    const int64_t blocks = (N + 3) / 4, kf = (K + 31) / 32 * 32;
+/* Decode batches through the experts with AMX tiles (Sapphire Rapids and later):
+ * Y[e, t] = W[e] X[e, t] for t < counts[e]. Each expert's weights are read once for all of
+ * its tokens, and experts nobody was routed to not at all (a batched matmul reads every
+ * expert and multiplies the padding); oneDNN's bmm also repacks the weights on every call.
+ * Computed transposed so the weights need no repacking: a 16x16 float32 tile of (weight
+ * row, token) += 16 weight rows x 32 K (straight from the row-major weights) times the same
+ * 32 K of 16 tokens, packed in pairs as TDPBF16PS wants its second operand.
+ * X [E, C, K], W [E, N, K], Y [E, C, N] bf16; K % 32 == 0, N % 16 == 0;
+ * packed: E * ceil(C / 16) * 16 * K bf16 (the tokens in tile order, zero past the counts). */
+void bf16_expert_gemm(const bf16 *X, const bf16 *W, const int64_t *counts, bf16 *Y, bf16 *packed,
+                          int64_t E, int64_t C, int64_t N, int64_t K, int nthreads) {
+    const int64_t groups = (C + 15) / 16, chunks = K / 32, blocks = N / 16;
+    const int64_t group_size = chunks * 16 * 32; /* bf16 per packed group of 16 tokens */
 #pragma omp parallel num_threads(nthreads)
     {
+        /* packed[e][g][i][p][t][2] = X[e, 16g + t, 32i + 2p + (0, 1)] */
 #pragma omp for schedule(static)
-        for (int64_t j = 0; j < E * C; j++)
-            if (j % C < (counts[j / C] + 3) / 4 * 4) widen(X + j * K, K, scratch + j * kf);  /* whole groups of 4 */
-#pragma omp for schedule(dynamic, 16)
-        for (int64_t j = 0; j < E * blocks; j++) {
-            const int64_t e = j / blocks, r = 4 * (j % blocks), n = counts[e];
-            if (n == 0) continue;
-            const bf16 *w = W + (e * N + r) * K;
-            const float *xf = scratch + e * C * kf;
-            bf16 *y = Y + e * C * N + r;
-            if (r + 4 <= N) {
-                float o[16];
-                for (int64_t t0 = 0; t0 < n; t0 += 4) {
-                    dot4x4(w, xf + t0 * kf, K, kf, o);
-                    for (int64_t t = t0; t < n && t < t0 + 4; t++)
-                        for (int k = 0; k < 4; k++) y[t * N + k] = to_bf16(o[(t - t0) * 4 + k]);
-                }
-            } else {  /* the last rows when N is not a multiple of four */
-                for (int64_t t = 0; t < n; t++)
-                    for (int64_t k = 0; r + k < N; k++)
-                        y[t * N + k] = to_bf16(dot1(w + k * K, K, X + (e * C + t) * K));
+        for (int64_t j = 0; j < E * groups; j++) {
+            const int64_t e = j / groups, g = j % groups, n = counts[e];
+            if (16 * g >= n) continue;
+            uint32_t *dst = (uint32_t *)(packed + j * group_size);
+            for (int64_t t = 0; t < 16; t++) {
+                const int64_t token = 16 * g + t;
+                const uint32_t *src = (const uint32_t *)(X + (e * C + token) * K);
+                for (int64_t i = 0; i < chunks; i++)
+                    for (int64_t p = 0; p < 16; p++)
+                        dst[(i * 16 + p) * 16 + t] = token < n ? src[16 * i + p] : 0;
             }
         }
+        tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette_id = 1;
+        for (int tile = 0; tile < 3; tile++) cfg.rows[tile] = 16, cfg.colsb[tile] = 64;
+        _tile_loadconfig(&cfg);
+        float out[16 * 16];
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t j = 0; j < E * blocks; j++) {
+            const int64_t e = j / blocks, r = 16 * (j % blocks), n = counts[e];
+            const bf16 *w = W + (e * N + r) * K;
+            for (int64_t g = 0; 16 * g < n; g++) {
+                const bf16 *b = packed + (e * groups + g) * group_size;
+                _tile_zero(0);
+                for (int64_t i = 0; i < chunks; i++) {
+                    _tile_loadd(1, w + 32 * i, K * sizeof(bf16));
+                    _tile_loadd(2, b + i * 16 * 32, 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                }
+                _tile_stored(0, out, 64);
+                for (int64_t t = 0; t < 16 && 16 * g + t < n; t++) {
+                    bf16 *y = Y + (e * C + 16 * g + t) * N + r;
+                    for (int k = 0; k < 16; k++) y[k] = to_bf16(out[16 * k + t]);
+                }
+            }
+        }
+        _tile_release();
     }
 }

@@ -167,10 +167,16 @@ def test_moe_layer_takes_the_fused_kernel_for_one_token_eager_and_compiled():
         torch.testing.assert_close(compiled_out, out, rtol=2 ** -7, atol=float(out.abs().max()) * 2 ** -7)
 
 
-@pytest.mark.parametrize("n,k,counts", [(2048, 512, [3, 0, 8, 1, 0, 5, 2, 7]), (13, 40, [4, 1, 0, 2]),
-                                        (6, 33, [0, 0]), (4, 32, [1])])
+def needs_amx():
+    if not cpu_kernels.AMX:
+        pytest.skip("no AMX on this CPU (or the kernel refused AMX state): padded_dispatch keeps bmm")
+
+
+@pytest.mark.parametrize("n,k,counts", [(2048, 512, [3, 0, 8, 1, 0, 5, 2, 7]), (1024, 512, [17, 16, 33]),
+                                        (512, 1024, [1, 0]), (16, 32, [40])])
 def test_expert_gemm_matches_float32_arithmetic_on_the_rows_in_use(n, k, counts):
-    e, capacity = len(counts), max(4, (max(counts) + 3) // 4 * 4)
+    needs_amx()
+    e, capacity = len(counts), max(counts) + 2
     w, x = randn(e, n, k, scale=0.1), randn(e, capacity, k)
     y = cpu_kernels.expert_gemm(x, w, torch.tensor(counts))
     assert y.shape == (e, capacity, n) and y.dtype == torch.bfloat16
@@ -182,17 +188,18 @@ def test_expert_gemm_matches_float32_arithmetic_on_the_rows_in_use(n, k, counts)
         torch.testing.assert_close(y[expert, :used].float(), exact, **bf16_tolerance(exact, terms))
 
 
-def test_padded_dispatch_with_the_kernel_matches_batched_matmuls():
+def test_padded_dispatch_on_amx_matches_batched_matmuls():
     from inference.moe import padded_dispatch, select_experts
 
+    needs_amx()
     g = torch.Generator().manual_seed(5)
-    w13, w2 = randn(8, 80, 64, scale=0.2), randn(8, 64, 40, scale=0.2)
-    x = randn(6, 64)
-    weights, ids = select_experts(torch.rand(6, 8, generator=g).softmax(-1), 2, True)
+    w13, w2 = randn(8, 96, 64, scale=0.2), randn(8, 64, 48, scale=0.2)  # whole tiles: 2I, D % 16, K % 32
+    x = randn(80, 64)
+    weights, ids = select_experts(torch.rand(80, 8, generator=g).softmax(-1), 2, True)
     counts = torch.bincount(ids.flatten(), minlength=8)
-    assert counts.max() <= 8  # the kernel's range
+    assert counts.max() > 16  # more than one tile of tokens on the busiest expert
     out = padded_dispatch(x, weights, ids, counts, w13, w2)
-    cpu_kernels.ACTIVE = False
+    cpu_kernels.AMX = False
     try:
         bmm = padded_dispatch(x, weights, ids, counts, w13, w2)
     finally:
