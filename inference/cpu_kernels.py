@@ -86,14 +86,14 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib.bf16_gemv.argtypes = [_P, _P, _P, _I64, _I64, _INT]
     lib.bf16_moe_token.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _INT]
-    lib.bf16_expert_gemm.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT]
-    lib.bf16_gemv.restype = lib.bf16_moe_token.restype = lib.bf16_expert_gemm.restype = None
+    lib.bf16_moe_batch.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _INT]
+    lib.bf16_gemv.restype = lib.bf16_moe_token.restype = lib.bf16_moe_batch.restype = None
     lib.bf16_amx_init.restype = ctypes.c_int
     return lib
 
 
 # Set by enable(); plain bools so compiled graphs read them as constants. ACTIVE: the
-# AVX512-BF16 kernels (single-row GEMVs, one-token MoE layers); AMX: expert_gemm too.
+# AVX512-BF16 kernels (single-row GEMVs, one-token MoE layers); AMX: moe_batch too.
 ACTIVE = False
 AMX = False
 
@@ -145,20 +145,20 @@ def moe_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.T
     return out
 
 
-def expert_gemm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Tokens sorted by expert through their experts, on AMX (only where `AMX`):
-    x [E, C, K] (row t of expert e is used for t < counts[e]), weight [E, N, K] with
-    K % 32 == 0 and N % 16 == 0 -> [E, C, N] (rows past the counts are left unset), bf16
-    with float32 accumulation."""
-    e, c, k = x.shape
-    n = weight.shape[1]
+def moe_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+              weights: torch.Tensor) -> torch.Tensor:
+    """The routed experts of a decode batch on AMX (only where `AMX`): x [T, D], w13
+    [E, 2I, D], w2 [E, D, I] (bf16, contiguous, D and I multiples of 32), expert ids and
+    router weights [T, A] -> [T, D], each token's sum over its experts of weight * w2 (silu(gate)
+    * up)."""
+    t, d = x.shape
     x = x.contiguous()
-    counts = counts.to(torch.int64).contiguous()
-    y = x.new_empty(e, c, n)
-    packed = x.new_empty(e * ((c + 15) // 16) * 16 * k)
-    _library().bf16_expert_gemm(x.data_ptr(), weight.data_ptr(), counts.data_ptr(), y.data_ptr(),
-                                packed.data_ptr(), e, c, n, k, torch.get_num_threads())
-    return y
+    ids = ids.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    out = x.new_empty(t, d)
+    _library().bf16_moe_batch(x.data_ptr(), w13.data_ptr(), w2.data_ptr(), ids.data_ptr(), weights.data_ptr(),
+                              t, ids.shape[1], w13.shape[0], w2.shape[2], d, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 # The kernels as operators, for compiled decode graphs (eager code calls the functions

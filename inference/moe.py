@@ -3,13 +3,14 @@
 Shapes: T tokens, D hidden, E experts, A experts per token (top-k), I expert FFN width.
 Expert weights are stacked per projection: w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I].
 
-Four dispatch paths, same result:
+Five dispatch paths, same result:
 - gather (gpt-fast): each token gathers its A experts' weights and runs one batched matmul.
   No host sync and a fixed op count, so it suits small decode batches on a GPU; it copies
   T*A expert matrices, which is why it is not used for large batches.
 - padded (CPU decode batches): (token, expert) pairs sorted by expert into an [E, C, D]
-  buffer, two bmm over all experts (in bf16 on AMX: our kernel, which reads each expert with
-  tokens once and skips the others).
+  buffer, two bmm over all experts.
+- AMX (CPU decode batches in bf16 where the CPU has AMX): one call of our kernel
+  (cpu_kernels.moe_batch), which reads each expert with tokens once and skips the others.
 - grouped: (token, expert) pairs sorted by expert, one matmul per expert that received
   tokens, on contiguous slices and weight views (no weight copies). Its loop is over experts,
   never tokens. On CPU the per-expert counts cost nothing to read: large prefills take this
@@ -55,11 +56,10 @@ _PADDED_MAX_ROUTED = 512
 
 
 def _amx_experts(x, w13, w2) -> bool:
-    """Whether padded_dispatch can run our AMX kernel (cpu_kernels.expert_gemm) instead of two
-    bmm: bf16, contiguous experts, sizes in whole tiles."""
+    """Whether a decode batch can take our AMX kernel (cpu_kernels.moe_batch): bf16,
+    contiguous experts, D and I in whole tiles."""
     return (cpu_kernels.AMX and x.dtype == w13.dtype == torch.bfloat16 and w13.is_contiguous()
-            and w2.is_contiguous() and w13.shape[2] % 32 == 0 and w2.shape[2] % 32 == 0
-            and w13.shape[1] % 16 == 0 and w2.shape[1] % 16 == 0)
+            and w2.is_contiguous() and w2.shape[1] % 32 == 0 and w2.shape[2] % 32 == 0)
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -76,6 +76,8 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: tor
     if x.device.type == "cpu":
         if x.shape[0] == 1:
             return single_token_dispatch(x, weights, ids, w13, w2), counts
+        if ids.numel() <= _PADDED_MAX_ROUTED and _amx_experts(x, w13, w2):
+            return cpu_kernels.moe_batch(x, w13, w2, ids, weights), counts
         if w13.shape[0] <= ids.numel() <= _PADDED_MAX_ROUTED:
             return padded_dispatch(x, weights, ids, counts, w13, w2), counts
     return grouped_dispatch(x, weights, ids, counts, w13, w2), counts
@@ -112,12 +114,8 @@ def padded_dispatch(x, weights, ids, counts, w13, w2) -> torch.Tensor:
     slot = torch.arange(flat_ids.numel(), device=x.device) - starts[sorted_ids]
     buf = x.new_zeros(w13.shape[0], int(counts.max()), x.shape[1])
     buf[sorted_ids, slot] = x[token_of]
-    if _amx_experts(x, w13, w2):
-        h = swiglu(cpu_kernels.expert_gemm(buf, w13, counts))
-        ys = cpu_kernels.expert_gemm(h, w2, counts)[sorted_ids, slot]
-    else:
-        h = swiglu(torch.bmm(buf, w13.transpose(1, 2)))
-        ys = torch.bmm(h, w2.transpose(1, 2))[sorted_ids, slot]  # [T*A, D], expert order
+    h = swiglu(torch.bmm(buf, w13.transpose(1, 2)))
+    ys = torch.bmm(h, w2.transpose(1, 2))[sorted_ids, slot]  # [T*A, D], expert order
     ys *= weights.flatten()[order].to(ys.dtype).unsqueeze(1)
     return torch.zeros_like(x).index_add_(0, token_of, ys)
 

@@ -16,6 +16,10 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 typedef uint16_t bf16;
 
@@ -39,6 +43,37 @@ static inline __m512bh load32(const bf16 *w, int64_t i, int64_t K) {
     int64_t left = K - 32 * i;
     if (left >= 32) return (__m512bh)_mm512_loadu_si512(w + 32 * i);
     return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1u << left) - 1u), w + 32 * i);
+}
+
+/* float32 -> bf16 precision (round to nearest even), kept as float32. */
+static inline __m512 round_bf16(__m512 v) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* exp(x) to ~1 ulp: Cody-Waite reduction by ln 2 and Cephes' expf polynomial, scaled by 2^n. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* silu(gate) * up for 16 gate and 16 up values, each rounded to bf16 where the reference's
+ * bf16 ops round (the projections, SiLU, the product). */
+static inline __m256bh swiglu16(__m512 gate, __m512 up) {
+    const __m512 g = round_bf16(gate), u = round_bf16(up);
+    const __m512 s = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+    return _mm512_cvtneps_pbh(_mm512_mul_ps(s, u));
 }
 
 /* Dot products of rows w[0..3] (stride K) with x; the next four rows are prefetched. */
@@ -111,10 +146,15 @@ void bf16_moe_token(const bf16 *x, const bf16 *w13, const bf16 *w2, const int64_
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < A * I; j++) {
             const int64_t a = j / I, i = j % I;
-            const float g = from_bf16(to_bf16(gate_up[a * 2 * I + i]));
-            const float u = from_bf16(to_bf16(gate_up[a * 2 * I + I + i]));
-            const float s = from_bf16(to_bf16(g / (1.0f + expf(-g))));
-            hidden[j] = to_bf16(s * u);
+            if (i % 16 == 0 && i + 16 <= I) {  /* 16 at a time */
+                const __m256bh h = swiglu16(_mm512_loadu_ps(gate_up + a * 2 * I + i), _mm512_loadu_ps(gate_up + a * 2 * I + I + i));
+                _mm256_storeu_si256((__m256i *)(hidden + j), (__m256i)h);
+            } else if (i >= I / 16 * 16) {  /* the rest one by one */
+                const float g = from_bf16(to_bf16(gate_up[a * 2 * I + i]));
+                const float u = from_bf16(to_bf16(gate_up[a * 2 * I + I + i]));
+                const float s = from_bf16(to_bf16(g / (1.0f + expf(-g))));
+                hidden[j] = to_bf16(s * u);
+            }
         }
 #pragma omp for schedule(static)
         for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
@@ -136,9 +176,6 @@ void bf16_moe_token(const bf16 *x, const bf16 *w13, const bf16 *w2, const int64_
     }
 }
 
-#include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 /* Linux hands out the AMX register state only after this request (once per process). */
 int bf16_amx_init(void) {
@@ -151,60 +188,106 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) tile_config;
 
-/* Decode batches through the experts with AMX tiles (Sapphire Rapids and later):
- * Y[e, t] = W[e] X[e, t] for t < counts[e]. Each expert's weights are read once for all of
- * its tokens, and experts nobody was routed to not at all (a batched matmul reads every
- * expert and multiplies the padding); oneDNN's bmm also repacks the weights on every call.
- * Computed transposed so the weights need no repacking: a 16x16 float32 tile of (weight
- * row, token) += 16 weight rows x 32 K (straight from the row-major weights) times the same
- * 32 K of 16 tokens, packed in pairs as TDPBF16PS wants its second operand.
- * X [E, C, K], W [E, N, K], Y [E, C, N] bf16; K % 32 == 0, N % 16 == 0;
- * packed: E * ceil(C / 16) * 16 * K bf16 (the tokens in tile order, zero past the counts). */
-void bf16_expert_gemm(const bf16 *X, const bf16 *W, const int64_t *counts, bf16 *Y, bf16 *packed,
-                          int64_t E, int64_t C, int64_t N, int64_t K, int nthreads) {
-    const int64_t groups = (C + 15) / 16, chunks = K / 32, blocks = N / 16;
-    const int64_t group_size = chunks * 16 * 32; /* bf16 per packed group of 16 tokens */
+static void tiles_on(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int tile = 0; tile < 3; tile++) cfg.rows[tile] = 16, cfg.colsb[tile] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* One 16x16 float32 tile, out[16 * row + token]: weight rows w[0..15] (row-major, stride K)
+ * times 16 tokens packed in pairs (packed[i][p][t][2] = token t's elements 32i + 2p, +1).
+ * Computed transposed (weights as the first operand) so the weights need no repacking. */
+static inline void amx_tile(const bf16 *w, const bf16 *packed, int64_t K, float *out) {
+    _tile_zero(0);
+    for (int64_t i = 0; i < K / 32; i++) {
+        _tile_loadd(1, w + 32 * i, K * sizeof(bf16));
+        _tile_loadd(2, packed + i * 16 * 32, 64);
+        _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, out, 64);
+}
+
+/* The routed experts of a decode batch on AMX tiles (Sapphire Rapids and later), all in one
+ * call: out[t] = sum_a weights[t, a] * W2[e] (silu(g) * u), (g, u) = W13[e] x[t], e = ids[t, a].
+ * Each expert's weights are read once for all of its tokens (up to 16 per tile, the weight
+ * rows staying in L1 across further groups of 16), and the experts nobody was routed to not
+ * at all; a batched matmul reads every expert and multiplies the padding, and oneDNN's bmm
+ * repacks the weights on every call. Rounding as bf16_moe_token.
+ * x [T, D]; w13 [E, 2I, D]; w2 [E, D, I]; ids, weights [T, A]; out [T, D]; D, I % 32 == 0. */
+void bf16_moe_batch(const bf16 *x, const bf16 *w13, const bf16 *w2, const int64_t *ids,
+                    const float *weights, int64_t T, int64_t A, int64_t E, int64_t I, int64_t D,
+                    bf16 *out, int nthreads) {
+    const int64_t pairs = T * A;
+    /* routing tables: the s-th slot of expert e is row 16 * first_group[e] + s of every
+     * per-slot buffer and holds token token_of[that row]; a pair's row is pair_row[p] */
+    int64_t *count = calloc(E, sizeof(int64_t)), *first_group = malloc((E + 1) * sizeof(int64_t));
+    int64_t *pair_row = malloc(pairs * sizeof(int64_t));
+    for (int64_t p = 0; p < pairs; p++) pair_row[p] = count[ids[p]]++;
+    first_group[0] = 0;
+    for (int64_t e = 0; e < E; e++) first_group[e + 1] = first_group[e] + (count[e] + 15) / 16;
+    const int64_t groups = first_group[E], rows = 16 * groups;
+    int64_t *token_of = malloc(rows * sizeof(int64_t));
+    for (int64_t r = 0; r < rows; r++) token_of[r] = -1;
+    for (int64_t p = 0; p < pairs; p++) {
+        pair_row[p] += 16 * first_group[ids[p]];
+        token_of[pair_row[p]] = p / A;
+    }
+    bf16 *packed_x = aligned_alloc(64, rows * D * sizeof(bf16) + 64);
+    bf16 *packed_h = aligned_alloc(64, rows * I * sizeof(bf16) + 64);
+    float *gate_up = malloc(rows * 2 * I * sizeof(float));
+    float *expert_out = malloc(rows * D * sizeof(float));
+    const int64_t up_blocks = 2 * I / 16, down_blocks = D / 16;
 #pragma omp parallel num_threads(nthreads)
     {
-        /* packed[e][g][i][p][t][2] = X[e, 16g + t, 32i + 2p + (0, 1)] */
 #pragma omp for schedule(static)
-        for (int64_t j = 0; j < E * groups; j++) {
-            const int64_t e = j / groups, g = j % groups, n = counts[e];
-            if (16 * g >= n) continue;
-            uint32_t *dst = (uint32_t *)(packed + j * group_size);
-            for (int64_t t = 0; t < 16; t++) {
-                const int64_t token = 16 * g + t;
-                const uint32_t *src = (const uint32_t *)(X + (e * C + token) * K);
-                for (int64_t i = 0; i < chunks; i++)
-                    for (int64_t p = 0; p < 16; p++)
-                        dst[(i * 16 + p) * 16 + t] = token < n ? src[16 * i + p] : 0;
+        for (int64_t r = 0; r < rows; r++) {  /* bf16 pairs as 32-bit words: [chunk][pair][token] */
+            const int64_t t = token_of[r];
+            uint32_t *dst = (uint32_t *)(packed_x + (r / 16) * 16 * D) + r % 16;
+            const uint32_t *src = (const uint32_t *)(x + t * D);
+            for (int64_t k2 = 0; k2 < D / 2; k2++) dst[16 * k2] = t < 0 ? 0 : src[k2];
+        }
+        tiles_on();
+        float tile[256];
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t j = 0; j < E * up_blocks; j++) {
+            const int64_t e = j / up_blocks, n0 = 16 * (j % up_blocks);
+            for (int64_t g = first_group[e]; g < first_group[e + 1]; g++) {
+                amx_tile(w13 + (e * 2 * I + n0) * D, packed_x + g * 16 * D, D, tile);
+                for (int64_t t = 0; t < 16; t++)
+                    for (int64_t k = 0; k < 16; k++) gate_up[(16 * g + t) * 2 * I + n0 + k] = tile[16 * k + t];
             }
         }
-        tile_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette_id = 1;
-        for (int tile = 0; tile < 3; tile++) cfg.rows[tile] = 16, cfg.colsb[tile] = 64;
-        _tile_loadconfig(&cfg);
-        float out[16 * 16];
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            uint32_t *dst = (uint32_t *)(packed_h + (r / 16) * 16 * I) + r % 16;
+            const float *gu = gate_up + r * 2 * I;
+            for (int64_t i = 0; i < I; i += 16) {
+                uint32_t h[8];
+                _mm256_storeu_si256((__m256i *)h, (__m256i)swiglu16(_mm512_loadu_ps(gu + i), _mm512_loadu_ps(gu + I + i)));
+                for (int k = 0; k < 8; k++) dst[16 * (i / 2 + k)] = token_of[r] < 0 ? 0 : h[k];
+            }
+        }
 #pragma omp for schedule(dynamic, 4)
-        for (int64_t j = 0; j < E * blocks; j++) {
-            const int64_t e = j / blocks, r = 16 * (j % blocks), n = counts[e];
-            const bf16 *w = W + (e * N + r) * K;
-            for (int64_t g = 0; 16 * g < n; g++) {
-                const bf16 *b = packed + (e * groups + g) * group_size;
-                _tile_zero(0);
-                for (int64_t i = 0; i < chunks; i++) {
-                    _tile_loadd(1, w + 32 * i, K * sizeof(bf16));
-                    _tile_loadd(2, b + i * 16 * 32, 64);
-                    _tile_dpbf16ps(0, 1, 2);
-                }
-                _tile_stored(0, out, 64);
-                for (int64_t t = 0; t < 16 && 16 * g + t < n; t++) {
-                    bf16 *y = Y + (e * C + 16 * g + t) * N + r;
-                    for (int k = 0; k < 16; k++) y[k] = to_bf16(out[16 * k + t]);
-                }
+        for (int64_t j = 0; j < E * down_blocks; j++) {
+            const int64_t e = j / down_blocks, n0 = 16 * (j % down_blocks);
+            for (int64_t g = first_group[e]; g < first_group[e + 1]; g++) {
+                amx_tile(w2 + (e * D + n0) * I, packed_h + g * 16 * I, I, tile);
+                for (int64_t t = 0; t < 16; t++)
+                    for (int64_t k = 0; k < 16; k++)
+                        expert_out[(16 * g + t) * D + n0 + k] = from_bf16(to_bf16(tile[16 * k + t]));
             }
         }
         _tile_release();
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t d = 0; d < D; d++) {
+                float acc = 0.0f;
+                for (int64_t a = 0; a < A; a++) acc += weights[t * A + a] * expert_out[pair_row[t * A + a] * D + d];
+                out[t * D + d] = to_bf16(acc);
+            }
     }
+    free(count), free(first_group), free(pair_row), free(token_of);
+    free(packed_x), free(packed_h), free(gate_up), free(expert_out);
 }

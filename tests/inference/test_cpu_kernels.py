@@ -172,36 +172,32 @@ def needs_amx():
         pytest.skip("no AMX on this CPU (or the kernel refused AMX state): padded_dispatch keeps bmm")
 
 
-@pytest.mark.parametrize("n,k,counts", [(2048, 512, [3, 0, 8, 1, 0, 5, 2, 7]), (1024, 512, [17, 16, 33]),
-                                        (512, 1024, [1, 0]), (16, 32, [40])])
-def test_expert_gemm_matches_float32_arithmetic_on_the_rows_in_use(n, k, counts):
+@pytest.mark.parametrize("t,d,i,top_k", [(32, 512, 1024, 2), (80, 64, 32, 2), (3, 32, 64, 3), (40, 96, 64, 1)])
+def test_moe_batch_matches_float32_arithmetic(t, d, i, top_k):
+    from inference.moe import select_experts
+
     needs_amx()
-    e, capacity = len(counts), max(counts) + 2
-    w, x = randn(e, n, k, scale=0.1), randn(e, capacity, k)
-    y = cpu_kernels.expert_gemm(x, w, torch.tensor(counts))
-    assert y.shape == (e, capacity, n) and y.dtype == torch.bfloat16
-    for expert, used in enumerate(counts):
-        if not used:
-            continue
-        exact = x[expert, :used].float() @ w[expert].float().T
-        terms = x[expert, :used].float().unsqueeze(1) * w[expert].float()
-        torch.testing.assert_close(y[expert, :used].float(), exact, **bf16_tolerance(exact, terms))
+    e = 8
+    w13, w2, x = randn(e, 2 * i, d, scale=0.1), randn(e, d, i, scale=0.1), randn(t, d)
+    g = torch.Generator().manual_seed(t)
+    weights, ids = select_experts(torch.rand(t, e, generator=g).softmax(-1), top_k, True)
+    out = cpu_kernels.moe_batch(x, w13, w2, ids, weights)
+    assert out.dtype == torch.bfloat16 and out.shape == (t, d)
+    for row in range(t):
+        exact = expert_reference(x[row], w13, w2, ids[row], weights[row])
+        torch.testing.assert_close(out[row].float(), exact, rtol=2 ** -7, atol=float(exact.abs().max()) * 2 ** -8)
 
 
-def test_padded_dispatch_on_amx_matches_batched_matmuls():
-    from inference.moe import padded_dispatch, select_experts
+def test_decode_batches_take_the_amx_kernel_and_match_batched_matmuls():
+    from inference.moe import dispatch, padded_dispatch, select_experts
 
     needs_amx()
     g = torch.Generator().manual_seed(5)
-    w13, w2 = randn(8, 96, 64, scale=0.2), randn(8, 64, 48, scale=0.2)  # whole tiles: 2I, D % 16, K % 32
+    w13, w2 = randn(8, 128, 64, scale=0.2), randn(8, 64, 64, scale=0.2)
     x = randn(80, 64)
     weights, ids = select_experts(torch.rand(80, 8, generator=g).softmax(-1), 2, True)
-    counts = torch.bincount(ids.flatten(), minlength=8)
+    out, counts = dispatch(x, weights, ids, w13, w2, gather_max_tokens=0)
     assert counts.max() > 16  # more than one tile of tokens on the busiest expert
-    out = padded_dispatch(x, weights, ids, counts, w13, w2)
-    cpu_kernels.AMX = False
-    try:
-        bmm = padded_dispatch(x, weights, ids, counts, w13, w2)
-    finally:
-        cpu_kernels.enable()
+    assert torch.equal(out, cpu_kernels.moe_batch(x, w13, w2, ids, weights))
+    bmm = padded_dispatch(x, weights, ids, counts, w13, w2)
     torch.testing.assert_close(out, bmm, rtol=2 ** -7, atol=float(bmm.abs().max()) * 2 ** -7)
