@@ -87,7 +87,8 @@ def _library() -> ctypes.CDLL | None:
     lib.bf16_gemv.argtypes = [_P, _P, _P, _I64, _I64, _INT]
     lib.bf16_moe_token.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _INT]
     lib.bf16_moe_batch.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _INT]
-    lib.bf16_gemv.restype = lib.bf16_moe_token.restype = lib.bf16_moe_batch.restype = None
+    lib.bf16_gemv.restype = lib.bf16_moe_token.restype = None
+    lib.bf16_moe_batch.restype = ctypes.c_int
     lib.bf16_amx_init.restype = ctypes.c_int
     return lib
 
@@ -156,8 +157,9 @@ def moe_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.T
     ids = ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     out = x.new_empty(t, d)
-    _library().bf16_moe_batch(x.data_ptr(), w13.data_ptr(), w2.data_ptr(), ids.data_ptr(), weights.data_ptr(),
-                              t, ids.shape[1], w13.shape[0], w2.shape[2], d, out.data_ptr(), torch.get_num_threads())
+    if _library().bf16_moe_batch(x.data_ptr(), w13.data_ptr(), w2.data_ptr(), ids.data_ptr(), weights.data_ptr(), t,
+                                 ids.shape[1], w13.shape[0], w2.shape[2], d, out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("bf16_moe_batch could not allocate its buffers")
     return out
 
 

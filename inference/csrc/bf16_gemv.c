@@ -216,28 +216,33 @@ static inline void amx_tile(const bf16 *w, const bf16 *packed, int64_t K, float 
  * at all; a batched matmul reads every expert and multiplies the padding, and oneDNN's bmm
  * repacks the weights on every call. Rounding as bf16_moe_token.
  * x [T, D]; w13 [E, 2I, D]; w2 [E, D, I]; ids, weights [T, A]; out [T, D]; D, I % 32 == 0. */
-void bf16_moe_batch(const bf16 *x, const bf16 *w13, const bf16 *w2, const int64_t *ids,
-                    const float *weights, int64_t T, int64_t A, int64_t E, int64_t I, int64_t D,
-                    bf16 *out, int nthreads) {
+int bf16_moe_batch(const bf16 *x, const bf16 *w13, const bf16 *w2, const int64_t *ids,
+                   const float *weights, int64_t T, int64_t A, int64_t E, int64_t I, int64_t D,
+                   bf16 *out, int nthreads) {
     const int64_t pairs = T * A;
+    int status = -1; /* returned when a buffer cannot be allocated */
     /* routing tables: the s-th slot of expert e is row 16 * first_group[e] + s of every
      * per-slot buffer and holds token token_of[that row]; a pair's row is pair_row[p] */
     int64_t *count = calloc(E, sizeof(int64_t)), *first_group = malloc((E + 1) * sizeof(int64_t));
-    int64_t *pair_row = malloc(pairs * sizeof(int64_t));
+    int64_t *pair_row = malloc(pairs * sizeof(int64_t)), *token_of = NULL;
+    bf16 *packed_x = NULL, *packed_h = NULL;
+    float *gate_up = NULL, *expert_out = NULL;
+    if (!count || !first_group || !pair_row) goto done;
     for (int64_t p = 0; p < pairs; p++) pair_row[p] = count[ids[p]]++;
     first_group[0] = 0;
     for (int64_t e = 0; e < E; e++) first_group[e + 1] = first_group[e] + (count[e] + 15) / 16;
     const int64_t groups = first_group[E], rows = 16 * groups;
-    int64_t *token_of = malloc(rows * sizeof(int64_t));
+    token_of = malloc(rows * sizeof(int64_t));
+    packed_x = aligned_alloc(64, rows * D * sizeof(bf16) + 64);
+    packed_h = aligned_alloc(64, rows * I * sizeof(bf16) + 64);
+    gate_up = malloc(rows * 2 * I * sizeof(float));
+    expert_out = malloc(rows * D * sizeof(float));
+    if (!token_of || !packed_x || !packed_h || !gate_up || !expert_out) goto done;
     for (int64_t r = 0; r < rows; r++) token_of[r] = -1;
     for (int64_t p = 0; p < pairs; p++) {
         pair_row[p] += 16 * first_group[ids[p]];
         token_of[pair_row[p]] = p / A;
     }
-    bf16 *packed_x = aligned_alloc(64, rows * D * sizeof(bf16) + 64);
-    bf16 *packed_h = aligned_alloc(64, rows * I * sizeof(bf16) + 64);
-    float *gate_up = malloc(rows * 2 * I * sizeof(float));
-    float *expert_out = malloc(rows * D * sizeof(float));
     const int64_t up_blocks = 2 * I / 16, down_blocks = D / 16;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -288,6 +293,9 @@ void bf16_moe_batch(const bf16 *x, const bf16 *w13, const bf16 *w2, const int64_
                 out[t * D + d] = to_bf16(acc);
             }
     }
+    status = 0;
+done:
     free(count), free(first_group), free(pair_row), free(token_of);
     free(packed_x), free(packed_h), free(gate_up), free(expert_out);
+    return status;
 }
