@@ -7,8 +7,12 @@ core, a float32 conversion per weight); these AVX512-BF16 loops reach 15-30 GB/s
 is compiled with the system C compiler on first use (about a second) into the cache folder
 and loaded with ctypes: a torch C++ extension would take a minute to build on two cores.
 
-Where the CPU lacks AVX512-BF16, no C compiler is installed, or MOESERVE_BF16_KERNELS=0,
-`enable()` returns False and callers keep ATen's kernels.
+Decode batches' MoE layers run on AMX tiles (moe_batch): several tokens per expert are
+compute-bound, and vdpbf16ps issues only every other cycle on these CPUs.
+
+Where the CPU lacks AVX512-BF16, no C compiler (gcc 11+, for the AMX intrinsics) is
+installed, or MOESERVE_BF16_KERNELS=0, `enable()` returns False and callers keep ATen's
+kernels; without AMX, decode batches keep oneDNN's batched matmuls.
 """
 
 from __future__ import annotations
