@@ -53,7 +53,7 @@ class LLMEngine:
         load_weights(model, path, args)
         self.model = model.eval()
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            log.info("single-sequence decode kernels", bf16_gemv=cpu_kernels.enable())
+            log.info("bf16 CPU kernels", gemv=cpu_kernels.enable(), amx_moe=cpu_kernels.AMX)
         num_blocks = num_cache_blocks(args, self.dtype, self.device, config.block_size,
                                       config.kv_cache_tokens, config.gpu_memory_utilization)
         cache_tokens = num_blocks * config.block_size
