@@ -1,6 +1,7 @@
-"""The AVX512-BF16 single-sequence decode kernels (inference/cpu_kernels.py): results against
-float32 arithmetic, the model's bf16 logits against transformers with and without them, the
-compiled path, and the fallback to ATen when they cannot be built."""
+"""The engine's bf16 CPU kernels (inference/cpu_kernels.py): single-row GEMV, the one-token
+and the decode-batch (AMX) MoE layers against float32 arithmetic, the model's bf16 logits
+against transformers with and without them, the compiled path, and the fallback to ATen when
+they cannot be built."""
 
 from __future__ import annotations
 
