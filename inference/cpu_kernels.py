@@ -142,7 +142,7 @@ def moe_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.T
     ids = ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     out = x.new_empty(d)
-    scratch = torch.empty(a * 2 * i + d, dtype=torch.float32)
+    scratch = torch.empty(a * (2 * i + d), dtype=torch.float32)
     hidden = x.new_empty(a * i)
     _library().bf16_moe_token(x.data_ptr(), w13.data_ptr(), w2.data_ptr(), ids.data_ptr(),
                               weights.data_ptr(), a, i, d, out.data_ptr(), scratch.data_ptr(),

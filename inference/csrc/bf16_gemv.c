@@ -133,49 +133,35 @@ void bf16_gemv(const bf16 *W, const bf16 *x, bf16 *y, int64_t N, int64_t K, int 
 /* The routed experts of one token: out = sum_a weights[a] * W2[ids[a]] (silu(g) * u), where
  * (g, u) = W13[ids[a]] x is split in halves (gate rows, then up rows).
  * x [D]; w13 [E, 2I, D]; w2 [E, D, I]; ids, weights [A]; out [D].
- * scratch: A*2I + D floats; hidden: A*I bf16 (the activations, rounded to bf16 as the
+ * scratch: A*(2I + D) floats; hidden: A*I bf16 (the activations, rounded to bf16 as the
  * reference rounds them before its down projection). */
 void bf16_moe_token(const bf16 *x, const bf16 *w13, const bf16 *w2, const int64_t *ids,
                     const float *weights, int64_t A, int64_t I, int64_t D, bf16 *out,
                     float *scratch, bf16 *hidden, int nthreads) {
-    float *gate_up = scratch, *acc = scratch + A * 2 * I;
+    float *gate_up = scratch, *expert_out = scratch + A * 2 * I;
+    const int64_t chunks = (I + 15) / 16;
 #pragma omp parallel num_threads(nthreads)
     {
         for (int64_t a = 0; a < A; a++)
             rows_dot(w13 + ids[a] * 2 * I * D, x, gate_up + a * 2 * I, 2 * I, D);
 #pragma omp for schedule(static)
-        for (int64_t j = 0; j < A * I; j++) {
-            const int64_t a = j / I, i = j % I;
-            if (i % 16 == 0 && i + 16 <= I) {  /* 16 at a time */
-                const __m256bh h = swiglu16(_mm512_loadu_ps(gate_up + a * 2 * I + i), _mm512_loadu_ps(gate_up + a * 2 * I + I + i));
-                _mm256_storeu_si256((__m256i *)(hidden + j), (__m256i)h);
-            } else if (i >= I / 16 * 16) {  /* the rest one by one */
-                const float g = from_bf16(to_bf16(gate_up[a * 2 * I + i]));
-                const float u = from_bf16(to_bf16(gate_up[a * 2 * I + I + i]));
-                const float s = from_bf16(to_bf16(g / (1.0f + expf(-g))));
-                hidden[j] = to_bf16(s * u);
-            }
+        for (int64_t j = 0; j < A * chunks; j++) {
+            const int64_t a = j / chunks, i = 16 * (j % chunks);
+            const __mmask16 lanes = I - i >= 16 ? 0xffff : (__mmask16)((1u << (I - i)) - 1u);
+            const float *gu = gate_up + a * 2 * I;
+            const __m256bh h = swiglu16(_mm512_maskz_loadu_ps(lanes, gu + i), _mm512_maskz_loadu_ps(lanes, gu + I + i));
+            _mm512_mask_storeu_epi16(hidden + a * I + i, lanes, _mm512_castsi256_si512((__m256i)h));
         }
+        for (int64_t a = 0; a < A; a++)
+            rows_dot(w2 + ids[a] * D * I, hidden + a * I, expert_out + a * D, D, I);
 #pragma omp for schedule(static)
-        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
-        for (int64_t a = 0; a < A; a++) {
-            const bf16 *w = w2 + ids[a] * D * I, *h = hidden + a * I;
-            const float scale = weights[a];
-            const int64_t blocks = D / 4;
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < blocks; b++) {
-                float o[4];
-                dot4(w + 4 * b * I, I, h, o);
-                for (int k = 0; k < 4; k++) acc[4 * b + k] += scale * from_bf16(to_bf16(o[k]));
-            }
-#pragma omp single
-            for (int64_t d = 4 * blocks; d < D; d++) acc[d] += scale * from_bf16(to_bf16(dot1(w + d * I, I, h)));
+        for (int64_t d = 0; d < D; d++) {
+            float acc = 0.0f;
+            for (int64_t a = 0; a < A; a++) acc += weights[a] * from_bf16(to_bf16(expert_out[a * D + d]));
+            out[d] = to_bf16(acc);
         }
-#pragma omp for schedule(static)
-        for (int64_t d = 0; d < D; d++) out[d] = to_bf16(acc[d]);
     }
 }
-
 
 /* Linux hands out the AMX register state only after this request (once per process). */
 int bf16_amx_init(void) {
