@@ -123,6 +123,17 @@ def enable() -> bool:
     return ACTIVE
 
 
+def applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether the AVX512-BF16 kernels can take activations x with these weights: enabled,
+    bf16 on the CPU, weights contiguous (the kernels read rows with a fixed stride)."""
+    if not (ACTIVE and x.device.type == "cpu" and x.dtype == torch.bfloat16):
+        return False
+    for w in weights:
+        if w.dtype != torch.bfloat16 or not w.is_contiguous():
+            return False
+    return True
+
+
 def gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """weight [N, K] (bf16, contiguous) @ x [K] -> [N], bf16 with float32 accumulation."""
     n, k = weight.shape

@@ -19,7 +19,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     and ours streams the weights 1.5-3x faster again. float32 keeps F.linear, so parity tests
     compare the reference's own kernels."""
     if x.shape[0] == 1 and x.dim() == 2 and x.dtype != torch.float32 and x.device.type == "cpu":
-        if cpu_kernels.ACTIVE and weight.dtype == torch.bfloat16 and weight.is_contiguous():
+        if cpu_kernels.applies(x, weight):
             gemv = torch.ops.moeserve.bf16_gemv if torch.compiler.is_compiling() else cpu_kernels.gemv
             y = gemv(weight, x[0]).unsqueeze(0)
         else:

@@ -59,8 +59,7 @@ _PADDED_MAX_ROUTED = 512
 def _amx_experts(x, w13, w2) -> bool:
     """Whether a decode batch can take our AMX kernel (cpu_kernels.moe_batch): bf16,
     contiguous experts, D and I in whole tiles."""
-    return (cpu_kernels.AMX and x.dtype == w13.dtype == torch.bfloat16 and w13.is_contiguous()
-            and w2.is_contiguous() and w2.shape[1] % 32 == 0 and w2.shape[2] % 32 == 0)
+    return cpu_kernels.AMX and cpu_kernels.applies(x, w13, w2) and w2.shape[1] % 32 == 0 and w2.shape[2] % 32 == 0
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -164,10 +163,6 @@ class MoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def _fused_token_kernel(self, x: torch.Tensor) -> bool:
-        return (cpu_kernels.ACTIVE and x.device.type == "cpu" and x.dtype == self.w13.dtype == torch.bfloat16
-                and self.w13.is_contiguous() and self.w2.is_contiguous())
-
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Softmax router (in float32, as the reference does) -> top-A weights and expert ids."""
         logits = linear(x.float(), self.gate.float()) if self.router_fp32 else linear(x, self.gate)
@@ -178,7 +173,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the MoE output [T, D] and the per-expert token counts [E]."""
         weights, ids = self.route(x)
-        if x.shape[0] == 1 and self._fused_token_kernel(x):
+        if x.shape[0] == 1 and cpu_kernels.applies(x, self.w13, self.w2):
             # one token: its A distinct experts are the counts; no host reads, so compiled
             # graphs call the kernel directly instead of the opaque dispatch
             counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_fill_(0, ids[0], 1)
