@@ -1,7 +1,11 @@
 """Paged attention over a flattened batch: decode rows first, then prefill chunks.
 
+Decode rows read the paged cache in place through our CPU kernel (block tables, no gathered
+copy) when the model runs on the CPU kernels, else gather their context slots for SDPA.
+Prefill chunks use SDPA (flash attention on CPU and GPU).
+
 Shapes: T tokens in the step, H query heads, G kv heads, d head dim, S cache slots,
-B_d decode rows, L longest decode context.
+B_d decode rows, L longest decode context, W block-table width.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from inference import cpu_kernels
 
 
 @dataclass(slots=True)
@@ -22,13 +28,17 @@ class PrefillChunk:
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """Built once per step by the model runner and shared by every layer."""
+    """Built once per step by the model runner and shared by every layer. Decode rows come
+    with block tables (the CPU kernel) or gathered slots and a mask (SDPA)."""
 
     slot_mapping: torch.Tensor  # [T] where each new token's k/v is written
     num_decode: int  # rows [0, num_decode) are single-token queries
     decode_slots: torch.Tensor | None  # [B_d, L] cache slots of each decode row's context
     decode_mask: torch.Tensor | None  # [B_d, 1, 1, L] True where the slot is part of the context; None: one row
     prefills: list[PrefillChunk]
+    block_tables: torch.Tensor | None = None  # [B_d, W] int32, the decode rows' cache blocks
+    context_lens: torch.Tensor | None = None  # [B_d] int32, their context lengths (the new token included)
+    block_size: int = 0
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tensor) -> None:
@@ -47,7 +57,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """q [T, H, d]; k, v [T, G, d] (already written to the caches). Returns [T, H, d_v]."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     nd = meta.num_decode
-    if nd:
+    if nd and meta.block_tables is not None:
+        out[:nd] = cpu_kernels.op("decode_attention")(q[:nd], k_cache, v_cache, meta.block_tables,
+                                                      meta.context_lens, meta.block_size, scale, 0)
+    elif nd:
         keys = gather_slots(k_cache, meta.decode_slots).transpose(1, 2)  # [B_d, G, L, d]
         values = gather_slots(v_cache, meta.decode_slots).transpose(1, 2)
         o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, values,

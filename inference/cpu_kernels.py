@@ -1,18 +1,24 @@
-"""bf16 kernels for decode on the CPU (csrc/bf16_gemv.c): matrix-vector products for
-one-sequence steps, and the experts of decode batches on AMX.
+"""The engine's own bf16 CPU kernels (csrc/kernels.c): linear layers, MoE layers, decode
+attention over the paged cache, RMSNorm with the residual add, rotary embeddings with the
+cache write.
 
-A single-sequence decode step reads every weight it uses once, so it runs at the speed the
-GEMVs stream memory. ATen's bf16 GEMV reaches 5-9 GB/s on expert-sized matrices here (one
-core, a float32 conversion per weight); these AVX512-BF16 loops reach 15-30 GB/s. The C file
-is compiled with the system C compiler on first use (about a second) into the cache folder
-and loaded with ctypes: a torch C++ extension would take a minute to build on two cores.
+ATen's bf16 kernels are fast only where the CPU has AVX512-BF16 (oneDNN): on an AVX2 CPU a
+bf16 batched matmul runs 100x slower than float32, and even on AVX-512 ones single-row
+products stream memory at a third of its bandwidth. These kernels widen bf16 to float32 in
+registers and use float32 FMAs, so one source serves every x86 CPU from AVX2 up.
 
-Decode batches' MoE layers run on AMX tiles (moe_batch): several tokens per expert are
-compute-bound, and vdpbf16ps issues only every other cycle on these CPUs.
+The instruction set is chosen from the CPU's reported flags (`cpu_isa`), never assumed: the
+C file is compiled once per instruction set ("avx2": AVX2 + FMA; "avx512": AVX-512 F/BW/DQ/VL),
+with the system C compiler on first use (about a second, cached under the cache folder),
+and only the build this CPU can run is loaded. AMX (Sapphire Rapids and later) is a separate
+object (csrc/amx.c) that the AVX-512 build calls for register tiles of many rows, loaded only
+where the CPU reports AMX and Linux grants its state (arch_prctl). A CPU with neither AVX2
+nor AVX-512 (or aarch64), MOESERVE_BF16_KERNELS=0, or no C compiler: ATen's kernels, with a
+log line saying so. MOESERVE_AMX=0 keeps the AVX-512 kernels without AMX.
 
-Where the CPU lacks AVX512-BF16, no C compiler (gcc 11+, for the AMX intrinsics) is
-installed, or MOESERVE_BF16_KERNELS=0, `enable()` returns False and callers keep ATen's
-kernels; without AMX, decode batches keep oneDNN's batched matmuls.
+Weights the kernels read are prepacked once at load (`pack_weight`): a packed weight has one
+dimension more than its matrix ([K/2, N, 2] for [N, K]), so it can never be mistaken for a
+row-major one; layers.linear and moe.MoE route packed weights here.
 """
 
 from __future__ import annotations
@@ -29,173 +35,394 @@ from pathlib import Path
 
 import structlog
 import torch
+import torch.nn.functional as F
 
 from inference.demo_model import cache_root
 
 log = structlog.get_logger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "bf16_gemv.c"
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-shared", "-fPIC"]
-_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_CSRC = Path(__file__).parent / "csrc"
+_COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-Wno-psabi"]
+# Flags per build, and the /proc/cpuinfo flags a CPU must report to run it.
+BUILDS = {
+    "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
+    "avx512": (["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-DMS_AVX512"],
+               {"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"}),
+}
+PREFERENCE = ("avx512", "avx2")  # best first
+_AMX_FLAGS = ["-mavx512f", "-mavx512bw", "-mamx-tile", "-mamx-bf16"]
+_AMX_CPU = {"amx_tile", "amx_bf16", "avx512f", "avx512bw"}
+_P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags of this CPU as Linux reports them (the kernel clears the
+    AVX-512 ones when the OS does not save their registers)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
-def _build(source: bytes, target: Path) -> None:
-    """Compile into a temporary file and rename it into place, so processes building at
-    the same time never load a half-written library."""
+def runnable_isas() -> list[str]:
+    """The kernel builds this CPU can run, best first."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    return [isa for isa in PREFERENCE if BUILDS[isa][1] <= cpu_flags()]
+
+
+def _compiler() -> str:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    return compiler
+
+
+def _build(source: Path, flags: list[str], name: str) -> Path:
+    """Compiles `source` (with the headers beside it) into the kernel cache, once per content of
+    the C folder and flag set; a temporary file renamed into place, so processes building at
+    the same time never load a half-written library."""
+    text = b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.suffix in (".c", ".h"))
+    key = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"{name}-{key}.so"
+    if target.exists():
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *_FLAGS, "-x", "c", "-", "-o", tmp, "-lm"], input=source, check=False,
-                              capture_output=True, timeout=120)
+        done = subprocess.run([_compiler(), *_COMMON_FLAGS, *flags, f"-I{_CSRC}", str(source), "-o", tmp, "-lm"],
+                              check=False, capture_output=True, timeout=180)
         if done.returncode:
-            raise RuntimeError(done.stderr.decode(errors="replace").strip()[-500:])
+            raise RuntimeError(done.stderr.decode(errors="replace").strip()[-800:])
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    return target
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    if os.environ.get("MOESERVE_BF16_KERNELS", "1") == "0":
-        log.info("bf16 gemv kernels off (MOESERVE_BF16_KERNELS=0); using ATen's")
-        return None
-    if platform.machine() != "x86_64" or "avx512_bf16" not in _cpu_flags():
-        log.info("bf16 gemv kernels off: the CPU lacks AVX512-BF16; using ATen's")
-        return None
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"bf16_gemv-{key}.so"
-    try:
-        if not path.exists():
-            _build(source, path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
-        log.warning("bf16 gemv kernels off: build failed; using ATen's", error=str(exc))
-        return None
-    lib.bf16_gemv.argtypes = [_P, _P, _P, _I64, _I64, _INT]
-    lib.bf16_moe_token.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _INT]
-    lib.bf16_moe_batch.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _INT]
-    lib.bf16_gemv.restype = lib.bf16_moe_token.restype = None
-    lib.bf16_moe_batch.restype = ctypes.c_int
-    lib.bf16_amx_init.restype = ctypes.c_int
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.ms_linear.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _INT]
+    lib.ms_moe.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _P, _I64, _P, _INT]
+    lib.ms_decode_attention.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64,
+                                        _I64, _P, _I64, _P, _I64, _F32, _P, _I64, _INT]
+    lib.ms_rmsnorm.argtypes = [_P, _I64, _P, _I64, _P, _F32, _P, _I64, _I64, _I64, _INT]
+    lib.ms_rope_cache.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _INT]
+    lib.ms_set_amx.argtypes = [_P]
+    lib.ms_rmsnorm.restype = lib.ms_rope_cache.restype = lib.ms_set_amx.restype = None
     return lib
 
 
-# Set by enable(); plain bools so compiled graphs read them as constants. ACTIVE: the
-# AVX512-BF16 kernels (single-row GEMVs, one-token MoE layers); AMX: moe_batch too.
-ACTIVE = False
-AMX = False
+@functools.cache
+def load_build(isa: str, emulated: bool = False) -> ctypes.CDLL:
+    """The kernel library for one instruction set (the caller checks the CPU runs it).
+    `emulated` (tests only): the AVX-512 source compiled against SIMDe's portable intrinsics,
+    so CPUs without AVX-512 can check its code."""
+    flags = list(BUILDS[isa][0])
+    name = f"kernels-{isa}"
+    if emulated and isa == "avx512":
+        import simde_py
+
+        flags = [*BUILDS["avx2"][0], "-DMS_AVX512", "-DMS_SIMDE", f"-I{simde_py.get_include()}"]
+        name += "-simde"
+    return _bind(ctypes.CDLL(str(_build(_CSRC / "kernels.c", flags, name))))
 
 
 @functools.cache
-def _amx_ready() -> bool:
-    lib = _library()
-    if lib is None or not {"amx_tile", "amx_bf16"} <= _cpu_flags():
-        return False
-    if not lib.bf16_amx_init():
-        log.info("AMX expert kernel off: the kernel refused AMX state (arch_prctl)")
-        return False
-    return True
+def _amx_library(emulated: bool = False) -> ctypes.CDLL | None:
+    """The AMX tile kernel, where the CPU reports AMX and Linux grants its register state.
+    `emulated` (tests only): the same source on amx_emulation.h's plain-C tile instructions."""
+    if emulated:
+        lib = ctypes.CDLL(str(_build(_CSRC / "amx.c", ["-DMS_AMX_EMULATED"], "amx-emulated")))
+    elif not _AMX_CPU <= cpu_flags():
+        return None
+    else:
+        lib = ctypes.CDLL(str(_build(_CSRC / "amx.c", _AMX_FLAGS, "amx")))
+    lib.ms_amx_init.restype = _INT
+    if not lib.ms_amx_init():
+        log.info("AMX off: Linux refused the AMX register state (arch_prctl)")
+        return None
+    return lib
 
 
-def enable() -> bool:
-    """Build or load the kernels once (engines on the CPU in bf16 call this at start-up);
-    True when single-row bf16 GEMVs and one-token MoE layers will use them."""
-    global ACTIVE, AMX
-    ACTIVE = _library() is not None
-    AMX = ACTIVE and _amx_ready()
-    return ACTIVE
+# Set by enable(); plain values so compiled graphs read them as constants. ISA: the build in
+# use ("avx512", "avx2") or None for ATen's kernels; AMX: the AVX-512 build hands tiles of
+# many rows to AMX.
+ISA: str | None = None
+AMX = False
+_lib: ctypes.CDLL | None = None
+_selected = False  # enable() has run: engines keep what it chose (tests force paths this way)
 
 
-def applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether the AVX512-BF16 kernels can take activations x with these weights: enabled,
-    bf16 on the CPU, weights contiguous (the kernels read rows with a fixed stride)."""
-    if not (ACTIVE and x.device.type == "cpu" and x.dtype == torch.bfloat16):
-        return False
-    for w in weights:
-        if w.dtype != torch.bfloat16 or not w.is_contiguous():
-            return False
-    return True
+def enable(isa: str | None = "auto", amx: bool | None = None, emulated: bool = False) -> str | None:
+    """Selects the kernels (engines on the CPU in bf16 call this once at start-up) and returns
+    the instruction set in use, None for ATen's. isa: "auto" (the best this CPU runs) or one
+    build to force (a fallback; asking for one the CPU cannot run raises RuntimeError rather
+    than risk an illegal instruction); None turns them off. amx: None follows MOESERVE_AMX.
+    emulated (tests only): the AVX-512 build on SIMDe and AMX on amx_emulation.h, which any
+    CPU with AVX2 runs."""
+    global ISA, AMX, _lib, _selected
+    ISA, AMX, _lib, _selected = None, False, None, True
+    if isa is None or os.environ.get("MOESERVE_BF16_KERNELS", "1") == "0":
+        return None
+    if isa == "auto":
+        runnable = runnable_isas()
+        if not runnable:
+            log.info("CPU kernels off: this CPU has neither AVX2 nor AVX-512; using ATen's",
+                     machine=platform.machine())
+            return None
+        isa = runnable[0]
+    if isa not in runnable_isas() and not (emulated and "avx2" in runnable_isas()):
+        raise RuntimeError(f"this CPU cannot run the {isa} kernels (its flags lack "
+                           f"{sorted(BUILDS[isa][1] - cpu_flags())})")
+    try:
+        lib = load_build(isa, emulated)
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        log.warning("CPU kernels off: build failed; using ATen's", isa=isa, error=str(exc))
+        return None
+    want_amx = os.environ.get("MOESERVE_AMX", "1") != "0" if amx is None else amx
+    amx_lib = None
+    if want_amx and (emulated or isa == "avx512"):
+        try:
+            amx_lib = _amx_library(emulated)
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+            log.warning("AMX off: build failed", error=str(exc))
+    lib.ms_set_amx(ctypes.cast(amx_lib.ms_amx_block, _P) if amx_lib else None)
+    ISA, AMX, _lib = isa, amx_lib is not None, lib
+    return ISA
 
 
-def gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] (bf16, contiguous) @ x [K] -> [N], bf16 with float32 accumulation."""
-    n, k = weight.shape
-    x = x.contiguous()
-    y = x.new_empty(n)
-    _library().bf16_gemv(weight.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
+def enable_once() -> str | None:
+    """The kernels chosen by the first enable() of the process (auto if none ran yet)."""
+    return ISA if _selected else enable()
+
+
+def paths() -> dict[str, str]:
+    """What each layer kind runs on, for the start-up log line (SPEC section 12)."""
+    if ISA is None:
+        return {"linear": "aten", "moe_token": "aten", "moe_batch": "aten", "decode_attention": "aten"}
+    tiles = "amx" if AMX else ISA
+    return {"linear": ISA, "moe_token": ISA, "moe_batch": tiles, "decode_attention": ISA}
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether the kernels take this activation: enabled, bf16, on the CPU."""
+    return ISA is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def _check(status: int, what: str) -> None:
+    if status == -1:
+        raise MemoryError(f"{what}: the kernel could not allocate its scratch memory")
+    if status:
+        raise ValueError(f"{what}: invalid input (status {status})")
+
+
+# ---- packed weights --------------------------------------------------------------------
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """[..., N, K] row-major -> [..., ceil(K/2), N, 2] in the kernels' layout (csrc/kernels.c):
+    blocks of 16 output columns, each a run of 64-byte rows holding the 16 columns' pair of
+    inputs (2k, 2k+1); the last N % 16 columns a narrower block. K is padded to even."""
+    *lead, n, k = w.shape
+    kp = k + k % 2
+    w = F.pad(w.reshape(-1, n, k), (0, kp - k)).to(torch.bfloat16)
+    m, full = w.shape[0], n // 16 * 16
+    blocks = w[:, :full].reshape(m, n // 16, 16, kp // 2, 2).permute(0, 1, 3, 2, 4).reshape(m, -1)
+    tail = w[:, full:].reshape(m, n - full, kp // 2, 2).permute(0, 2, 1, 3).reshape(m, -1)
+    return torch.cat((blocks, tail), dim=1).reshape(*lead, kp // 2, n, 2).contiguous()
+
+
+def unpack_weight(p: torch.Tensor, k: int) -> torch.Tensor:
+    """The inverse of pack_weight, for tests and checks: [..., Kp/2, N, 2] -> [..., N, k]."""
+    *lead, half, n, _ = p.shape
+    kp = 2 * half
+    flat = p.reshape(-1, n * kp)
+    m, full = flat.shape[0], n // 16 * 16
+    blocks = flat[:, : full * kp].reshape(m, n // 16, half, 16, 2).permute(0, 1, 3, 2, 4).reshape(m, full, kp)
+    tail = flat[:, full * kp:].reshape(m, half, n - full, 2).permute(0, 2, 1, 3).reshape(m, n - full, kp)
+    return torch.cat((blocks, tail), dim=1)[..., :k].reshape(*lead, n, k)
+
+
+def is_packed(w: torch.Tensor, matrix_dims: int = 2) -> bool:
+    """A weight of a `matrix_dims`-dimensional matrix (2: a linear layer's, 3: stacked
+    experts') is packed when it has one dimension more."""
+    return w.dim() == matrix_dims + 1
+
+
+# ---- the kernels (eager calls; the operators below wrap them for compiled graphs) ---------
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] bf16 @ packed weight [K/2, N, 2] (+ bias [N]) -> [..., N] bf16."""
+    k = x.shape[-1]
+    n = weight.shape[-2]
+    if not 0 <= 2 * weight.shape[-3] - k <= 1:
+        raise ValueError(f"linear: x has {k} features, the packed weight {2 * weight.shape[-3]}")
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = x.new_empty(*x.shape[:-1], n)
+    _check(_lib.ms_linear(rows.data_ptr(), 0, rows.stride(0), rows.shape[0], k, weight.data_ptr(), 0, n,
+                          None if bias is None else bias.data_ptr(), y.data_ptr(), 0, n, 1, _threads()), "linear")
     return y
 
 
-def moe_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-              weights: torch.Tensor) -> torch.Tensor:
-    """One token's routed experts: x [D], w13 [E, 2I, D], w2 [E, D, I] (bf16, contiguous),
-    expert ids [A] and router weights [A] -> sum over a of weights[a] * w2[a] (silu(gate) * up)
-    as [D] bf16."""
-    a, (d, i) = ids.numel(), w2.shape[1:]
-    x = x.contiguous()
-    ids = ids.to(torch.int64).contiguous()
-    weights = weights.to(torch.float32).contiguous()
-    out = x.new_empty(d)
-    scratch = torch.empty(a * (2 * i + d), dtype=torch.float32)
-    hidden = x.new_empty(a * i)
-    _library().bf16_moe_token(x.data_ptr(), w13.data_ptr(), w2.data_ptr(), ids.data_ptr(),
-                              weights.data_ptr(), a, i, d, out.data_ptr(), scratch.data_ptr(),
-                              hidden.data_ptr(), torch.get_num_threads())
-    return out
+def linear_heads(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per-head products: x [B, H, K] (any row strides, unit last stride) and packed weights
+    [H, K/2, N, 2] -> [B, H, N], out[:, h] = x[:, h] @ W_h^T (MLA's absorbed projections)."""
+    b, h, k = x.shape
+    n = weight.shape[-2]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = x.new_empty(b, h, n)
+    w_stride = weight[0].numel()
+    _check(_lib.ms_linear(x.data_ptr(), x.stride(1), x.stride(0), b, k, weight.data_ptr(), w_stride, n, None,
+                          y.data_ptr(), n, h * n, h, _threads()), "linear_heads")
+    return y
 
 
-def moe_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-              weights: torch.Tensor) -> torch.Tensor:
-    """The routed experts of a decode batch on AMX (only where `AMX`): x [T, D], w13
-    [E, 2I, D], w2 [E, D, I] (bf16, contiguous, D and I multiples of 32), expert ids and
-    router weights [T, A] -> [T, D], each token's sum over its experts of weight * w2 (silu(gate)
-    * up)."""
+def moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+        weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed experts of tokens x [T, D] in one call: packed w13 [E, D/2, 2I, 2] (gate
+    columns then up), w2 [E, I/2, D, 2], expert ids and router weights [T, A] -> the MoE
+    output [T, D] bf16 and the tokens per expert [E]."""
     t, d = x.shape
-    x = x.contiguous()
+    e, i = w13.shape[0], w13.shape[-2] // 2
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     ids = ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     out = x.new_empty(t, d)
-    if _library().bf16_moe_batch(x.data_ptr(), w13.data_ptr(), w2.data_ptr(), ids.data_ptr(), weights.data_ptr(), t,
-                                 ids.shape[1], w13.shape[0], w2.shape[2], d, out.data_ptr(), torch.get_num_threads()):
-        raise MemoryError("bf16_moe_batch could not allocate its buffers")
+    counts = torch.empty(e, dtype=torch.int64)
+    _check(_lib.ms_moe(x.data_ptr(), x.stride(0), t, d, w13.data_ptr(), w2.data_ptr(), e, i, ids.data_ptr(),
+                       weights.data_ptr(), ids.shape[1], out.data_ptr(), d, counts.data_ptr(), _threads()), "moe")
+    return out, counts
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, block_size: int, scale: float, v_dim: int | None = None) -> torch.Tensor:
+    """Single-token queries q [B, H, dk] (unit last stride, rows at any stride) over their
+    paged contexts: caches [S, G, d] (MLA: one latent cache passed as both, `v_dim` its value
+    width), block_tables [B, W] int32, context_lens [B] int32 -> [B, H, dv] bf16."""
+    b, h, dk = q.shape
+    g = k_cache.shape[1]
+    dv = v_dim or v_cache.shape[2]
+    if q.stride(-1) != 1 or q.stride(1) != dk:
+        q = q.contiguous()
+    out = q.new_empty(b, h, dv)
+    _check(_lib.ms_decode_attention(
+        q.data_ptr(), q.stride(0), b, h, g, k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), dk,
+        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), dv, block_tables.data_ptr(),
+        block_tables.stride(0), context_lens.data_ptr(), block_size, scale, out.data_ptr(), h * dv,
+        _threads()), "decode_attention")
     return out
 
 
-# The kernels as operators, for compiled decode graphs (eager code calls the functions
-# directly: an operator dispatch costs ~8 us per call).
-@torch.library.custom_op("moeserve::bf16_gemv", mutates_args=())
-def gemv_op(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return gemv(weight, x)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm(x) * weight over the last dim, rounded as the reference rounds; with
+    `residual`, residual += x first (in place) and the sum is normalised."""
+    d = x.shape[-1]
+    rows = x.reshape(-1, d)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = x.new_empty(x.shape)
+    res = None if residual is None else residual.view(-1, d)
+    _lib.ms_rmsnorm(rows.data_ptr(), rows.stride(0), None if res is None else res.data_ptr(),
+                    0 if res is None else res.stride(0), weight.data_ptr(), eps, out.data_ptr(), d,
+                    rows.shape[0], d, _threads())
+    return out
 
 
-@gemv_op.register_fake
-def _(weight, x):
-    return x.new_empty(weight.shape[0])
+def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                   num_kv_heads: int, slots: torch.Tensor | None, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor) -> None:
+    """qkv [T, H + 2G, d] (contiguous): rotates the query and key heads in place (cos/sin
+    [T, d] bf16) and writes the keys and values to the cache rows `slots` [T] int64."""
+    t, _, d = qkv.shape
+    _lib.ms_rope_cache(qkv.data_ptr(), qkv.stride(0), t, num_heads, num_kv_heads, d, cos.data_ptr(), sin.data_ptr(),
+                       None if slots is None else slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _threads())
 
 
-@torch.library.custom_op("moeserve::bf16_moe_token", mutates_args=())
-def moe_token_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                 weights: torch.Tensor) -> torch.Tensor:
-    return moe_token(x, w13, w2, ids, weights)
+# ---- the kernels as operators, for compiled decode graphs ------------------------------
+# Eager code calls the functions above directly (an operator dispatch costs ~8 us a call);
+# compiled graphs call these, so a kernel never breaks the graph. `op(name)` picks.
+
+@torch.library.custom_op("moeserve::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return linear(x, weight, bias)
 
 
-@moe_token_op.register_fake
+@_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[-2])
+
+
+@torch.library.custom_op("moeserve::linear_heads", mutates_args=())
+def _linear_heads_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return linear_heads(x, weight)
+
+
+@_linear_heads_op.register_fake
+def _(x, weight):
+    return x.new_empty(x.shape[0], x.shape[1], weight.shape[-2])
+
+
+@torch.library.custom_op("moeserve::moe", mutates_args=())
+def _moe_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+            weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return moe(x, w13, w2, ids, weights)
+
+
+@_moe_op.register_fake
 def _(x, w13, w2, ids, weights):
-    return x.new_empty(w2.shape[1])
+    return torch.empty_like(x), x.new_empty(w13.shape[0], dtype=torch.int64)
+
+
+@torch.library.custom_op("moeserve::decode_attention", mutates_args=())
+def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, block_size: int, scale: float, v_dim: int) -> torch.Tensor:
+    return decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, v_dim)
+
+
+@_decode_attention_op.register_fake
+def _(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, v_dim):
+    return q.new_empty(q.shape[0], q.shape[1], v_dim or v_cache.shape[2])
+
+
+@torch.library.custom_op("moeserve::rms_norm", mutates_args=("residual",))
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None) -> torch.Tensor:
+    return rms_norm(x, weight, eps, residual)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps, residual):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("moeserve::rope_and_cache", mutates_args=("qkv", "k_cache", "v_cache"))
+def _rope_and_cache_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                       slots: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    rope_and_cache(qkv, cos, sin, num_heads, num_kv_heads, slots, k_cache, v_cache)
+
+
+@_rope_and_cache_op.register_fake
+def _(qkv, cos, sin, num_heads, num_kv_heads, slots, k_cache, v_cache):
+    return None
+
+
+_EAGER = {"linear": linear, "linear_heads": linear_heads, "moe": moe, "decode_attention": decode_attention,
+          "rms_norm": rms_norm, "rope_and_cache": rope_and_cache}
+
+
+def op(name: str):
+    """The kernel `name`: the operator inside a compiled graph, the plain function otherwise."""
+    return getattr(torch.ops.moeserve, name) if torch.compiler.is_compiling() else _EAGER[name]

@@ -53,7 +53,9 @@ class LLMEngine:
         load_weights(model, path, args)
         self.model = model.eval()
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            log.info("bf16 CPU kernels", gemv=cpu_kernels.enable(), amx_moe=cpu_kernels.AMX)
+            if cpu_kernels.enable_once() is not None:
+                model.pack_for_cpu_kernels()
+            log.info("CPU kernels", isa=cpu_kernels.ISA or "none", amx=cpu_kernels.AMX, **cpu_kernels.paths())
         num_blocks = num_cache_blocks(args, self.dtype, self.device, config.block_size,
                                       config.kv_cache_tokens, config.gpu_memory_utilization)
         cache_tokens = num_blocks * config.block_size

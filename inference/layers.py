@@ -13,17 +13,14 @@ from inference.config import ModelArgs
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except for one row of bf16/fp16 on the CPU: our AVX512-BF16 GEMV where it is
-    enabled (cpu_kernels), else torch.mv. For a single token oneDNN's GEMM is 1.3-2.6x slower
-    than ATen's matrix-vector kernel (lm_head 1.44 vs 0.92 ms, an expert's w13 88 vs 53 us),
-    and ours streams the weights 1.5-3x faster again. float32 keeps F.linear, so parity tests
-    compare the reference's own kernels."""
+    """F.linear, except on the CPU: a packed weight (cpu_kernels.pack_weight, bf16 engines)
+    runs our kernel for any number of rows; one bf16/fp16 row times a row-major weight runs
+    torch.mv, for a single token 1.3-2.6x faster than oneDNN's GEMM (lm_head 0.92 vs 1.44 ms).
+    float32 keeps F.linear, so parity tests compare the reference's own kernels."""
+    if cpu_kernels.is_packed(weight):
+        return cpu_kernels.op("linear")(x, weight, bias)
     if x.shape[0] == 1 and x.dim() == 2 and x.dtype != torch.float32 and x.device.type == "cpu":
-        if cpu_kernels.applies(x, weight):
-            gemv = torch.ops.moeserve.bf16_gemv if torch.compiler.is_compiling() else cpu_kernels.gemv
-            y = gemv(weight, x[0]).unsqueeze(0)
-        else:
-            y = torch.mv(weight, x[0]).unsqueeze(0)
+        y = torch.mv(weight, x[0]).unsqueeze(0)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 
@@ -32,6 +29,10 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
+    def pack(self) -> None:
+        """Prepacks the weight for the CPU kernels (once, after loading)."""
+        self.weight = nn.Parameter(cpu_kernels.pack_weight(self.weight.data), requires_grad=False)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -39,8 +40,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """RMSNorm(x) * weight. With `residual`: the residual add first, as the decoder layers
+        need it (vLLM's fused_add_rms_norm) -> (RMSNorm(x + residual) * weight, x + residual);
+        on the CPU kernels one pass, the sum written into `residual` in place."""
+        if cpu_kernels.applies(x) and self.weight.dtype == torch.bfloat16:
+            out = cpu_kernels.op("rms_norm")(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            x = residual = x + residual
+        out = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+        return out if residual is None else (out, residual)
 
 
 class RotaryEmbedding(nn.Module):

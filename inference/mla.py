@@ -11,7 +11,9 @@ that is the point of MLA. Keys and values are rebuilt from the latent with kv_b_
 - decode rows use the absorbed form: W_UK is folded into the query (q_nope W_UK -> [H, r]),
   so the query attends directly over the cached rows, as one-kv-head attention with keys
   [c_kv, k_pe] and values c_kv, and W_UV is applied to the [H, r] result. Same product,
-  without expanding the whole context every step.
+  without expanding the whole context every step. On the CPU kernels the two absorbed
+  projections are per-head products on prepacked W_UK^T and W_UV, and the attention reads
+  the latent cache in place.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference import cpu_kernels
 from inference.attention import AttentionMetadata, gather_slots, write_kv
 from inference.config import ModelArgs
 from inference.layers import Linear, RMSNorm, apply_rope_interleaved
@@ -59,6 +62,14 @@ class MLAttention(nn.Module):
         self.wkv_b = Linear(args.kv_lora_rank, h * (self.nope_dim + self.v_dim), bias=False)
         self.wo = Linear(h * self.v_dim, d, bias=args.o_bias)
         self.scale = softmax_scale(args.head_dim, getattr(args.hf_config, "rope_parameters", None))
+        self.w_uk_t = self.w_uv = None  # packed per-head absorbed projections (pack())
+
+    def pack(self) -> None:
+        """The absorbed projections as packed per-head weights for the CPU kernels, from the
+        row-major kv_b_proj (which its own Linear.pack() packs afterwards, for prefill)."""
+        w = self.wkv_b.weight.data.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        self.w_uk_t = cpu_kernels.pack_weight(w[:, : self.nope_dim].transpose(1, 2))  # [H] of [r, n]
+        self.w_uv = cpu_kernels.pack_weight(w[:, self.nope_dim:])  # [H] of [v, r]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
@@ -101,15 +112,25 @@ class MLAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Absorbed attention of B_d single-token queries over their cached latents -> [B_d, H, v]."""
         r = self.kv_lora_rank
-        w = self.wkv_b.weight.view(self.num_heads, self.nope_dim + self.v_dim, r)
-        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim:]  # [H, n, r], [H, v, r]
-        q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
+        if self.w_uk_t is not None:  # packed for the CPU kernels
+            heads = cpu_kernels.op("linear_heads")
+            q_lat = heads(q_nope, self.w_uk_t)
+        else:
+            w = self.wkv_b.weight.view(self.num_heads, self.nope_dim + self.v_dim, r)
+            w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim:]  # [H, n, r], [H, v, r]
+            q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
         q_abs = torch.cat((q_lat, q_pe), dim=-1)  # [B_d, H, r + p]
-        keys = gather_slots(cache, meta.decode_slots)[:, :, 0]  # [B_d, L, r + p]
-        # One kv head shared by all H query heads: two bmm with the heads as rows, instead of
-        # SDPA, whose CPU path would copy the keys H times (enable_gqa) every step.
-        scores = torch.bmm(q_abs, keys.transpose(1, 2)).float() * self.scale  # [B_d, H, L]
-        if meta.decode_mask is not None:
-            scores = scores.masked_fill(~meta.decode_mask.view(scores.shape[0], 1, -1), float("-inf"))
-        o = torch.bmm(scores.softmax(dim=-1).to(keys.dtype), keys[..., :r])  # [B_d, H, r]
+        if meta.block_tables is not None:
+            o = cpu_kernels.op("decode_attention")(q_abs, cache, cache, meta.block_tables, meta.context_lens,
+                                                   meta.block_size, self.scale, r)
+        else:
+            keys = gather_slots(cache, meta.decode_slots)[:, :, 0]  # [B_d, L, r + p]
+            # One kv head shared by all H query heads: two bmm with the heads as rows, instead
+            # of SDPA, whose CPU path would copy the keys H times (enable_gqa) every step.
+            scores = torch.bmm(q_abs, keys.transpose(1, 2)).float() * self.scale  # [B_d, H, L]
+            if meta.decode_mask is not None:
+                scores = scores.masked_fill(~meta.decode_mask.view(scores.shape[0], 1, -1), float("-inf"))
+            o = torch.bmm(scores.softmax(dim=-1).to(keys.dtype), keys[..., :r])  # [B_d, H, r]
+        if self.w_uk_t is not None:
+            return heads(o, self.w_uv)
         return torch.einsum("bhr,hvr->bhv", o, w_uv)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from inference import cpu_kernels
 from inference.attention import AttentionMetadata, paged_attention, write_kv
 from inference.config import ModelArgs
 from inference.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
@@ -49,10 +50,14 @@ class Attention(nn.Module):
             qkv = self._norm_qk(qkv)
         if self.clip_qkv is not None:
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
-        qk = apply_rope(qkv[:, : h + g], cos, sin)  # q and k rotated in one pass
-        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + g:]
-        write_kv(k_cache, meta.slot_mapping, k)
-        write_kv(v_cache, meta.slot_mapping, v)
+        if cpu_kernels.applies(qkv):  # rotated in place, keys and values written in the same pass
+            cpu_kernels.op("rope_and_cache")(qkv, cos, sin, h, g, meta.slot_mapping, k_cache, v_cache)
+            q, k, v = qkv[:, :h], qkv[:, h:h + g], qkv[:, h + g:]
+        else:
+            qk = apply_rope(qkv[:, : h + g], cos, sin)  # q and k rotated in one pass
+            q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + g:]
+            write_kv(k_cache, meta.slot_mapping, k)
+            write_kv(v_cache, meta.slot_mapping, v)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.wo(o.reshape(x.shape[0], h * self.head_dim))
 
@@ -75,13 +80,19 @@ class DecoderLayer(nn.Module):
                                   args.shared_expert_gated)
         self.mlp = moe
 
-    def forward(self, x, cos, sin, meta, cache: tuple[torch.Tensor, ...]):
-        x = x + self.attn(self.input_norm(x), cos, sin, meta, *cache)
-        h = self.post_attn_norm(x)
+    def forward(self, x, residual, cos, sin, meta, cache: tuple[torch.Tensor, ...]):
+        """x: the previous layer's output, residual: the running sum before it (None in the
+        first layer); each residual add is fused into the norm after it. Returns this
+        layer's output, the new residual and the router counts (None for a dense layer)."""
+        if residual is None:
+            residual, h = x, self.input_norm(x)
+        else:
+            h, residual = self.input_norm(x, residual)
+        h, residual = self.post_attn_norm(self.attn(h, cos, sin, meta, *cache), residual)
         if self.is_moe:
             out, counts = self.mlp(h)
-            return x + out, counts
-        return x + self.mlp(h), None
+            return out, residual, counts
+        return self.mlp(h), residual, None
 
 
 class MoETransformer(nn.Module):
@@ -98,13 +109,21 @@ class MoETransformer(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.embed(input_ids)
         cos, sin = self.rope.tables(positions, x.dtype)
-        counts = []
+        counts, residual = [], None
         for layer, cache in zip(self.layers, kv_caches):
-            x, c = layer(x, cos, sin, meta, cache)
+            x, residual, c = layer(x, residual, cos, sin, meta, cache)
             if c is not None:
                 counts.append(c)
         expert_counts = torch.stack(counts) if counts else x.new_zeros(0, 0, dtype=torch.long)
-        return self.norm(x), expert_counts
+        return self.norm(x, residual)[0], expert_counts
+
+    def pack_for_cpu_kernels(self) -> None:
+        """Prepacks every weight the CPU kernels read (cpu_kernels.pack_weight), once after
+        loading. Parents first: MLA derives its absorbed projections from the row-major
+        kv_b_proj before that is packed."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "pack"):
+                module.pack()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inference import cpu_kernels
 from inference.attention import AttentionMetadata, PrefillChunk
 from inference.model import MoETransformer
 from inference.sampler import Sampler, SamplerOutput
@@ -25,6 +26,10 @@ class ModelRunner:
                  device: torch.device, compile: bool = False) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.sampler, self.device = sampler, device
+        # Decode rows attend through the CPU kernel, which reads block tables, when the
+        # model runs on the CPU kernels (its caches in bf16); else SDPA over gathered slots.
+        self.paged_kernel = kv_caches[0][0].device.type == "cpu" and kv_caches[0][0].dtype == torch.bfloat16 \
+            and cpu_kernels.ISA is not None
         if compile:
             # Inductor would decompose the single-row GEMVs into a generated reduction that
             # runs 1.4-2x slower than the ATen/MKL kernel on our CPUs (768x512 bf16: 53 vs
@@ -56,8 +61,13 @@ class ModelRunner:
         positions = [s.num_computed_tokens for s in decode]
         slot_parts = [torch.tensor([s.block_table[p // bs] * bs + p % bs for s, p in zip(decode, positions)],
                                    dtype=torch.long)]
-        decode_slots = decode_mask = None
-        if decode:
+        decode_slots = decode_mask = block_tables = context_lens = None
+        if decode and self.paged_kernel:
+            width = max(len(s.block_table) for s in decode)
+            block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decode],
+                                        dtype=torch.int32)
+            context_lens = torch.tensor(positions, dtype=torch.int32) + 1
+        elif decode:
             context = max(positions) + 1
             decode_slots = self._slots([s.block_table for s in decode], context)
             if len(decode) > 1:  # one row has no padding to mask
@@ -80,7 +90,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_parts).to(dev), num_decode=len(decode),
             decode_slots=None if decode_slots is None else decode_slots.to(dev),
-            decode_mask=None if decode_mask is None else decode_mask.to(dev), prefills=chunks)
+            decode_mask=None if decode_mask is None else decode_mask.to(dev), prefills=chunks,
+            block_tables=block_tables, context_lens=context_lens, block_size=bs)
         forward = self.model if chunks else self.decode_model
         hidden, expert_counts = forward(torch.tensor(input_ids, device=dev),
                                            torch.tensor(positions, device=dev), meta, self.kv_caches)

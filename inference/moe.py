@@ -3,20 +3,19 @@
 Shapes: T tokens, D hidden, E experts, A experts per token (top-k), I expert FFN width.
 Expert weights are stacked per projection: w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I].
 
-Five dispatch paths, same result:
+On the CPU kernels (bf16 engines, weights packed at load) one call per layer runs the whole
+MoE for any number of tokens (cpu_kernels.moe): pairs sorted by expert, each expert with
+tokens read once, the others not at all. Elsewhere four dispatch paths, same result:
 - gather (gpt-fast): each token gathers its A experts' weights and runs one batched matmul.
   No host sync and a fixed op count, so it suits small decode batches on a GPU; it copies
   T*A expert matrices, which is why it is not used for large batches.
-- AMX (CPU decode batches in bf16, where the CPU has AMX): one call of our kernel per layer
-  (cpu_kernels.moe_batch), which reads each expert with tokens once and skips the others.
-- padded (other CPU decode batches): (token, expert) pairs sorted by expert into an
-  [E, C, D] buffer, two bmm over all experts.
+- padded (CPU decode batches): (token, expert) pairs sorted by expert into an [E, C, D]
+  buffer, two bmm over all experts.
 - grouped: (token, expert) pairs sorted by expert, one matmul per expert that received
   tokens, on contiguous slices and weight views (no weight copies). Its loop is over experts,
   never tokens. On CPU the per-expert counts cost nothing to read: large prefills take this
   path.
-- single token (CPU decode of one sequence): one fused kernel call in bf16 (cpu_kernels, from
-  MoE.forward), else its A experts one after the other, a dozen ops.
+- single token (CPU decode of one sequence): its A experts one after the other, a dozen ops.
 """
 
 from __future__ import annotations
@@ -50,16 +49,10 @@ def select_experts(probs: torch.Tensor, top_k: int, norm_topk_prob: bool, num_gr
     return weights, ids
 
 
-# Up to this many (token, expert) pairs a step uses the AMX kernel or padded_dispatch on CPU
-# (decode batches, short prefill chunks); larger prefills go through grouped_dispatch, whose
-# matmuls are big enough on their own (the AMX kernel was 35% slower at 4,096 tokens).
+# Up to this many (token, expert) pairs a step uses padded_dispatch on CPU (decode batches,
+# short prefill chunks); larger prefills go through grouped_dispatch, whose matmuls are big
+# enough on their own.
 _PADDED_MAX_ROUTED = 512
-
-
-def _amx_experts(x, w13, w2) -> bool:
-    """Whether a decode batch can take our AMX kernel (cpu_kernels.moe_batch): bf16,
-    contiguous experts, D and I in whole tiles."""
-    return cpu_kernels.AMX and cpu_kernels.applies(x, w13, w2) and w2.shape[1] % 32 == 0 and w2.shape[2] % 32 == 0
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -76,8 +69,6 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: tor
     if x.device.type == "cpu":
         if x.shape[0] == 1:
             return single_token_dispatch(x, weights, ids, w13, w2), counts
-        if ids.numel() <= _PADDED_MAX_ROUTED and _amx_experts(x, w13, w2):
-            return cpu_kernels.moe_batch(x, w13, w2, ids, weights), counts
         if w13.shape[0] <= ids.numel() <= _PADDED_MAX_ROUTED:
             return padded_dispatch(x, weights, ids, counts, w13, w2), counts
     return grouped_dispatch(x, weights, ids, counts, w13, w2), counts
@@ -173,14 +164,17 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the MoE output [T, D] and the per-expert token counts [E]."""
         weights, ids = self.route(x)
-        if x.shape[0] == 1 and cpu_kernels.applies(x, self.w13, self.w2):
-            # one token: its A distinct experts are the counts; no host reads, so compiled
-            # graphs call the kernel directly instead of the opaque dispatch
-            counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_fill_(0, ids[0], 1)
-            moe = torch.ops.moeserve.bf16_moe_token if torch.compiler.is_compiling() else cpu_kernels.moe_token
-            return moe(x[0], self.w13, self.w2, ids[0], weights[0]).unsqueeze(0), counts
+        if cpu_kernels.is_packed(self.w13, matrix_dims=3):
+            return cpu_kernels.op("moe")(x, self.w13, self.w2, ids, weights)
         run = dispatch_op if torch.compiler.is_compiling() else dispatch
         return run(x, weights, ids, self.w13, self.w2, self.gather_max_tokens)
+
+    def pack(self) -> None:
+        """Prepacks the experts (and the router, unless it runs in float32) for the CPU kernels."""
+        self.w13 = nn.Parameter(cpu_kernels.pack_weight(self.w13.data), requires_grad=False)
+        self.w2 = nn.Parameter(cpu_kernels.pack_weight(self.w2.data), requires_grad=False)
+        if not self.router_fp32:
+            self.gate = nn.Parameter(cpu_kernels.pack_weight(self.gate.data), requires_grad=False)
 
 
 class DenseMLP(nn.Module):
@@ -197,6 +191,10 @@ class DenseMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(swiglu(linear(x, self.w13, self.b13)), self.w2, self.b2)
 
+    def pack(self) -> None:
+        self.w13 = nn.Parameter(cpu_kernels.pack_weight(self.w13.data), requires_grad=False)
+        self.w2 = nn.Parameter(cpu_kernels.pack_weight(self.w2.data), requires_grad=False)
+
 
 class SharedExpertMoE(nn.Module):
     """Routed experts plus always-on shared experts: Qwen2-MoE scales its shared expert by a
@@ -206,6 +204,10 @@ class SharedExpertMoE(nn.Module):
         super().__init__()
         self.moe, self.shared = moe, shared
         self.shared_gate = nn.Parameter(torch.empty(1, moe.gate.shape[1])) if gated else None
+
+    def pack(self) -> None:
+        if self.shared_gate is not None:
+            self.shared_gate = nn.Parameter(cpu_kernels.pack_weight(self.shared_gate.data), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         routed, counts = self.moe(x)

@@ -1,22 +1,69 @@
-"""The engine's bf16 CPU kernels (inference/cpu_kernels.py): single-row GEMV, the one-token
-and the decode-batch (AMX) MoE layers against float32 arithmetic, the model's bf16 logits
-against transformers with and without them, the compiled path, and the fallback to ATen when
-they cannot be built."""
+"""The engine's bf16 CPU kernels (inference/cpu_kernels.py, csrc/): every path this CPU can
+run, top level first and then each fallback forced, against float32 arithmetic; the model's
+bf16 logits against transformers on each path; the compiled path; the choice of instruction
+set by the CPU's flags (never an instruction the CPU lacks).
+
+Paths a CPU cannot run natively are still checked where they can be: the AVX-512 source
+built on SIMDe's portable intrinsics, and the AMX source on amx_emulation.h's plain-C tile
+instructions. A native path the CPU lacks is skipped with the reason.
+"""
 
 from __future__ import annotations
+
+import platform
+import shutil
+from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from inference import LLMEngine, cpu_kernels
+from inference import LLMEngine, SamplingParams, cpu_kernels
 from inference.attention import AttentionMetadata, PrefillChunk
 from inference.layers import linear
+from inference.moe import select_experts
 from tests.inference.parity_checks import hf_model, prompts
 
-if not cpu_kernels.enable():
-    pytest.skip("bf16 kernels unavailable here (CPU without AVX512-BF16 or no C compiler)",
-                allow_module_level=True)
+
+@dataclass(frozen=True)
+class Path:
+    isa: str
+    amx: bool = False
+    emulated: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.isa}{'+amx' if self.amx else ''}{'-emulated' if self.emulated else ''}"
+
+    def missing(self) -> str | None:
+        """Why this CPU cannot run the path, or None."""
+        if platform.machine() not in ("x86_64", "AMD64"):
+            return f"{platform.machine()}: no x86 kernels"
+        if self.emulated:
+            if "avx2" not in cpu_kernels.runnable_isas():
+                return "emulation builds need AVX2"
+            return None
+        lacking = cpu_kernels.BUILDS[self.isa][1] - cpu_kernels.cpu_flags()
+        if self.amx:
+            lacking |= {"amx_tile", "amx_bf16"} - cpu_kernels.cpu_flags()
+        return f"this CPU lacks {', '.join(sorted(lacking))}" if lacking else None
+
+
+# Native paths best first (AMX, AVX-512, AVX2), then the emulated builds.
+PATHS = [Path("avx512", amx=True), Path("avx512"), Path("avx2"),
+         Path("avx512", emulated=True), Path("avx2", amx=True, emulated=True)]
+
+
+@pytest.fixture(params=PATHS, ids=str)
+def path(request):
+    p: Path = request.param
+    reason = p.missing()
+    if reason:
+        pytest.skip(f"{p}: {reason}")
+    chosen = cpu_kernels.enable(p.isa, amx=p.amx, emulated=p.emulated)
+    if chosen != p.isa or cpu_kernels.AMX != p.amx:
+        pytest.fail(f"{p}: enable() chose {chosen} amx={cpu_kernels.AMX}")
+    yield p
+    cpu_kernels.enable()
 
 
 def randn(*shape, scale=1.0, seed=0):
@@ -24,39 +71,114 @@ def randn(*shape, scale=1.0, seed=0):
     return (torch.randn(*shape, generator=g) * scale).bfloat16()
 
 
-def bf16_tolerance(exact: torch.Tensor, terms: torch.Tensor) -> dict:
-    """One bf16 rounding of the result, plus float32 summation-order error over the terms."""
-    return {"rtol": 2 ** -8, "atol": float(terms.abs().sum(-1).max()) * 2 ** -20 + 1e-6}
+def close_to_bf16(out: torch.Tensor, exact: torch.Tensor, rounds: int = 1) -> None:
+    """out (bf16) is exact (float32) up to `rounds` bf16 roundings of intermediate values."""
+    scale = float(exact.abs().max()) + 1e-6
+    torch.testing.assert_close(out.float(), exact, rtol=rounds * 2 ** -8, atol=rounds * scale * 2 ** -9)
 
 
-@pytest.mark.parametrize("n,k", [(32000, 512), (2048, 512), (300, 64), (37, 100), (5, 17), (1, 1)])
-def test_gemv_matches_float32_arithmetic(n, k):
-    w, x = randn(n, k), randn(k)
-    exact = w.float() @ x.float()
-    y = cpu_kernels.gemv(w, x)
-    assert y.dtype == torch.bfloat16 and y.shape == (n,)
-    torch.testing.assert_close(y.float(), exact, **bf16_tolerance(exact, w.float() * x.float()))
+# ---- choosing the instruction set ------------------------------------------------------
+
+def test_only_builds_the_cpu_reports_are_runnable(monkeypatch):
+    avx2_only = frozenset({"avx", "avx2", "fma", "f16c", "sse4_2"})
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: avx2_only)
+    assert cpu_kernels.runnable_isas() == ["avx2"]
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: avx2_only | {"avx512f", "avx512bw", "avx512dq", "avx512vl"})
+    assert cpu_kernels.runnable_isas() == ["avx512", "avx2"]
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"sse4_2", "avx"}))
+    assert cpu_kernels.runnable_isas() == []
+    try:
+        assert cpu_kernels.enable() is None  # neither AVX2 nor AVX-512: ATen's kernels
+        assert cpu_kernels.paths()["linear"] == "aten"
+        with pytest.raises(RuntimeError, match="cannot run the avx2 kernels"):
+            cpu_kernels.enable("avx2")  # never forced onto a CPU that lacks it
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.enable()
 
 
-def test_gemv_reads_a_strided_vector_and_row_views():
-    w, x = randn(64, 96), randn(2, 96)
-    torch.testing.assert_close(cpu_kernels.gemv(w[16:48], x[1]), torch.mv(w[16:48], x[1]),
-                               rtol=2 ** -7, atol=0.05)
-    column = randn(96, 2)[:, 1]  # stride 2: copied before the kernel reads it
-    torch.testing.assert_close(cpu_kernels.gemv(w, column), torch.mv(w, column), rtol=2 ** -7, atol=0.05)
+def test_other_machines_run_atens_kernels(monkeypatch):
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert cpu_kernels.runnable_isas() == []
 
 
-def test_linear_takes_the_kernel_for_one_bf16_row_only():
-    w, b = randn(300, 64), randn(300)
-    x = randn(1, 64)
-    assert torch.equal(linear(x, w), cpu_kernels.gemv(w, x[0]).unsqueeze(0))
-    assert torch.equal(linear(x, w, b), cpu_kernels.gemv(w, x[0]).unsqueeze(0) + b)
-    x3 = randn(3, 64)
-    assert torch.equal(linear(x3, w, b), F.linear(x3, w, b))  # several rows: plain GEMM
-    xf, wf = x.float(), w.float()
-    assert torch.equal(linear(xf, wf), F.linear(xf, wf))  # float32: the reference's kernels
-    wt = randn(64, 300).t()  # not row-contiguous: ATen's GEMV
-    assert torch.equal(linear(x, wt), torch.mv(wt, x[0]).unsqueeze(0))
+def test_forcing_an_instruction_set_this_cpu_lacks_raises_instead_of_crashing():
+    lacking = [isa for isa in cpu_kernels.PREFERENCE if isa not in cpu_kernels.runnable_isas()]
+    if not lacking:
+        pytest.skip("this CPU runs every build")
+    try:
+        with pytest.raises(RuntimeError, match="cannot run"):
+            cpu_kernels.enable(lacking[0])
+    finally:
+        cpu_kernels.enable()
+
+
+def test_amx_off_by_environment_keeps_the_avx512_kernels(monkeypatch):
+    if Path("avx512", amx=True).missing():
+        pytest.skip(f"avx512+amx: {Path('avx512', amx=True).missing()}")
+    monkeypatch.setenv("MOESERVE_AMX", "0")
+    try:
+        assert cpu_kernels.enable() == "avx512" and not cpu_kernels.AMX
+        assert cpu_kernels.paths()["moe_batch"] == "avx512"
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.enable()
+
+
+def test_kernels_off_by_environment_and_when_the_build_fails(monkeypatch, tmp_path):
+    if not cpu_kernels.runnable_isas():
+        pytest.skip("no kernel build runs on this CPU")
+    try:
+        monkeypatch.setenv("MOESERVE_BF16_KERNELS", "0")
+        assert cpu_kernels.enable() is None and cpu_kernels.ISA is None
+        monkeypatch.setenv("MOESERVE_BF16_KERNELS", "1")
+        monkeypatch.setenv("MOESERVE_CACHE_DIR", str(tmp_path))  # nothing built there yet
+        monkeypatch.setenv("CC", "false")  # a compiler that always fails
+        cpu_kernels.load_build.cache_clear()
+        assert cpu_kernels.enable() is None
+        assert not list((tmp_path / "kernels").glob("*.so"))  # no half-written library left
+        monkeypatch.delenv("CC")
+        cpu_kernels.load_build.cache_clear()
+        assert cpu_kernels.enable() == cpu_kernels.runnable_isas()[0]  # built into the fresh folder
+        assert len(list((tmp_path / "kernels").glob("kernels-*.so"))) == 1
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.load_build.cache_clear()
+        cpu_kernels.enable()
+
+
+# ---- packing ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(32, 64), (37, 17), (1, 2), (16, 1), (3, 40, 33), (2, 160, 64)])
+def test_pack_weight_round_trips(shape):
+    w = randn(*shape)
+    packed = cpu_kernels.pack_weight(w)
+    k = shape[-1]
+    assert packed.shape == (*shape[:-2], (k + 1) // 2, shape[-2], 2)
+    assert cpu_kernels.is_packed(packed, matrix_dims=len(shape))
+    assert torch.equal(cpu_kernels.unpack_weight(packed, k), w)
+
+
+# ---- the kernels against float32 arithmetic, on every path -----------------------------
+
+@pytest.mark.parametrize("m,n,k", [(1, 32000, 512), (1, 300, 64), (5, 17, 1), (37, 100, 33), (40, 64, 64),
+                                   (300, 48, 96), (2, 1, 512)])
+def test_linear_matches_float32_arithmetic(path, m, n, k):
+    w, x, b = randn(n, k), randn(m, k, seed=1), randn(n, seed=2)
+    packed = cpu_kernels.pack_weight(w)
+    exact = x.float() @ w.float().t()
+    close_to_bf16(cpu_kernels.linear(x, packed), exact)
+    close_to_bf16(cpu_kernels.linear(x, packed, b), exact + b.float())
+    assert torch.equal(linear(x, packed, b), cpu_kernels.linear(x, packed, b))  # layers.linear routes here
+
+
+def test_linear_reads_strided_rows_and_per_head_weights(path):
+    x = randn(6, 3, 64)
+    w = randn(3, 48, 64, seed=4)
+    exact = torch.einsum("bhk,hnk->bhn", x.float(), w.float())
+    close_to_bf16(cpu_kernels.linear_heads(x, cpu_kernels.pack_weight(w)), exact)
+    rows = x[:, 1]  # a row stride of 192 elements
+    close_to_bf16(cpu_kernels.linear(rows, cpu_kernels.pack_weight(w[1])), exact[:, 1])
 
 
 def expert_reference(x, w13, w2, ids, weights):
@@ -69,135 +191,240 @@ def expert_reference(x, w13, w2, ids, weights):
     return out
 
 
-@pytest.mark.parametrize("d,i,ids", [(512, 1024, [5, 2]), (64, 40, [0, 3, 7]), (33, 17, [1])])
-def test_moe_token_matches_float32_arithmetic(d, i, ids):
-    e = 8
-    w13, w2, x = randn(e, 2 * i, d, scale=0.1), randn(e, d, i, scale=0.1), randn(d)
-    ids = torch.tensor(ids)
-    weights = torch.rand(len(ids), generator=torch.Generator().manual_seed(3))
-    out = cpu_kernels.moe_token(x, w13, w2, ids, weights)
-    assert out.dtype == torch.bfloat16 and out.shape == (d,)
-    exact = expert_reference(x, w13, w2, ids, weights)
-    torch.testing.assert_close(out.float(), exact, rtol=2 ** -7, atol=float(exact.abs().max()) * 2 ** -8)
+@pytest.mark.parametrize("t,d,i,e,top_k", [(1, 512, 1024, 8, 2), (1, 33, 17, 8, 3), (3, 32, 64, 8, 3),
+                                           (32, 64, 64, 8, 2), (80, 64, 32, 8, 2), (40, 96, 64, 16, 1),
+                                           (300, 64, 64, 4, 2)])
+def test_moe_matches_float32_arithmetic(path, t, d, i, e, top_k):
+    w13, w2, x = randn(e, 2 * i, d, scale=0.1), randn(e, d, i, scale=0.1, seed=1), randn(t, d, seed=2)
+    g = torch.Generator().manual_seed(t)
+    weights, ids = select_experts(torch.rand(t, e, generator=g).softmax(-1), top_k, True)
+    out, counts = cpu_kernels.moe(x, cpu_kernels.pack_weight(w13), cpu_kernels.pack_weight(w2), ids, weights)
+    assert out.dtype == torch.bfloat16 and out.shape == (t, d)
+    assert counts.tolist() == torch.bincount(ids.flatten(), minlength=e).tolist()
+    for row in range(t):
+        exact = expert_reference(x[row], w13, w2, ids[row], weights[row])
+        torch.testing.assert_close(out[row].float(), exact, rtol=2 ** -7, atol=float(exact.abs().max()) * 2 ** -8)
 
 
-def decode_logits_error(path, kernels: bool) -> float:
-    """Mean |logit - transformers' float32 logit| of a bf16 engine over 4 decode steps."""
-    engine = LLMEngine.from_pretrained(path, device="cpu", dtype="bfloat16", kv_cache_tokens=256)
-    cpu_kernels.ACTIVE = cpu_kernels.AMX = kernels  # the engine enabled them; the 20-token prefill takes AMX
-    ref = hf_model(path)
+def test_moe_rejects_an_expert_id_out_of_range(path):
+    w13, w2, x = randn(4, 64, 32), randn(4, 32, 32), randn(2, 32)
+    ids = torch.tensor([[0, 1], [2, 4]])
+    with pytest.raises(ValueError, match="invalid input"):
+        cpu_kernels.moe(x, cpu_kernels.pack_weight(w13), cpu_kernels.pack_weight(w2), ids, torch.ones(2, 2))
+
+
+def paged_cache(num_blocks, block_size, heads, width, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_blocks * block_size, heads, width, generator=g)).bfloat16()
+
+
+def attention_reference(q, k_cache, v_cache, table, length, block_size, scale, v_dim=None):
+    pos = torch.arange(length)
+    slots = table[pos // block_size].long() * block_size + pos % block_size
+    h, g = q.shape[0], k_cache.shape[1]
+    k = k_cache[slots].float().repeat_interleave(h // g, 1).transpose(0, 1)
+    v = v_cache[slots].float()[..., :v_dim].repeat_interleave(h // g, 1).transpose(0, 1)
+    return F.scaled_dot_product_attention(q.float().unsqueeze(1), k, v, scale=scale).squeeze(1)
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,dim,lengths", [
+    (3, 8, 2, 64, [5, 40, 170]),  # grouped-query heads, several blocks each
+    (1, 4, 4, 32, [1]),  # one token of context
+    (1, 8, 2, 64, [1000]),  # one long sequence: split over the threads (flash-decoding)
+    (2, 6, 2, 20, [17, 33]),  # a head width that is no multiple of the vector width
+])
+def test_decode_attention_reads_the_paged_cache_in_place(path, batch, heads, kv_heads, dim, lengths):
+    bs, nblocks = 16, 80
+    kc, vc = paged_cache(nblocks, bs, kv_heads, dim), paged_cache(nblocks, bs, kv_heads, dim, seed=1)
+    g = torch.Generator().manual_seed(2)
+    width = max(lengths) // bs + 1
+    tables = torch.stack([torch.randperm(nblocks, generator=g)[:width] for _ in range(batch)]).int()
+    q = randn(batch, heads, dim, seed=3)
+    out = cpu_kernels.decode_attention(q, kc, vc, tables, torch.tensor(lengths, dtype=torch.int32), bs, 0.125)
+    for b, n in enumerate(lengths):
+        close_to_bf16(out[b], attention_reference(q[b], kc, vc, tables[b], n, bs, 0.125))
+
+
+def test_decode_attention_over_one_latent_cache_as_mla_reads_it(path):
+    bs, r, p = 16, 64, 16
+    cache = paged_cache(20, bs, 1, r + p)
+    tables = torch.arange(20, dtype=torch.int32).flip(0).view(2, 10)
+    q = randn(2, 16, r + p, seed=5)
+    lengths = torch.tensor([150, 9], dtype=torch.int32)
+    out = cpu_kernels.decode_attention(q, cache, cache, tables, lengths, bs, 0.1, v_dim=r)
+    assert out.shape == (2, 16, r)
+    for b in range(2):
+        close_to_bf16(out[b], attention_reference(q[b], cache, cache, tables[b], int(lengths[b]), bs, 0.1, v_dim=r))
+
+
+def test_rms_norm_and_residual_add_round_as_the_reference(path):
+    x, residual, w = randn(5, 96), randn(5, 96, seed=1), randn(96, seed=2)
+    ref_sum = x + residual
+    ref = F.rms_norm(ref_sum.float(), (96,), eps=1e-5).to(torch.bfloat16) * w
+    res = residual.clone()
+    out = cpu_kernels.rms_norm(x, w, 1e-5, res)
+    assert torch.equal(res, ref_sum)  # the residual add, in place
+    torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=0)  # rsqrt vs 1/sqrt: at most one bf16 step
+    plain = F.rms_norm(x.float(), (96,), eps=1e-5).to(torch.bfloat16) * w
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-5), plain, rtol=2 ** -7, atol=0)
+
+
+def test_rope_and_cache_write_match_the_reference_ops_bit_for_bit(path):
+    from inference.layers import apply_rope
+
+    t, h, g, d = 7, 4, 2, 64
+    qkv = randn(t, h + 2 * g, d)
+    cos, sin = randn(t, 1, d, seed=1), randn(t, 1, d, seed=2)
+    slots = torch.tensor([9, 3, 0, 12, 5, 7, 1])
+    kc, vc = torch.zeros(16, g, d, dtype=torch.bfloat16), torch.zeros(16, g, d, dtype=torch.bfloat16)
+    expected = apply_rope(qkv[:, : h + g], cos, sin)
+    ours = qkv.clone()
+    cpu_kernels.rope_and_cache(ours, cos, sin, h, g, slots, kc, vc)
+    assert torch.equal(ours[:, : h + g], expected)
+    assert torch.equal(ours[:, h + g:], qkv[:, h + g:])
+    assert torch.equal(kc[slots], expected[:, h:]) and torch.equal(vc[slots], qkv[:, h + g:])
+
+
+# ---- the model on each path, against transformers --------------------------------------
+
+def decode_logits_error(path_dir) -> float:
+    """Mean |logit - transformers' float32 logit| of a bf16 engine over a 20-token prompt
+    and 4 decode steps that read the paged cache the way the runner's steps do."""
+    engine = LLMEngine.from_pretrained(path_dir, device="cpu", dtype="bfloat16", kv_cache_tokens=256)
+    ref = hf_model(path_dir)
     tokens = prompts(engine.args.vocab_size, [24])[0]
     model, caches, errors = engine.model, engine.kv_caches, []
+    kernel = engine.runner.paged_kernel
     with torch.inference_mode():
         meta = AttentionMetadata(torch.arange(20), 0, None, None, [PrefillChunk(0, 20, 0, None)])
         model(torch.tensor(tokens[:20]), torch.arange(20), meta, caches)
         for pos in range(20, 24):
-            meta = AttentionMetadata(torch.tensor([pos]), 1, torch.arange(pos + 1)[None], None, [])
+            if kernel:
+                meta = AttentionMetadata(torch.tensor([pos]), 1, None, None, [],
+                                         block_tables=torch.arange(16, dtype=torch.int32)[None],
+                                         context_lens=torch.tensor([pos + 1], dtype=torch.int32), block_size=16)
+            else:
+                meta = AttentionMetadata(torch.tensor([pos]), 1, torch.arange(pos + 1)[None], None, [])
             hidden, _ = model(torch.tensor([tokens[pos]]), torch.tensor([pos]), meta, caches)
             expected = ref(torch.tensor([tokens[: pos + 1]])).logits[0, -1]
             errors.append((model.logits(hidden)[0].float() - expected).abs().mean().item())
     return sum(errors) / len(errors)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2"])
-def test_bf16_decode_with_kernels_is_as_close_to_transformers_as_aten(model_dirs, arch):
-    try:
-        with_kernels = decode_logits_error(model_dirs(arch), kernels=True)
-        with_aten = decode_logits_error(model_dirs(arch), kernels=False)
-    finally:
-        cpu_kernels.enable()
-    assert with_kernels < 0.02
-    assert with_kernels <= 1.25 * with_aten, (with_kernels, with_aten)
+@pytest.fixture(scope="module")
+def arch_dirs(model_dirs, tmp_path_factory):
+    """arch -> checkpoint folder: the demo MoE models, and a dense Llama with tied embeddings,
+    biases everywhere and one KV head (SmolLM2's shape of model)."""
+    from tests.inference.test_llama import CONFIGS, TOKENIZER_FILES
+    from tests.inference.tiny_gguf import random_llama
+
+    def get(arch: str):
+        if arch != "llama":
+            return model_dirs(arch)
+        path = tmp_path_factory.getbasetemp() / "kernels-llama"
+        if not path.exists():
+            random_llama(model_dirs("mixtral"), seed=1, **CONFIGS["llama_tied_llama3_bias"]).save_pretrained(path)
+            for f in TOKENIZER_FILES:
+                shutil.copy(model_dirs("mixtral") / f, path / f)
+        return path
+
+    return get
 
 
-def test_compiled_linear_calls_the_kernel_without_a_graph_break():
-    w, x = randn(300, 64), randn(1, 64)
-    explanation = torch._dynamo.explain(linear)(x, w)
-    assert explanation.graph_break_count == 0
-    ops = [n.target for g in explanation.graphs for n in g.graph.nodes if n.op == "call_function"]
-    assert torch.ops.moeserve.bf16_gemv.default in ops or torch.ops.moeserve.bf16_gemv in ops
-    compiled = torch.compile(linear, dynamic=True)
-    assert torch.equal(compiled(x, w), cpu_kernels.gemv(w, x[0]).unsqueeze(0))
+ATEN_ERRORS: dict[str, float] = {}
 
 
-def test_kernels_off_by_environment_and_when_the_build_fails(monkeypatch, tmp_path):
-    try:
-        monkeypatch.setenv("MOESERVE_BF16_KERNELS", "0")
-        cpu_kernels._library.cache_clear()
-        assert cpu_kernels.enable() is False and cpu_kernels.ACTIVE is False
-        w, x = randn(300, 64), randn(1, 64)
-        assert torch.equal(linear(x, w), torch.mv(w, x[0]).unsqueeze(0))
-
-        monkeypatch.setenv("MOESERVE_BF16_KERNELS", "1")
-        monkeypatch.setenv("MOESERVE_CACHE_DIR", str(tmp_path))  # nothing built there yet
-        monkeypatch.setenv("CC", "false")  # a compiler that always fails
-        cpu_kernels._library.cache_clear()
-        assert cpu_kernels.enable() is False
-        assert not list((tmp_path / "kernels").glob("*.so"))  # no half-written library left
-
-        monkeypatch.delenv("CC")
-        cpu_kernels._library.cache_clear()
-        assert cpu_kernels.enable() is True  # built into the fresh cache folder
-        assert len(list((tmp_path / "kernels").glob("bf16_gemv-*.so"))) == 1
-    finally:
-        monkeypatch.undo()
-        cpu_kernels._library.cache_clear()
-        cpu_kernels.enable()
+def aten_error(arch_dirs, arch) -> float:
+    if arch not in ATEN_ERRORS:
+        try:
+            cpu_kernels.enable(None)
+            ATEN_ERRORS[arch] = decode_logits_error(arch_dirs(arch))
+        finally:
+            cpu_kernels.enable()
+    return ATEN_ERRORS[arch]
 
 
-def test_moe_layer_takes_the_fused_kernel_for_one_token_eager_and_compiled():
-    from inference.moe import MoE, single_token_dispatch
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "llama"])
+def test_bf16_logits_on_each_path_are_as_close_to_transformers_as_atens(arch_dirs, path, arch):
+    ours = decode_logits_error(arch_dirs(arch))
+    aten = aten_error(arch_dirs, arch)
+    assert ours < 0.02
+    assert ours <= 1.25 * aten, (ours, aten)
 
-    moe = MoE(64, 40, num_experts=8, top_k=2, norm_topk_prob=True)
-    for p, shape in ((moe.gate, (8, 64)), (moe.w13, (8, 80, 64)), (moe.w2, (8, 64, 40))):
-        p.data = randn(*shape, scale=0.2)
-    x = randn(1, 64)
+
+def test_continuous_batch_on_the_kernels_picks_what_transformers_ranks_top(model_dirs, path):
+    """Chunked prefill, preemption (a cache far too small) and prefix-cache hits (a shared
+    prefix) on the kernel path: every request finishes, every block comes back, and each
+    greedy token is one transformers (float32, over the same prefix) ranks within bf16
+    noise of its top logit."""
+    mdir = model_dirs("mixtral")
+    engine = LLMEngine.from_pretrained(mdir, device="cpu", dtype="bfloat16", kv_cache_tokens=192,
+                                       max_num_batched_tokens=24, max_num_seqs=8)
+    assert engine.runner.paged_kernel
+    shared = prompts(engine.args.vocab_size, [32])[0]
+    batch = [shared + p for p in prompts(engine.args.vocab_size, [5, 20, 9])] + prompts(engine.args.vocab_size, [61, 17])
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"r{i}", prompt, params)
+    final, preempted, cached = {}, 0, 0
+    while engine.has_unfinished:
+        outputs, stats = engine.step()
+        preempted += stats.num_preemptions
+        final.update({o.request_id: o for o in outputs if o.finished})
+    cached = sum(o.num_cached_tokens for o in final.values())
+    assert preempted > 0 and cached > 0
+    assert engine.block_manager.num_used == 0
+    ref = hf_model(mdir)
     with torch.inference_mode():
-        out, counts = moe(x)
-        weights, ids = moe.route(x)
-        aten = single_token_dispatch(x, weights, ids, moe.w13, moe.w2)
-        torch.testing.assert_close(out, aten, rtol=2 ** -7, atol=float(aten.abs().max()) * 2 ** -7)
-        assert counts.tolist() == [int(e in ids[0].tolist()) for e in range(8)]
-        explanation = torch._dynamo.explain(moe)(x)
-        assert explanation.graph_break_count == 0
-        ops = {n.target for g in explanation.graphs for n in g.graph.nodes if n.op == "call_function"}
-        assert ops & {torch.ops.moeserve.bf16_moe_token.default, torch.ops.moeserve.bf16_moe_token}
+        for i, prompt in enumerate(batch):
+            out = final[f"r{i}"].token_ids
+            assert len(out) == 12
+            logits = ref(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+            chosen = logits.gather(1, torch.tensor(out)[:, None])[:, 0]
+            assert (logits.max(dim=-1).values - chosen).max() < 0.1, i
+
+
+def test_the_engine_logs_the_path_of_each_layer_kind(model_dirs, path):
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        LLMEngine.from_pretrained(model_dirs("mixtral"), device="cpu", dtype="bfloat16", kv_cache_tokens=64)
+    [line] = [e for e in logs if e["event"] == "CPU kernels"]
+    assert line["isa"] == path.isa and line["linear"] == path.isa and line["decode_attention"] == path.isa
+    assert line["moe_batch"] == ("amx" if path.amx else path.isa)
+
+
+def test_all_kernels_off_runs_atens_kernels_on_row_major_weights(model_dirs):
+    try:
+        cpu_kernels.enable(None)
+        engine = LLMEngine.from_pretrained(model_dirs("mixtral"), device="cpu", dtype="bfloat16", kv_cache_tokens=64)
+        assert engine.model.layers[0].attn.wqkv.weight.dim() == 2  # not packed
+        assert not engine.runner.paged_kernel
+        [out] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert len(out.token_ids) == 4
+    finally:
+        cpu_kernels.enable()
+
+
+# ---- compiled graphs -------------------------------------------------------------------
+
+def test_compiled_layers_call_the_kernels_without_a_graph_break(path):
+    from inference.moe import MoE
+
+    moe = MoE(64, 32, num_experts=8, top_k=2, norm_topk_prob=True)
+    for p, shape in ((moe.gate, (8, 64)), (moe.w13, (8, 64, 64)), (moe.w2, (8, 64, 32))):
+        p.data = randn(*shape, scale=0.2)
+    moe.pack()
+    w = cpu_kernels.pack_weight(randn(300, 64))
+    x = randn(3, 64)
+    with torch.inference_mode():
+        for fn, args in ((linear, (x, w)), (moe, (x,))):
+            explanation = torch._dynamo.explain(fn)(*args)
+            assert explanation.graph_break_count == 0
+            ops = {str(n.target) for g in explanation.graphs for n in g.graph.nodes if n.op == "call_function"}
+            assert any("moeserve" in op for op in ops), ops
+        torch.testing.assert_close(torch.compile(linear, dynamic=True)(x, w), linear(x, w), rtol=0, atol=0)
+        eager_out, eager_counts = moe(x)
         compiled_out, compiled_counts = torch.compile(moe, dynamic=True)(x)
-        assert torch.equal(compiled_counts, counts)
-        torch.testing.assert_close(compiled_out, out, rtol=2 ** -7, atol=float(out.abs().max()) * 2 ** -7)
-
-
-def needs_amx():
-    if not cpu_kernels.AMX:
-        pytest.skip("no AMX on this CPU (or the kernel refused AMX state): padded_dispatch keeps bmm")
-
-
-@pytest.mark.parametrize("t,d,i,top_k", [(32, 512, 1024, 2), (80, 64, 32, 2), (3, 32, 64, 3), (40, 96, 64, 1)])
-def test_moe_batch_matches_float32_arithmetic(t, d, i, top_k):
-    from inference.moe import select_experts
-
-    needs_amx()
-    e = 8
-    w13, w2, x = randn(e, 2 * i, d, scale=0.1), randn(e, d, i, scale=0.1), randn(t, d)
-    g = torch.Generator().manual_seed(t)
-    weights, ids = select_experts(torch.rand(t, e, generator=g).softmax(-1), top_k, True)
-    out = cpu_kernels.moe_batch(x, w13, w2, ids, weights)
-    assert out.dtype == torch.bfloat16 and out.shape == (t, d)
-    for row in range(t):
-        exact = expert_reference(x[row], w13, w2, ids[row], weights[row])
-        torch.testing.assert_close(out[row].float(), exact, rtol=2 ** -7, atol=float(exact.abs().max()) * 2 ** -8)
-
-
-def test_decode_batches_take_the_amx_kernel_and_match_batched_matmuls():
-    from inference.moe import dispatch, padded_dispatch, select_experts
-
-    needs_amx()
-    g = torch.Generator().manual_seed(5)
-    w13, w2 = randn(8, 128, 64, scale=0.2), randn(8, 64, 64, scale=0.2)
-    x = randn(80, 64)
-    weights, ids = select_experts(torch.rand(80, 8, generator=g).softmax(-1), 2, True)
-    out, counts = dispatch(x, weights, ids, w13, w2, gather_max_tokens=0)
-    assert counts.max() > 16  # more than one tile of tokens on the busiest expert
-    assert torch.equal(out, cpu_kernels.moe_batch(x, w13, w2, ids, weights))
-    bmm = padded_dispatch(x, weights, ids, counts, w13, w2)
-    torch.testing.assert_close(out, bmm, rtol=2 ** -7, atol=float(bmm.abs().max()) * 2 ** -7)
+        assert torch.equal(compiled_counts, eager_counts)
+        torch.testing.assert_close(compiled_out, eager_out, rtol=0, atol=0)

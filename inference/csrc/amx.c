@@ -1,0 +1,78 @@
+/* AMX register tiles for the kernels' products with many rows (Sapphire Rapids and later):
+ * the AVX-512 build of kernels.c hands a block of 16 output columns times a group of rows to
+ * ms_amx_block when the CPU has AMX (cpu_kernels.enable sets the pointer). Built as its own
+ * object so a compiler or CPU without AMX keeps the AVX-512 kernels.
+ *
+ * The packed weight layout (kernels.c) is the B operand as the tile instruction reads it:
+ * 16 input pairs x 16 columns x 2 bf16 = one 1 KB tile, contiguous. A is the rows as bf16,
+ * 32 inputs per tile row. One tile multiply-accumulates 16 x 16 x 32 products.
+ *
+ * With -DMS_AMX_EMULATED the tile instructions come from amx_emulation.h (plain C with the
+ * instructions' documented semantics), so the tests check this file's logic on any CPU.
+ */
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#if defined(MS_AMX_EMULATED)
+#include "amx_emulation.h"
+#else
+#include <immintrin.h>
+#endif
+
+typedef uint16_t bf16;
+
+/* Linux hands out the AMX register state only after this request (once per process). */
+int ms_amx_init(void) {
+#if defined(MS_AMX_EMULATED)
+    return 1;
+#else
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+#endif
+}
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+/* Tiles: 0 C (16 rows), 1 A (16 rows), 2 B, 3 C (`tail` rows), 4 A (`tail` rows). Loaded on
+ * every call: other libraries in the process (oneDNN) configure the tiles for their own use. */
+static void configure(int tail) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 5; t++) cfg.colsb[t] = 64;
+    cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = 16;
+    cfg.rows[3] = cfg.rows[4] = (uint8_t)(tail ? tail : 16);
+    _tile_loadconfig(&cfg);
+}
+
+/* C[r][0..16) = sum_k A[r][k] B[k][.] for r < rows: A bf16 rows (stride lda elements, Kp
+ * columns), B one packed 16-column block (Kp / 2 pair rows), C float32 (stride ldc). Kp is a
+ * multiple of 32 (the caller checks). */
+void ms_amx_block(const bf16 *A, int64_t lda, int64_t rows, const bf16 *B, int64_t Kp, float *C, int64_t ldc) {
+    const int64_t full = rows / 16, tail = rows % 16;
+    configure((int)tail);
+    for (int64_t g = 0; g < full; g++) {
+        _tile_zero(0);
+        for (int64_t k = 0; k < Kp; k += 32) {
+            _tile_loadd(1, A + g * 16 * lda + k, lda * sizeof(bf16));
+            _tile_loadd(2, B + k * 16, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, C + g * 16 * ldc, ldc * sizeof(float));
+    }
+    if (tail) {
+        _tile_zero(3);
+        for (int64_t k = 0; k < Kp; k += 32) {
+            _tile_loadd(4, A + full * 16 * lda + k, lda * sizeof(bf16));
+            _tile_loadd(2, B + k * 16, 64);
+            _tile_dpbf16ps(3, 4, 2);
+        }
+        _tile_stored(3, C + full * 16 * ldc, ldc * sizeof(float));
+    }
+    _tile_release();
+}
