@@ -44,12 +44,17 @@ log = structlog.get_logger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-Wno-psabi"]
 # Flags per build, and the /proc/cpuinfo flags a CPU must report to run it.
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-DMS_AVX512"]
+_AVX512_CPU = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"}
 BUILDS = {
     "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
-    "avx512": (["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-DMS_AVX512"],
-               {"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"}),
+    "avx512": (_AVX512, _AVX512_CPU),
+    "avx512bf16": ([*_AVX512, "-mavx512bf16", "-DMS_AVX512_BF16"], _AVX512_CPU | {"avx512_bf16"}),
 }
-PREFERENCE = ("avx512", "avx2")  # best first
+# Best first. CPUs with AMX take "avx512" (FMA tiles on widened weights, AMX for many rows)
+# over "avx512bf16": the Xeons we measured issue vdpbf16ps every other cycle, half the
+# products per second of float32 FMAs; AMD's Zen 4 and later run it at full rate.
+PREFERENCE = ("avx512bf16", "avx512", "avx2")
 _AMX_FLAGS = ["-mavx512f", "-mavx512bw", "-mamx-tile", "-mamx-bf16"]
 _AMX_CPU = {"amx_tile", "amx_bf16", "avx512f", "avx512bw"}
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -70,10 +75,14 @@ def cpu_flags() -> frozenset[str]:
 
 
 def runnable_isas() -> list[str]:
-    """The kernel builds this CPU can run, best first."""
+    """The kernel builds this CPU can run, best first for it."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return []
-    return [isa for isa in PREFERENCE if BUILDS[isa][1] <= cpu_flags()]
+    runnable = [isa for isa in PREFERENCE if BUILDS[isa][1] <= cpu_flags()]
+    if _AMX_CPU <= cpu_flags() and "avx512bf16" in runnable:
+        runnable.remove("avx512bf16")
+        runnable.insert(runnable.index("avx512") + 1, "avx512bf16")
+    return runnable
 
 
 def _compiler() -> str:
@@ -83,9 +92,13 @@ def _compiler() -> str:
     return compiler
 
 
-def _build(source: Path, flags: list[str], name: str) -> Path:
-    """Compiles `source` (with the headers beside it) into the kernel cache, once per content of
-    the C folder and flag set; a temporary file renamed into place, so processes building at
+# The kernel library's sources; amx.c is built on its own.
+KERNEL_SOURCES = ("region.c", "gemm.c", "moe.c", "attention.c", "norm_rope.c", "layer.c")
+
+
+def _build(sources: list[Path], flags: list[str], name: str) -> Path:
+    """Compiles `sources` (with the headers beside them) into the kernel cache, once per content
+    of the C folder and flag set; a temporary file renamed into place, so processes building at
     the same time never load a half-written library."""
     text = b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.suffix in (".c", ".h"))
     key = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
@@ -96,7 +109,7 @@ def _build(source: Path, flags: list[str], name: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([_compiler(), *_COMMON_FLAGS, *flags, f"-I{_CSRC}", str(source), "-o", tmp, "-lm"],
+        done = subprocess.run([_compiler(), *_COMMON_FLAGS, *flags, f"-I{_CSRC}", *map(str, sources), "-o", tmp, "-lm"],
                               check=False, capture_output=True, timeout=180)
         if done.returncode:
             raise RuntimeError(done.stderr.decode(errors="replace").strip()[-800:])
@@ -107,6 +120,17 @@ def _build(source: Path, flags: list[str], name: str) -> Path:
     return target
 
 
+class LayerSpec(ctypes.Structure):
+    """One decoder layer for the fused decode-step kernel (csrc/layer.c, same field order):
+    its sizes, options and the addresses of its packed weights, which must outlive it."""
+
+    _fields_ = [(n, _I64) for n in ("hidden", "heads", "kv_heads", "head_dim", "experts", "top_k", "moe_inter",
+                                    "mlp_inter", "qk_norm", "norm_topk_prob")] \
+        + [(n, _F32) for n in ("eps", "scale", "clip_qkv", "routed_scaling")] \
+        + [(n, _P) for n in ("input_norm", "post_norm", "wqkv", "qkv_bias", "wo", "o_bias", "q_norm", "k_norm",
+                             "router", "w13", "w2", "mlp_w13", "mlp_b13", "mlp_w2", "mlp_b2", "shared_gate")]
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ms_linear.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _INT]
     lib.ms_moe.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _P, _I64, _P, _INT]
@@ -115,6 +139,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ms_rmsnorm.argtypes = [_P, _I64, _P, _I64, _P, _F32, _P, _I64, _I64, _I64, _INT]
     lib.ms_rope_cache.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _INT]
     lib.ms_set_amx.argtypes = [_P]
+    lib.ms_decode_layer.argtypes = [ctypes.POINTER(LayerSpec), _P, _P, _INT, _I64, _P, _P, _P, _P, _P, _P, _I64, _P,
+                                    _I64, _P, _P, _INT]
     lib.ms_rmsnorm.restype = lib.ms_rope_cache.restype = lib.ms_set_amx.restype = None
     return lib
 
@@ -126,12 +152,13 @@ def load_build(isa: str, emulated: bool = False) -> ctypes.CDLL:
     so CPUs without AVX-512 can check its code."""
     flags = list(BUILDS[isa][0])
     name = f"kernels-{isa}"
-    if emulated and isa == "avx512":
+    if emulated and isa.startswith("avx512"):
         import simde_py
 
-        flags = [*BUILDS["avx2"][0], "-DMS_AVX512", "-DMS_SIMDE", f"-I{simde_py.get_include()}"]
+        flags = [*BUILDS["avx2"][0], *(f for f in flags if f.startswith("-D")), "-DMS_SIMDE",
+                 f"-I{simde_py.get_include()}"]
         name += "-simde"
-    return _bind(ctypes.CDLL(str(_build(_CSRC / "kernels.c", flags, name))))
+    return _bind(ctypes.CDLL(str(_build([_CSRC / f for f in KERNEL_SOURCES], flags, name))))
 
 
 @functools.cache
@@ -139,11 +166,11 @@ def _amx_library(emulated: bool = False) -> ctypes.CDLL | None:
     """The AMX tile kernel, where the CPU reports AMX and Linux grants its register state.
     `emulated` (tests only): the same source on amx_emulation.h's plain-C tile instructions."""
     if emulated:
-        lib = ctypes.CDLL(str(_build(_CSRC / "amx.c", ["-DMS_AMX_EMULATED"], "amx-emulated")))
+        lib = ctypes.CDLL(str(_build([_CSRC / "amx.c"], ["-DMS_AMX_EMULATED"], "amx-emulated")))
     elif not _AMX_CPU <= cpu_flags():
         return None
     else:
-        lib = ctypes.CDLL(str(_build(_CSRC / "amx.c", _AMX_FLAGS, "amx")))
+        lib = ctypes.CDLL(str(_build([_CSRC / "amx.c"], _AMX_FLAGS, "amx")))
     lib.ms_amx_init.restype = _INT
     if not lib.ms_amx_init():
         log.info("AMX off: Linux refused the AMX register state (arch_prctl)")
@@ -188,7 +215,7 @@ def enable(isa: str | None = "auto", amx: bool | None = None, emulated: bool = F
         return None
     want_amx = os.environ.get("MOESERVE_AMX", "1") != "0" if amx is None else amx
     amx_lib = None
-    if want_amx and (emulated or isa == "avx512"):
+    if want_amx and (emulated or isa == "avx512") and isa != "avx512bf16":
         try:
             amx_lib = _amx_library(emulated)
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
@@ -350,6 +377,25 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
     t, _, d = qkv.shape
     _lib.ms_rope_cache(qkv.data_ptr(), qkv.stride(0), t, num_heads, num_kv_heads, d, cos.data_ptr(), sin.data_ptr(),
                        None if slots is None else slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _threads())
+
+
+def decode_layer(spec: LayerSpec, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                 sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A whole decoder layer of a decode step (csrc/layer.c): x [T, D] the previous layer's
+    output, residual the running sum before it (None in the first layer) -> (this layer's
+    output, the residual (updated in place), tokens per expert or None for a dense layer)."""
+    t = x.shape[0]
+    first = residual is None
+    residual = x if first else residual
+    out = x.new_empty(x.shape)
+    counts = torch.empty(max(spec.experts, 1), dtype=torch.int64)
+    _check(_lib.ms_decode_layer(ctypes.byref(spec), x.data_ptr(), residual.data_ptr(), int(first), t, cos.data_ptr(),
+                                sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), block_size,
+                                out.data_ptr(), counts.data_ptr(), _threads()), "decode_layer")
+    return out, residual, counts if spec.experts else None
 
 
 # ---- the kernels as operators, for compiled decode graphs ------------------------------

@@ -65,6 +65,7 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, gather_max_tokens: int) -> None:
         super().__init__()
+        self.fused: cpu_kernels.LayerSpec | None = None  # set by fuse(): the whole layer in one kernel
         self.input_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.attn = MLAttention(args) if args.kv_lora_rank else Attention(args)
         self.post_attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -80,10 +81,48 @@ class DecoderLayer(nn.Module):
                                   args.shared_expert_gated)
         self.mlp = moe
 
+    def fuse(self) -> None:
+        """Describes this layer to the fused decode-step kernel (cpu_kernels.decode_layer), once
+        its weights are packed; layers it does not cover (MLA, group-limited or float32
+        routing) keep the composed path."""
+        attn, mlp = self.attn, self.mlp
+        moe, shared = (mlp.moe, mlp.shared) if isinstance(mlp, SharedExpertMoE) else (mlp, None)
+        dense = mlp if isinstance(mlp, DenseMLP) else shared
+        if isinstance(attn, MLAttention) or not cpu_kernels.is_packed(attn.wqkv.weight):
+            return
+        if self.is_moe and (moe.router_fp32 or moe.num_groups > 1 or not cpu_kernels.is_packed(moe.w13, 3)):
+            return
+
+        def ptr(t):
+            return None if t is None else t.data_ptr()
+
+        spec = cpu_kernels.LayerSpec(
+            hidden=self.input_norm.weight.shape[0], heads=attn.num_heads, kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim, qk_norm={None: 0, True: 1, False: 2}[attn.per_head_norm if attn.q_norm else None],
+            eps=self.input_norm.eps, scale=attn.scale, clip_qkv=attn.clip_qkv or 0.0,
+            input_norm=ptr(self.input_norm.weight), post_norm=ptr(self.post_attn_norm.weight),
+            wqkv=ptr(attn.wqkv.weight), qkv_bias=ptr(attn.wqkv.bias), wo=ptr(attn.wo.weight), o_bias=ptr(attn.wo.bias),
+            q_norm=ptr(attn.q_norm.weight) if attn.q_norm else None,
+            k_norm=ptr(attn.k_norm.weight) if attn.k_norm else None)
+        if self.is_moe:
+            spec.experts, spec.top_k, spec.moe_inter = moe.num_experts, moe.top_k, moe.w13.shape[-2] // 2
+            spec.norm_topk_prob, spec.routed_scaling = int(moe.norm_topk_prob), moe.scaling
+            spec.router, spec.w13, spec.w2 = ptr(moe.gate), ptr(moe.w13), ptr(moe.w2)
+            spec.shared_gate = ptr(mlp.shared_gate) if shared is not None else None
+        if dense is not None:
+            spec.mlp_inter = dense.w13.shape[-2] // 2
+            spec.mlp_w13, spec.mlp_b13 = ptr(dense.w13), ptr(dense.b13)
+            spec.mlp_w2, spec.mlp_b2 = ptr(dense.w2), ptr(dense.b2)
+        self.fused = spec
+
     def forward(self, x, residual, cos, sin, meta, cache: tuple[torch.Tensor, ...]):
         """x: the previous layer's output, residual: the running sum before it (None in the
         first layer); each residual add is fused into the norm after it. Returns this
         layer's output, the new residual and the router counts (None for a dense layer)."""
+        if self.fused is not None and meta.block_tables is not None and not meta.prefills \
+                and not torch.compiler.is_compiling():  # a decode step: the whole layer in one call
+            return cpu_kernels.decode_layer(self.fused, x, residual, cos, sin, meta.slot_mapping, *cache,
+                                            meta.block_tables, meta.context_lens, meta.block_size)
         if residual is None:
             residual, h = x, self.input_norm(x)
         else:
@@ -124,6 +163,8 @@ class MoETransformer(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "pack"):
                 module.pack()
+        for layer in self.layers:
+            layer.fuse()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -12,6 +12,10 @@ tokens, EOS ignored. Three measures:
                    sequences per step, greedy argmax over the returned logits: what llama.cpp's
                    `batched` example does; the high-level `Llama` class has no batching).
   single_stream    1 request, 128 -> 128, output tokens / wall time.
+  ttft_2048        1 request of 2,048 prompt tokens -> 1 token: seconds to the first token
+                   (prefill), lower is better; its ratio is moeserve's time over the engine's,
+                   so higher still means that engine is faster. A 2,048-token prompt of its own
+                   warms the shapes up first.
   serving          32 concurrent streaming `/v1/completions` (SSE) with token-id prompts over HTTP
                    on loopback: `moeserve serve` vs vLLM's OpenAI server vs llama.cpp's
                    `llama-server -np 32` (continuous batching); output tokens / wall time.
@@ -52,9 +56,10 @@ PEERS_DIR = Path(os.environ.get("MOESERVE_PEERS_DIR") or Path.home() / ".cache" 
 RESULTS = REPO / "bench" / "results"
 NOTES = REPO / "bench" / "PEERS.md"
 ENGINES = ("moeserve", "vllm", "llamacpp")
-METRICS = ("offline_batched", "single_stream", "serving")
+METRICS = ("offline_batched", "single_stream", "serving", "ttft_2048")
 LABELS = {"offline_batched": "offline batched ({n} req)", "single_stream": "single stream",
-          "serving": "serving, {n} streams (HTTP)"}
+          "serving": "serving, {n} streams (HTTP)", "ttft_2048": "TTFT, one 2,048-token prompt"}
+SECONDS = {"ttft_2048"}  # measured in seconds, lower is better
 MARK_START, MARK_END = "<!-- peers-table:start -->", "<!-- peers-table:end -->"
 WORKER_TIMEOUT_S = 1800
 SERVER_START_TIMEOUT_S = 900
@@ -98,8 +103,14 @@ def _measure(run, spec: dict) -> dict:
     _check(outs, len(spec["batch"]), n, "batched")
     t1, outs1 = _timed(run, spec["single"], n)
     _check(outs1, 1, n, "single")
-    return {"offline_batched": len(spec["batch"]) * n / t, "offline_batched_s": t,
-            "single_stream": n / t1, "single_stream_s": t1,
+    result = {"offline_batched": len(spec["batch"]) * n / t, "offline_batched_s": t,
+              "single_stream": n / t1, "single_stream_s": t1}
+    if spec.get("long"):
+        run(spec["long_warmup"], 1)
+        t_long, outs_long = _timed(run, spec["long"], 1)
+        _check(outs_long, 1, 1, "ttft_2048")
+        result["ttft_2048"] = t_long
+    return {**result,
             "first_tokens": outs[0][:16], "single_first_tokens": outs1[0][:16]}
 
 
@@ -218,7 +229,8 @@ class _LlamaBatched:
 def _offline_llamacpp(spec: dict) -> dict:
     import llama_cpp
 
-    max_len = max(len(p) for p in spec["batch"] + spec["single"] + spec["warmup"]) + spec["output_len"]
+    max_len = max(len(p) for p in spec["batch"] + spec["single"] + spec["warmup"] + spec.get("long", [])) \
+        + spec["output_len"]
     max_len = (max_len + 16 + 255) // 256 * 256  # headroom, rounded like llama-server's slots
     load_s, gen = _timed(lambda: _LlamaBatched(spec["gguf"], len(spec["batch"]), max_len,
                                                spec["threads"]))
@@ -505,7 +517,8 @@ def summarize(rounds: list[dict], engines: list[str]) -> tuple[dict, dict]:
     median = {e: {m: statistics.median(r[e][m] for r in rounds if e in r and m in r[e])
                   for m in METRICS if any(e in r and m in r[e] for r in rounds)} for e in engines}
     base = median.get("moeserve", {})
-    ratios = {e: {m: v / base[m] for m, v in median[e].items() if base.get(m)} for e in engines}
+    ratios = {e: {m: (base[m] / v if m in SECONDS else v / base[m]) for m, v in median[e].items() if base.get(m) and v}
+              for e in engines}
     return median, ratios
 
 
@@ -517,8 +530,8 @@ def table(median: dict, ratios: dict, engines: list[str], n_req: int) -> str:
         for e in engines:
             v = median.get(e, {}).get(m)
             r = ratios.get(e, {}).get(m)
-            cells.append("—" if v is None else f"{v:,.1f} tok/s" + ("" if e == "moeserve" or r is None
-                                                                     else f" ({r:.2f}×)"))
+            unit = f"{v:,.2f} s" if m in SECONDS else f"{v:,.1f} tok/s"
+            cells.append("—" if v is None else unit + ("" if e == "moeserve" or r is None else f" ({r:.2f}×)"))
         lines.append(f"| {LABELS[m].format(n=n_req)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -530,7 +543,8 @@ def write_notes(report: dict, md_table: str) -> None:
     raw = []
     for i, r in enumerate(report["rounds"], 1):
         raw.append(f"- round {i}: " + "; ".join(
-            f"{e} " + ", ".join(f"{m} {r[e][m]:.1f}" for m in METRICS if m in r[e])
+            f"{e} " + ", ".join(f"{m} {r[e][m]:.2f} s" if m in SECONDS else f"{m} {r[e][m]:.1f}"
+                                for m in METRICS if m in r[e])
             + f" (cores busy before: {r[e].get('busy_offline', 0):.0%}/{r[e].get('busy_serving', 0):.0%})"
             for e in report["engines"] if e in r))
     busy_note = ""
@@ -630,16 +644,17 @@ def chart_main(json_path: str, out_path: str) -> None:
     n_req = report["workload"]["requests"]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(engines)
+    rates = [m for m in METRICS if m not in SECONDS]  # the chart shows throughputs
     for i, e in enumerate(engines):
-        xs = [j + (i - (len(engines) - 1) / 2) * width for j in range(len(METRICS))]
-        vals = [median[e].get(m, 0) for m in METRICS]
+        xs = [j + (i - (len(engines) - 1) / 2) * width for j in range(len(rates))]
+        vals = [median[e].get(m, 0) for m in rates]
         bars = ax.bar(xs, vals, width, label=e)
-        for b, m in zip(bars, METRICS):
+        for b, m in zip(bars, rates):
             r = ratios.get(e, {}).get(m)
             if r is not None:
                 ax.annotate(f"{r:.2f}×", (b.get_x() + b.get_width() / 2, b.get_height()),
                             ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(METRICS)), [LABELS[m].format(n=n_req) for m in METRICS])
+    ax.set_xticks(range(len(rates)), [LABELS[m].format(n=n_req) for m in rates])
     ax.set_ylabel("output tokens / s")
     ax.set_title(f"{report['workload']['model']} demo model, bf16, {report['machine'].get('cores_used')} "
                  f"cores — {report['date']}")
@@ -663,7 +678,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=None, help="default 128 (smoke: 8)")
     parser.add_argument("--preset", default="small")
-    parser.add_argument("--skip", default="", help="measures to skip: offline,serving")
+    parser.add_argument("--skip", default="", help="measures to skip: offline,serving,ttft")
+    parser.add_argument("--long-len", type=int, default=2048, help="prompt tokens of the TTFT measure")
     parser.add_argument("--smoke", action="store_true",
                         help="1 round, 2 requests x 8 tokens unless given: checks that every engine "
                              "works; no results written")
@@ -691,6 +707,8 @@ def main(argv: list[str] | None = None) -> int:
             "batch": make_prompts(ns.requests, ns.prompt_len, vocab, seed=0),
             "single": make_prompts(1, ns.prompt_len, vocab, seed=1),
             "warmup": make_prompts(2, ns.prompt_len, vocab, seed=2)}
+    if "ttft" not in skip:
+        spec.update(long=make_prompts(1, ns.long_len, vocab, seed=3), long_warmup=make_prompts(1, ns.long_len, vocab, seed=4))
 
     rounds: list[dict] = []
     versions: dict[str, str] = {}
@@ -705,8 +723,10 @@ def main(argv: list[str] | None = None) -> int:
                 first_tokens.setdefault(e, r["first_tokens"])
                 rnd[e].update(offline_batched=r["offline_batched"], single_stream=r["single_stream"],
                               busy_offline=r["busy_before"], load_s=r["load_s"])
+                if "ttft_2048" in r:
+                    rnd[e]["ttft_2048"] = r["ttft_2048"]
                 print(f"  {e}: batched {r['offline_batched']:.1f} tok/s, single {r['single_stream']:.1f}"
-                      f" tok/s (load {r['load_s']:.1f}s, cores busy before {r['busy_before']:.0%}), first tokens"
+                      f" tok/s, ttft_2048 {r.get('ttft_2048', float('nan')):.2f} s (load {r['load_s']:.1f}s, cores busy before {r['busy_before']:.0%}), first tokens"
                       f" {r['first_tokens'][:8]}", flush=True)
         if "serving" not in skip:
             for e in engines:

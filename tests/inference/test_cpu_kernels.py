@@ -48,9 +48,9 @@ class Path:
         return f"this CPU lacks {', '.join(sorted(lacking))}" if lacking else None
 
 
-# Native paths best first (AMX, AVX-512, AVX2), then the emulated builds.
-PATHS = [Path("avx512", amx=True), Path("avx512"), Path("avx2"),
-         Path("avx512", emulated=True), Path("avx2", amx=True, emulated=True)]
+# Native paths best first (AMX, AVX512-BF16, AVX-512, AVX2), then the emulated builds.
+PATHS = [Path("avx512", amx=True), Path("avx512bf16"), Path("avx512"), Path("avx2"),
+         Path("avx512bf16", emulated=True), Path("avx512", emulated=True), Path("avx2", amx=True, emulated=True)]
 
 
 @pytest.fixture(params=PATHS, ids=str)
@@ -83,8 +83,13 @@ def test_only_builds_the_cpu_reports_are_runnable(monkeypatch):
     avx2_only = frozenset({"avx", "avx2", "fma", "f16c", "sse4_2"})
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: avx2_only)
     assert cpu_kernels.runnable_isas() == ["avx2"]
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: avx2_only | {"avx512f", "avx512bw", "avx512dq", "avx512vl"})
+    avx512 = avx2_only | {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: avx512)
     assert cpu_kernels.runnable_isas() == ["avx512", "avx2"]
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: avx512 | {"avx512_bf16"})  # AMD Zen 4
+    assert cpu_kernels.runnable_isas() == ["avx512bf16", "avx512", "avx2"]
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: avx512 | {"avx512_bf16", "amx_tile", "amx_bf16"})
+    assert cpu_kernels.runnable_isas() == ["avx512", "avx512bf16", "avx2"]  # a Xeon: AMX beside FMA tiles
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"sse4_2", "avx"}))
     assert cpu_kernels.runnable_isas() == []
     try:

@@ -1,0 +1,147 @@
+/* Decode attention over the paged KV cache (see ms_decode_attention). */
+#include <omp.h>
+
+#include "kernels.h"
+
+/* ---- decode attention ---------------------------------------------------------------- */
+
+#define ATT_CHUNK 32 /* context positions per pass: their K and V rows widened once for all heads */
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    vf acc = vf_zero();
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) acc = vf_fma(vf_load(a + i), vf_load(b + i), acc);
+    float s = vf_sum(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* acc[0..n) = acc * scale + sum_i w[i] * rows[i][0..n) (rows at stride ld), a few vectors of
+ * acc held in registers across all the rows. */
+static void weighted_rows(float *acc, float scale, const float *w, const float *rows, int64_t count, int64_t ld,
+                          int64_t n) {
+    int64_t c = 0;
+    for (; c + 4 * VL <= n; c += 4 * VL) {
+        vf r0 = vf_mul(vf_load(acc + c), vf_set1(scale)), r1 = vf_mul(vf_load(acc + c + VL), vf_set1(scale));
+        vf r2 = vf_mul(vf_load(acc + c + 2 * VL), vf_set1(scale)), r3 = vf_mul(vf_load(acc + c + 3 * VL), vf_set1(scale));
+        for (int64_t i = 0; i < count; i++) {
+            const vf wi = vf_set1(w[i]);
+            const float *row = rows + i * ld + c;
+            r0 = vf_fma(wi, vf_load(row), r0), r1 = vf_fma(wi, vf_load(row + VL), r1);
+            r2 = vf_fma(wi, vf_load(row + 2 * VL), r2), r3 = vf_fma(wi, vf_load(row + 3 * VL), r3);
+        }
+        vf_store(acc + c, r0), vf_store(acc + c + VL, r1), vf_store(acc + c + 2 * VL, r2), vf_store(acc + c + 3 * VL, r3);
+    }
+    for (; c < n; c++) {
+        float r = acc[c] * scale;
+        for (int64_t i = 0; i < count; i++) r += w[i] * rows[i * ld + c];
+        acc[c] = r;
+    }
+}
+
+/* One query token per sequence over its paged context, for all sequences of a step, read
+ * straight from the cache by block table (no gathered copy). Work items are (sequence, kv
+ * head, context split); each walks its positions in chunks whose key and value rows are
+ * widened to float32 once for every query head of the group, with an online softmax
+ * (flash-decoding), and the splits, which keep every core busy when there are fewer
+ * sequences than threads, are merged by their softmax statistics at the end.
+ * q [B, H, dk] (row stride ldq); key row of (slot, kv head g) at k_cache + slot * k_slot +
+ * g * k_head, value row likewise (MLA passes the latent cache as both, dv < dk); slot of
+ * position p: block_tables[b][p / block_size] * block_size + p % block_size; out [B, H, dv]
+ * (row stride ldo). Query heads [g * H / G, (g + 1) * H / G) share kv head g. */
+int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_t G,
+                        const bf16 *k_cache, int64_t k_slot, int64_t k_head, int64_t dk,
+                        const bf16 *v_cache, int64_t v_slot, int64_t v_head, int64_t dv,
+                        const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
+                        int64_t block_size, float scale, bf16 *out, int64_t ldo, int nthreads) {
+    const int64_t hpg = H / G;
+    int64_t longest = 1;
+    for (int64_t b = 0; b < B; b++) longest = context_lens[b] > longest ? context_lens[b] : longest;
+    int64_t splits = (4 * nthreads + B * G - 1) / (B * G);
+    const int64_t most = (longest + 63) / 64; /* at least 64 positions per split */
+    splits = splits > most ? most : splits;
+    splits = splits < 1 ? 1 : splits;
+    const int64_t span = (longest + splits - 1) / splits;
+    const int64_t part = dv + 2; /* per head: max score, sum of exponentials, dv weighted values */
+    const size_t partial_bytes = round64((size_t)B * G * splits * hpg * part * sizeof(float));
+    const size_t local_bytes = round64((size_t)(hpg * (dk + ATT_CHUNK) + ATT_CHUNK * (dk + dv) + dv) * sizeof(float));
+    region_enter();
+    char *scratch = region_alloc(partial_bytes + (size_t)nthreads * local_bytes);
+    if (!scratch) {
+        region_leave();
+        return -1;
+    }
+    float *partials = (float *)scratch;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *qf = (float *)(scratch + partial_bytes + (size_t)omp_get_thread_num() * local_bytes);
+        float *sc = qf + hpg * dk, *kf = sc + hpg * ATT_CHUNK, *vfl = kf + ATT_CHUNK * dk, *merged = vfl + ATT_CHUNK * dv;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < B * G * splits; it++) {
+            const int64_t b = it / (G * splits), g = (it / splits) % G, s = it % splits;
+            const int64_t c0 = s * span, c1 = c0 + span < context_lens[b] ? c0 + span : context_lens[b];
+            float *res = partials + it * hpg * part;
+            for (int64_t h = 0; h < hpg; h++) {
+                res[h * part] = -INFINITY, res[h * part + 1] = 0.0f;
+                memset(res + h * part + 2, 0, dv * sizeof(float));
+            }
+            if (c0 >= c1) continue;
+            for (int64_t h = 0; h < hpg; h++) {
+                const bf16 *qh = q + b * ldq + (g * hpg + h) * dk;
+                for (int64_t c = 0; c < dk; c++) qf[h * dk + c] = bf16_to_f32(qh[c]) * scale;
+            }
+            const int32_t *table = block_tables + b * bt_stride;
+            for (int64_t p0 = c0; p0 < c1; p0 += ATT_CHUNK) {
+                const int64_t n = c1 - p0 < ATT_CHUNK ? c1 - p0 : ATT_CHUNK;
+                for (int64_t i = 0; i < n; i++) {
+                    const int64_t p = p0 + i, slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+                    widen_row(k_cache + slot * k_slot + g * k_head, dk, kf + i * dk, dk);
+                    widen_row(v_cache + slot * v_slot + g * v_head, dv, vfl + i * dv, dv);
+                }
+                for (int64_t h = 0; h < hpg; h++) {
+                    float *sh = sc + h * ATT_CHUNK, top = -INFINITY, *stats = res + h * part;
+                    for (int64_t i = 0; i < n; i++) {
+                        sh[i] = dot_f32(qf + h * dk, kf + i * dk, dk);
+                        top = sh[i] > top ? sh[i] : top;
+                    }
+                    const float m = stats[0] > top ? stats[0] : top, rescale = expf(stats[0] - m);
+                    float sum = 0.0f;
+                    int64_t i = 0;
+                    vf vs = vf_zero();
+                    for (; i + VL <= n; i += VL) {
+                        const vf e = vf_exp(vf_sub(vf_load(sh + i), vf_set1(m)));
+                        vf_store(sh + i, e);
+                        vs = vf_add(vs, e);
+                    }
+                    sum = vf_sum(vs);
+                    for (; i < n; i++) sum += sh[i] = expf(sh[i] - m);
+                    stats[0] = m, stats[1] = stats[1] * rescale + sum;
+                    weighted_rows(stats + 2, rescale, sh, vfl, n, dv, dv);
+                }
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * H; bh++) {
+            const int64_t b = bh / H, h = bh % H, g = h / hpg, hh = h % hpg;
+            const float *res = partials + (b * G + g) * splits * hpg * part + hh * part;
+            float top = -INFINITY, sum = 0.0f;
+            for (int64_t s = 0; s < splits; s++) top = res[s * hpg * part] > top ? res[s * hpg * part] : top;
+            memset(merged, 0, dv * sizeof(float));
+            for (int64_t s = 0; s < splits; s++) {
+                const float *r = res + s * hpg * part;
+                if (r[1] == 0.0f) continue;
+                const float f = expf(r[0] - top);
+                sum += f * r[1];
+                weighted_rows(merged, 1.0f, &f, r + 2, 1, dv, dv);
+            }
+            bf16 *o = out + b * ldo + h * dv;
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            int64_t c = 0;
+            for (; c + VL <= dv; c += VL) vf_store_bf16(o + c, vf_mul(vf_load(merged + c), vf_set1(inv)));
+            for (; c < dv; c++) o[c] = f32_to_bf16(merged[c] * inv);
+        }
+    }
+    region_leave();
+    return 0;
+}
+

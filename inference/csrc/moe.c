@@ -1,0 +1,135 @@
+/* The MoE layer kernel (see ms_moe). */
+#include <omp.h>
+#include <stdlib.h>
+
+#include "kernels.h"
+
+/* silu(gate) * up over n values, rounded where the reference rounds (SiLU, the product). */
+void swiglu_row(const float *gate, const float *up, float *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) {
+        const vf g = vf_load(gate + i);
+        const vf s = vf_round_bf16(vf_div(g, vf_add(vf_set1(1.0f), vf_exp(vf_sub(vf_zero(), g)))));
+        vf_store(out + i, vf_round_bf16(vf_mul(s, vf_load(up + i))));
+    }
+    for (; i < n; i++) out[i] = round_bf16(round_bf16(gate[i] / (1.0f + expf(-gate[i]))) * up[i]);
+}
+
+/* ---- MoE layers ---------------------------------------------------------------------- */
+
+/* The routed experts of T tokens in one call (one token, decode batches, prefill chunks):
+ * out[t] = sum_a weights[t, a] * W2[e] (silu(g) * u), (g, u) = W13[e] x[t], e = ids[t, a].
+ * (token, expert) pairs are sorted by expert, so each expert's weights are read once for all
+ * of its tokens, and experts nobody was routed to not at all (a batched matmul over all
+ * experts reads them all and multiplies the padding). Work is split across threads by
+ * (expert, row chunk, 16-column block).
+ * x [T, D] (row stride ldx); w13 [E] packed [2I, D] (gate rows, then up rows); w2 [E] packed
+ * [D, I]; ids, weights [T, A]; out [T, D] (row stride ldo); counts [E] gets the tokens per
+ * expert. Returns -1 without scratch memory, -2 for an expert id outside [0, E). */
+int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const bf16 *w13, const bf16 *w2, int64_t E,
+           int64_t I, const int64_t *ids, const float *weights, int64_t A, bf16 *out, int64_t ldo,
+           int64_t *counts, int nthreads) {
+    const int64_t pairs = T * A, Dp = even(D), Ip = even(I), N1 = 2 * I;
+    for (int64_t p = 0; p < pairs; p++)
+        if (ids[p] < 0 || ids[p] >= E) return -2;
+    const int64_t rows = chunk_rows(Dp > Ip ? Dp : Ip);
+    /* bf16 copies of the rows, for AMX (whole tiles only) and the AVX512-BF16 tiles */
+    const int narrow = tiles_read_bf16() || (amx_enabled() && Dp % 32 == 0 && Ip % 32 == 0);
+    const int64_t max_chunks = pairs / rows + E + 1;
+    const size_t pad_bytes = round64((size_t)(Dp > Ip ? Dp : Ip) * BLOCK * sizeof(bf16));
+    size_t sizes[] = {
+        round64((E + 1) * sizeof(int64_t)),          /* first row of each expert */
+        round64(pairs * sizeof(int64_t)),            /* row of each pair */
+        round64(pairs * sizeof(int64_t)),            /* token of each row */
+        round64(3 * max_chunks * sizeof(int64_t)),   /* (expert, first row, end row) chunks */
+        round64((size_t)pairs * Dp * sizeof(float)), /* the tokens, by expert */
+        round64((size_t)pairs * N1 * sizeof(float)), /* gate and up projections */
+        round64((size_t)pairs * Ip * sizeof(float)), /* silu(gate) * up */
+        round64((size_t)pairs * D * sizeof(float)),  /* expert outputs */
+        (size_t)nthreads * pad_bytes,
+        narrow ? round64((size_t)pairs * Dp * sizeof(bf16)) : 0, /* the tokens and */
+        narrow ? round64((size_t)pairs * Ip * sizeof(bf16)) : 0, /* silu(gate) * up as bf16 */
+    };
+    size_t total = 0;
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) total += sizes[i];
+    region_enter();
+    char *p0 = region_alloc(total);
+    if (!p0) {
+        region_leave();
+        return -1;
+    }
+    char *cursor = p0;
+    void *parts[sizeof sizes / sizeof *sizes];
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) parts[i] = cursor, cursor += sizes[i];
+    int64_t *first = parts[0], *pair_row = parts[1], *token_of = parts[2], *chunk = parts[3];
+    float *xs = parts[4], *gate_up = parts[5], *hidden = parts[6], *expert_out = parts[7];
+    char *pads = parts[8];
+    bf16 *xs16 = narrow ? parts[9] : NULL, *hidden16 = narrow ? parts[10] : NULL;
+
+    for (int64_t e = 0; e < E; e++) counts[e] = 0;
+    for (int64_t p = 0; p < pairs; p++) counts[ids[p]]++;
+    first[0] = 0;
+    for (int64_t e = 0; e < E; e++) first[e + 1] = first[e] + counts[e];
+    int64_t chunks = 0;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t r = first[e]; r < first[e + 1]; r += rows) {
+            chunk[3 * chunks] = e, chunk[3 * chunks + 1] = r;
+            chunk[3 * chunks + 2] = r + rows < first[e + 1] ? r + rows : first[e + 1];
+            chunks++;
+        }
+    for (int64_t e = 0; e < E; e++) counts[e] = 0; /* reused as fill cursors, restored below */
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t e = ids[p];
+        pair_row[p] = first[e] + counts[e]++;
+        token_of[pair_row[p]] = p / A;
+    }
+    const int64_t blocks1 = (N1 + BLOCK - 1) / BLOCK, blocks2 = (D + BLOCK - 1) / BLOCK;
+#pragma omp parallel num_threads(nthreads)
+    {
+        bf16 *pad = (bf16 *)(pads + (size_t)omp_get_thread_num() * pad_bytes);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < pairs; r++) {
+            widen_row(x + token_of[r] * ldx, D, xs + r * Dp, Dp);
+            if (xs16) {
+                memcpy(xs16 + r * Dp, x + token_of[r] * ldx, D * sizeof(bf16));
+                if (Dp != D) xs16[r * Dp + D] = 0;
+            }
+        }
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t it = 0; it < chunks * blocks1; it++) {
+            const int64_t *c = chunk + 3 * (it / blocks1);
+            rows_times_block(xs, xs16, Dp, c[1], c[2], w13 + c[0] * N1 * Dp, N1, it % blocks1, pad, gate_up, N1);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < pairs; r++) {
+            swiglu_row(gate_up + r * N1, gate_up + r * N1 + I, hidden + r * Ip, I);
+            if (Ip != I) hidden[r * Ip + I] = 0.0f;
+            if (hidden16) /* exact: the values are bf16-rounded */
+                for (int64_t i = 0; i < Ip; i++) hidden16[r * Ip + i] = f32_to_bf16(hidden[r * Ip + i]);
+        }
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t it = 0; it < chunks * blocks2; it++) {
+            const int64_t *c = chunk + 3 * (it / blocks2);
+            rows_times_block(hidden, hidden16, Ip, c[1], c[2], w2 + c[0] * D * Ip, D, it % blocks2, pad, expert_out, D);
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            bf16 *o = out + t * ldo;
+            int64_t d = 0;
+            for (; d + VL <= D; d += VL) {
+                vf acc = vf_zero();
+                for (int64_t a = 0; a < A; a++)
+                    acc = vf_fma(vf_set1(weights[t * A + a]), vf_load(expert_out + pair_row[t * A + a] * D + d), acc);
+                vf_store_bf16(o + d, acc);
+            }
+            for (; d < D; d++) {
+                float acc = 0.0f;
+                for (int64_t a = 0; a < A; a++) acc += weights[t * A + a] * expert_out[pair_row[t * A + a] * D + d];
+                o[d] = f32_to_bf16(acc);
+            }
+        }
+    }
+    region_leave();
+    return 0;
+}
+
