@@ -121,7 +121,7 @@ def _build(sources: list[Path], flags: list[str], name: str) -> Path:
 
 
 class LayerSpec(ctypes.Structure):
-    """One decoder layer for the fused decode-step kernel (csrc/layer.c, same field order):
+    """One decoder layer for the fused decode step (csrc/layer.c, same field order):
     its sizes, options and the addresses of its packed weights, which must outlive it."""
 
     _fields_ = [(n, _I64) for n in ("hidden", "heads", "kv_heads", "head_dim", "experts", "top_k", "moe_inter",
@@ -139,8 +139,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ms_rmsnorm.argtypes = [_P, _I64, _P, _I64, _P, _F32, _P, _I64, _I64, _I64, _INT]
     lib.ms_rope_cache.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _INT]
     lib.ms_set_amx.argtypes = [_P]
-    lib.ms_decode_layer.argtypes = [ctypes.POINTER(LayerSpec), _P, _P, _INT, _I64, _P, _P, _P, _P, _P, _P, _I64, _P,
-                                    _I64, _P, _P, _INT]
+    lib.ms_decode_step.argtypes = [ctypes.POINTER(LayerSpec), _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _I64,
+                                   _P, _I64, _P, _F32, _P, _P, _INT]
     lib.ms_rmsnorm.restype = lib.ms_rope_cache.restype = lib.ms_set_amx.restype = None
     return lib
 
@@ -379,23 +379,44 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
                        None if slots is None else slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _threads())
 
 
-def decode_layer(spec: LayerSpec, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                 sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A whole decoder layer of a decode step (csrc/layer.c): x [T, D] the previous layer's
-    output, residual the running sum before it (None in the first layer) -> (this layer's
-    output, the residual (updated in place), tokens per expert or None for a dense layer)."""
-    t = x.shape[0]
-    first = residual is None
-    residual = x if first else residual
-    out = x.new_empty(x.shape)
-    counts = torch.empty(max(spec.experts, 1), dtype=torch.int64)
-    _check(_lib.ms_decode_layer(ctypes.byref(spec), x.data_ptr(), residual.data_ptr(), int(first), t, cos.data_ptr(),
-                                sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), block_size,
-                                out.data_ptr(), counts.data_ptr(), _threads()), "decode_layer")
-    return out, residual, counts if spec.experts else None
+class DecodeStep:
+    """A whole decode step of a model whose every layer the fused kernel covers (csrc/layer.c):
+    the layer specs, the embedding and final-norm weights and the float32 rope tables, held
+    here with the addresses the kernel reads (the tensors must outlive it)."""
+
+    def __init__(self, specs: list[LayerSpec], embed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 final_norm: torch.Tensor, eps: float) -> None:
+        self.layers = (LayerSpec * len(specs))(*specs)
+        self.tensors = (embed, cos, sin, final_norm)
+        self.eps = eps
+        self.hidden = specs[0].hidden
+        self.moe_layers, self.experts = sum(1 for s in specs if s.experts), max(s.experts for s in specs)
+        self._caches: tuple[list, ctypes.Array, ctypes.Array] | None = None
+
+    def cache_addresses(self, kv_caches: list) -> tuple[ctypes.Array, ctypes.Array]:
+        if self._caches is None or self._caches[0] is not kv_caches:
+            keys = (_P * len(kv_caches))(*[k.data_ptr() for k, _ in kv_caches])
+            values = (_P * len(kv_caches))(*[v.data_ptr() for _, v in kv_caches])
+            self._caches = (kv_caches, keys, values)
+        return self._caches[1], self._caches[2]
+
+
+def decode_step(step: DecodeStep, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                kv_caches: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer of a decode step of T single-token rows, and the final norm -> hidden
+    [T, D] and the tokens per expert [MoE layers, E]."""
+    t = input_ids.shape[0]
+    embed, cos, sin, final_norm = step.tensors
+    keys, values = step.cache_addresses(kv_caches)
+    hidden = embed.new_empty(t, step.hidden)
+    counts = torch.empty(step.moe_layers, step.experts, dtype=torch.int64)
+    _check(_lib.ms_decode_step(step.layers, len(step.layers), embed.data_ptr(), input_ids.data_ptr(), t, cos.data_ptr(),
+                               sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), keys, values,
+                               block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), block_size,
+                               final_norm.data_ptr(), step.eps, hidden.data_ptr(), counts.data_ptr(), _threads()),
+           "decode_step")
+    return hidden, counts
 
 
 # ---- the kernels as operators, for compiled decode graphs ------------------------------

@@ -65,7 +65,6 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, gather_max_tokens: int) -> None:
         super().__init__()
-        self.fused: cpu_kernels.LayerSpec | None = None  # set by fuse(): the whole layer in one kernel
         self.input_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.attn = MLAttention(args) if args.kv_lora_rank else Attention(args)
         self.post_attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -81,17 +80,16 @@ class DecoderLayer(nn.Module):
                                   args.shared_expert_gated)
         self.mlp = moe
 
-    def fuse(self) -> None:
-        """Describes this layer to the fused decode-step kernel (cpu_kernels.decode_layer), once
-        its weights are packed; layers it does not cover (MLA, group-limited or float32
-        routing) keep the composed path."""
+    def layer_spec(self) -> cpu_kernels.LayerSpec | None:
+        """This layer for the fused decode step (cpu_kernels.decode_step), once its weights are
+        packed; None for layers it does not cover (MLA, group-limited or float32 routing)."""
         attn, mlp = self.attn, self.mlp
         moe, shared = (mlp.moe, mlp.shared) if isinstance(mlp, SharedExpertMoE) else (mlp, None)
         dense = mlp if isinstance(mlp, DenseMLP) else shared
         if isinstance(attn, MLAttention) or not cpu_kernels.is_packed(attn.wqkv.weight):
-            return
+            return None
         if self.is_moe and (moe.router_fp32 or moe.num_groups > 1 or not cpu_kernels.is_packed(moe.w13, 3)):
-            return
+            return None
 
         def ptr(t):
             return None if t is None else t.data_ptr()
@@ -113,16 +111,12 @@ class DecoderLayer(nn.Module):
             spec.mlp_inter = dense.w13.shape[-2] // 2
             spec.mlp_w13, spec.mlp_b13 = ptr(dense.w13), ptr(dense.b13)
             spec.mlp_w2, spec.mlp_b2 = ptr(dense.w2), ptr(dense.b2)
-        self.fused = spec
+        return spec
 
     def forward(self, x, residual, cos, sin, meta, cache: tuple[torch.Tensor, ...]):
         """x: the previous layer's output, residual: the running sum before it (None in the
         first layer); each residual add is fused into the norm after it. Returns this
         layer's output, the new residual and the router counts (None for a dense layer)."""
-        if self.fused is not None and meta.block_tables is not None and not meta.prefills \
-                and not torch.compiler.is_compiling():  # a decode step: the whole layer in one call
-            return cpu_kernels.decode_layer(self.fused, x, residual, cos, sin, meta.slot_mapping, *cache,
-                                            meta.block_tables, meta.context_lens, meta.block_size)
         if residual is None:
             residual, h = x, self.input_norm(x)
         else:
@@ -143,9 +137,14 @@ class MoETransformer(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope = RotaryEmbedding(args, max_positions)
+        self.decode_step: cpu_kernels.DecodeStep | None = None  # pack_for_cpu_kernels(): decode steps in one call
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.decode_step is not None and meta.block_tables is not None and not meta.prefills \
+                and not torch.compiler.is_compiling():  # a decode step on the CPU kernels: one call
+            return cpu_kernels.decode_step(self.decode_step, input_ids, positions, meta.slot_mapping, meta.block_tables,
+                                           meta.context_lens, meta.block_size, kv_caches)
         x = self.embed(input_ids)
         cos, sin = self.rope.tables(positions, x.dtype)
         counts, residual = [], None
@@ -158,13 +157,16 @@ class MoETransformer(nn.Module):
 
     def pack_for_cpu_kernels(self) -> None:
         """Prepacks every weight the CPU kernels read (cpu_kernels.pack_weight), once after
-        loading. Parents first: MLA derives its absorbed projections from the row-major
-        kv_b_proj before that is packed."""
+        loading (parents first: MLA derives its absorbed projections from the row-major
+        kv_b_proj before that is packed), and prepares the one-call decode step when the
+        fused kernel covers every layer."""
         for module in self.modules():
             if module is not self and hasattr(module, "pack"):
                 module.pack()
-        for layer in self.layers:
-            layer.fuse()
+        specs = [layer.layer_spec() for layer in self.layers]
+        if all(specs):
+            self.decode_step = cpu_kernels.DecodeStep(specs, self.embed.weight, self.rope.cos, self.rope.sin,
+                                                      self.norm.weight, self.norm.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

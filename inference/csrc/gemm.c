@@ -41,7 +41,7 @@
 
 /* Block j of a packed [N, K] weight, as a full 16-column block: the narrow last block is
  * copied into `pad` (Kp * 16 bf16) with zero columns. `*cols` gets its real width. */
-static const bf16 *weight_block(const bf16 *w, int64_t N, int64_t Kp, int64_t j, bf16 *pad, int64_t *cols) {
+const bf16 *weight_block(const bf16 *w, int64_t N, int64_t Kp, int64_t j, bf16 *pad, int64_t *cols) {
     const int64_t full = N / BLOCK;
     if (j < full) {
         *cols = BLOCK;
@@ -226,7 +226,7 @@ int amx_enabled(void) { return amx_block != NULL; }
 /* C[m][0..16) for m < rows, any number of rows: on AMX when it takes them, else in register
  * tiles of MR rows. A: the rows as float32 (stride lda); A16: as bf16 (stride lda16, Kp
  * columns), which AMX and the AVX512-BF16 tiles read (NULL where neither is used). */
-static void block_gemm(const float *A, int64_t lda, int64_t rows, const bf16 *B, int64_t Kp, float *C, int64_t ldc,
+void block_gemm(const float *A, int64_t lda, int64_t rows, const bf16 *B, int64_t Kp, float *C, int64_t ldc,
                        const bf16 *A16, int64_t lda16) {
     if (A16 && amx_takes(rows, Kp)) {
         amx_block(A16, lda16, rows, B, Kp, C, ldc);
@@ -274,26 +274,6 @@ int64_t chunk_rows(int64_t Kp) {
     return rows < MR ? MR : rows;
 }
 
-/* rows [r0, r1) of A (float32, Kp columns) times block j of packed W -> rows of `out`
- * (float32, stride ldo, rounded to bf16 precision like the reference's bf16 outputs). */
-void rows_times_block(const float *A, const bf16 *A16, int64_t Kp, int64_t r0, int64_t r1, const bf16 *w,
-                             int64_t N, int64_t j, bf16 *pad, float *out, int64_t ldo) {
-    float C[TILE_ROWS * BLOCK];
-    int64_t cols;
-    const bf16 *B = weight_block(w, N, Kp, j, pad, &cols);
-    for (int64_t m0 = r0; m0 < r1; m0 += TILE_ROWS) {
-        const int64_t m1 = m0 + TILE_ROWS < r1 ? m0 + TILE_ROWS : r1;
-        block_gemm(A + m0 * Kp, Kp, m1 - m0, B, Kp, C, BLOCK, A16 ? A16 + m0 * Kp : NULL, Kp);
-        for (int64_t m = m0; m < m1; m++) {
-            const float *c = C + (m - m0) * BLOCK;
-            float *o = out + m * ldo + j * BLOCK;
-            if (cols == BLOCK)
-                for (int v = 0; v < VPB; v++) vf_store(o + v * VL, vf_round_bf16(vf_load(c + v * VL)));
-            else
-                for (int64_t n = 0; n < cols; n++) o[n] = round_bf16(c[n]);
-        }
-    }
-}
 
 /* ---- linear layers ------------------------------------------------------------------- */
 

@@ -28,10 +28,13 @@ static inline void widen_row(const bf16 *x, int64_t K, float *out, int64_t Kp) {
     for (; k < Kp; k++) out[k] = 0.0f;
 }
 
-/* gemm.c: rows [r0, r1) of A (float32, Kp columns; A16 the same as bf16 or NULL) times block j
- * of packed W [N, K] -> float32 columns 16j.. of out (stride ldo), rounded to bf16 precision. */
-void rows_times_block(const float *A, const bf16 *A16, int64_t Kp, int64_t r0, int64_t r1, const bf16 *w,
-                      int64_t N, int64_t j, bf16 *pad, float *out, int64_t ldo);
+/* gemm.c: block j of packed W [N, K] as a full 16-column block (the narrow last one copied into
+ * pad, Kp * 16 bf16), its real width in *cols; and C[m][0..16) = rows of A times one block (A
+ * float32 at stride lda; A16 the same rows as bf16 at stride lda16, or NULL, for AMX and the
+ * AVX512-BF16 tiles) */
+const bf16 *weight_block(const bf16 *w, int64_t N, int64_t Kp, int64_t j, bf16 *pad, int64_t *cols);
+void block_gemm(const float *A, int64_t lda, int64_t rows, const bf16 *B, int64_t Kp, float *C, int64_t ldc,
+                const bf16 *A16, int64_t lda16);
 /* gemm.c: rows per chunk so a chunk's float32 activations stay in L2 while weight blocks pass */
 int64_t chunk_rows(int64_t Kp);
 /* gemm.c: whether products of many rows go to AMX (cpu_kernels.enable sets it), and whether

@@ -1,4 +1,4 @@
-/* A whole decoder layer of a decode step in one call (ms_decode_layer): the same kernels the
+/* A whole decode step in one call (ms_decode_step): for every decoder layer the same kernels the
  * Python model composes (RMSNorm with the residual add, the qkv projection, q/k norms, RoPE
  * and the cache write, paged attention, the output projection, the router, the experts or
  * the dense MLP, the shared expert), run back to back in C. A decode step of one sequence
@@ -69,12 +69,12 @@ static int mlp(const layer_spec *L, const bf16 *h, int64_t T, bf16 *out, int nth
     return ms_linear(act, 0, S, T, S, L->mlp_w2, 0, D, L->mlp_b2, out, 0, D, 1, nthreads);
 }
 
-/* One decode step's layer for T single-token rows. x [T, D]: the previous layer's output
+/* One layer of a decode step for T single-token rows. x [T, D]: the previous layer's output
  * (first: the embeddings); residual [T, D]: the running sum, updated in place (first: x
  * itself, not added). cos/sin [T, d]; slots [T]; caches [S, G, d]; block tables as
  * ms_decode_attention. out [T, D]: this layer's output (its MLP/MoE result); counts [E]:
  * tokens per expert. Returns nonzero on an allocation failure or a bad expert id. */
-int ms_decode_layer(const layer_spec *L, const bf16 *x, bf16 *residual, int first, int64_t T, const bf16 *cos,
+static int decode_layer(const layer_spec *L, const bf16 *x, bf16 *residual, int first, int64_t T, const bf16 *cos,
                     const bf16 *sin, const int64_t *slots, bf16 *k_cache, bf16 *v_cache,
                     const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
                     int64_t block_size, bf16 *out, int64_t *counts, int nthreads) {
@@ -136,6 +136,46 @@ int ms_decode_layer(const layer_spec *L, const bf16 *x, bf16 *residual, int firs
             }
         }
     }
+    status = 0;
+done:
+    region_leave();
+    return status;
+}
+
+/* A whole decode step through every layer in one call: the embeddings of ids [T], the layers
+ * (all covered by ms_decode_layer), and the final RMSNorm into hidden [T, D]; the lm_head
+ * stays with the caller (the sampler reads its logits). cos/sin tables [positions, d] in
+ * float32, rounded to bf16 per token as the composed path rounds them. counts [MoE layers,
+ * E]: tokens per expert of each MoE layer, in layer order. */
+int ms_decode_step(const layer_spec *layers, int64_t L, const bf16 *embed, const int64_t *ids, int64_t T,
+                   const float *cos_table, const float *sin_table, const int64_t *positions, const int64_t *slots,
+                   bf16 *const *k_caches, bf16 *const *v_caches, const int32_t *block_tables, int64_t bt_stride,
+                   const int32_t *context_lens, int64_t block_size, const bf16 *final_norm, float eps, bf16 *hidden,
+                   int64_t *counts, int nthreads) {
+    const int64_t D = layers[0].hidden, d = layers[0].head_dim;
+    int status = -1;
+    region_enter();
+    bf16 *x = region_alloc((size_t)T * D * sizeof(bf16)), *y = region_alloc((size_t)T * D * sizeof(bf16));
+    bf16 *residual = region_alloc((size_t)T * D * sizeof(bf16));
+    bf16 *cos = region_alloc((size_t)T * d * sizeof(bf16)), *sin = region_alloc((size_t)T * d * sizeof(bf16));
+    if (!x || !y || !residual || !cos || !sin) goto done;
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(x + t * D, embed + ids[t] * D, D * sizeof(bf16));
+        for (int64_t i = 0; i < d; i++) {
+            cos[t * d + i] = f32_to_bf16(cos_table[positions[t] * d + i]);
+            sin[t * d + i] = f32_to_bf16(sin_table[positions[t] * d + i]);
+        }
+    }
+    int64_t moe_layers = 0;
+    for (int64_t l = 0; l < L; l++) {
+        int64_t *c = layers[l].experts ? counts + moe_layers++ * layers[l].experts : NULL;
+        if ((status = decode_layer(&layers[l], x, residual, l == 0, T, cos, sin, slots, k_caches[l], v_caches[l],
+                                   block_tables, bt_stride, context_lens, block_size, y, c, nthreads)))
+            goto done;
+        bf16 *swap = x;
+        x = y, y = swap;
+    }
+    ms_rmsnorm(x, D, residual, D, final_norm, eps, hidden, D, T, D, nthreads);
     status = 0;
 done:
     region_leave();

@@ -4,6 +4,8 @@
 
 #include "kernels.h"
 
+#define TILE_ROWS 256 /* rows of float32 results per block_gemm call (16 KB on the stack) */
+
 /* silu(gate) * up over n values, rounded where the reference rounds (SiLU, the product). */
 void swiglu_row(const float *gate, const float *up, float *out, int64_t n) {
     int64_t i = 0;
@@ -16,6 +18,52 @@ void swiglu_row(const float *gate, const float *up, float *out, int64_t n) {
 }
 
 /* ---- MoE layers ---------------------------------------------------------------------- */
+
+/* rows [r0, r1) of A (float32, Kp columns) times block j of packed W -> rows of `out`
+ * (float32, stride ldo, rounded to bf16 precision like the reference's bf16 outputs). */
+static void rows_times_block(const float *A, const bf16 *A16, int64_t Kp, int64_t r0, int64_t r1, const bf16 *w,
+                             int64_t N, int64_t j, bf16 *pad, float *out, int64_t ldo) {
+    float C[TILE_ROWS * BLOCK];
+    int64_t cols;
+    const bf16 *B = weight_block(w, N, Kp, j, pad, &cols);
+    for (int64_t m0 = r0; m0 < r1; m0 += TILE_ROWS) {
+        const int64_t m1 = m0 + TILE_ROWS < r1 ? m0 + TILE_ROWS : r1;
+        block_gemm(A + m0 * Kp, Kp, m1 - m0, B, Kp, C, BLOCK, A16 ? A16 + m0 * Kp : NULL, Kp);
+        for (int64_t m = m0; m < m1; m++) {
+            const float *c = C + (m - m0) * BLOCK;
+            float *o = out + m * ldo + j * BLOCK;
+            if (cols == BLOCK)
+                for (int v = 0; v < VPB; v++) vf_store(o + v * VL, vf_round_bf16(vf_load(c + v * VL)));
+            else
+                for (int64_t n = 0; n < cols; n++) o[n] = round_bf16(c[n]);
+        }
+    }
+}
+
+/* The first projection with SwiGLU in its epilogue (I % 16 == 0): rows [r0, r1) of A times
+ * gate block j and up block I/16 + j of packed W13 [2I, K] -> silu(gate) * up into columns
+ * 16j.. of hidden (float32, stride ldh; also as bf16 into hidden16 unless NULL), each value
+ * rounded where the reference rounds. No [rows, 2I] intermediate, no second pass over it. */
+static void rows_swiglu_block(const float *A, const bf16 *A16, int64_t Kp, int64_t r0, int64_t r1, const bf16 *w13,
+                              int64_t I, int64_t j, float *hidden, bf16 *hidden16, int64_t ldh) {
+    float G[TILE_ROWS * BLOCK], U[TILE_ROWS * BLOCK];
+    const bf16 *gate = w13 + j * BLOCK * Kp, *up = w13 + (I / BLOCK + j) * BLOCK * Kp;
+    for (int64_t m0 = r0; m0 < r1; m0 += TILE_ROWS) {
+        const int64_t m1 = m0 + TILE_ROWS < r1 ? m0 + TILE_ROWS : r1;
+        block_gemm(A + m0 * Kp, Kp, m1 - m0, gate, Kp, G, BLOCK, A16 ? A16 + m0 * Kp : NULL, Kp);
+        block_gemm(A + m0 * Kp, Kp, m1 - m0, up, Kp, U, BLOCK, A16 ? A16 + m0 * Kp : NULL, Kp);
+        for (int64_t m = m0; m < m1; m++) {
+            float *g = G + (m - m0) * BLOCK, *u = U + (m - m0) * BLOCK, *h = hidden + m * ldh + j * BLOCK;
+            for (int v = 0; v < VPB; v++) {
+                vf_store(g + v * VL, vf_round_bf16(vf_load(g + v * VL)));
+                vf_store(u + v * VL, vf_round_bf16(vf_load(u + v * VL)));
+            }
+            swiglu_row(g, u, h, BLOCK);
+            if (hidden16)
+                for (int v = 0; v < VPB; v++) vf_store_bf16(hidden16 + m * ldh + j * BLOCK + v * VL, vf_load(h + v * VL));
+        }
+    }
+}
 
 /* The routed experts of T tokens in one call (one token, decode batches, prefill chunks):
  * out[t] = sum_a weights[t, a] * W2[e] (silu(g) * u), (g, u) = W13[e] x[t], e = ids[t, a].
@@ -34,6 +82,7 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const bf16 *w13, co
         if (ids[p] < 0 || ids[p] >= E) return -2;
     const int64_t rows = chunk_rows(Dp > Ip ? Dp : Ip);
     /* bf16 copies of the rows, for AMX (whole tiles only) and the AVX512-BF16 tiles */
+    const int fused = I % BLOCK == 0; /* SwiGLU in the first projection's epilogue */
     const int narrow = tiles_read_bf16() || (amx_enabled() && Dp % 32 == 0 && Ip % 32 == 0);
     const int64_t max_chunks = pairs / rows + E + 1;
     const size_t pad_bytes = round64((size_t)(Dp > Ip ? Dp : Ip) * BLOCK * sizeof(bf16));
@@ -43,7 +92,7 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const bf16 *w13, co
         round64(pairs * sizeof(int64_t)),            /* token of each row */
         round64(3 * max_chunks * sizeof(int64_t)),   /* (expert, first row, end row) chunks */
         round64((size_t)pairs * Dp * sizeof(float)), /* the tokens, by expert */
-        round64((size_t)pairs * N1 * sizeof(float)), /* gate and up projections */
+        fused ? 0 : round64((size_t)pairs * N1 * sizeof(float)), /* gate and up projections */
         round64((size_t)pairs * Ip * sizeof(float)), /* silu(gate) * up */
         round64((size_t)pairs * D * sizeof(float)),  /* expert outputs */
         (size_t)nthreads * pad_bytes,
@@ -95,17 +144,25 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const bf16 *w13, co
                 if (Dp != D) xs16[r * Dp + D] = 0;
             }
         }
+        if (fused) {
 #pragma omp for schedule(dynamic, 4)
-        for (int64_t it = 0; it < chunks * blocks1; it++) {
-            const int64_t *c = chunk + 3 * (it / blocks1);
-            rows_times_block(xs, xs16, Dp, c[1], c[2], w13 + c[0] * N1 * Dp, N1, it % blocks1, pad, gate_up, N1);
-        }
+            for (int64_t it = 0; it < chunks * (I / BLOCK); it++) {
+                const int64_t *c = chunk + 3 * (it / (I / BLOCK));
+                rows_swiglu_block(xs, xs16, Dp, c[1], c[2], w13 + c[0] * N1 * Dp, I, it % (I / BLOCK), hidden, hidden16, Ip);
+            }
+        } else {
+#pragma omp for schedule(dynamic, 4)
+            for (int64_t it = 0; it < chunks * blocks1; it++) {
+                const int64_t *c = chunk + 3 * (it / blocks1);
+                rows_times_block(xs, xs16, Dp, c[1], c[2], w13 + c[0] * N1 * Dp, N1, it % blocks1, pad, gate_up, N1);
+            }
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < pairs; r++) {
-            swiglu_row(gate_up + r * N1, gate_up + r * N1 + I, hidden + r * Ip, I);
-            if (Ip != I) hidden[r * Ip + I] = 0.0f;
-            if (hidden16) /* exact: the values are bf16-rounded */
-                for (int64_t i = 0; i < Ip; i++) hidden16[r * Ip + i] = f32_to_bf16(hidden[r * Ip + i]);
+            for (int64_t r = 0; r < pairs; r++) {
+                swiglu_row(gate_up + r * N1, gate_up + r * N1 + I, hidden + r * Ip, I);
+                if (Ip != I) hidden[r * Ip + I] = 0.0f;
+                if (hidden16) /* exact: the values are bf16-rounded */
+                    for (int64_t i = 0; i < Ip; i++) hidden16[r * Ip + i] = f32_to_bf16(hidden[r * Ip + i]);
+            }
         }
 #pragma omp for schedule(dynamic, 4)
         for (int64_t it = 0; it < chunks * blocks2; it++) {

@@ -357,6 +357,32 @@ def test_bf16_logits_on_each_path_are_as_close_to_transformers_as_atens(arch_dir
     assert ours <= 1.25 * aten, (ours, aten)
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "llama"])
+def test_the_one_call_decode_step_computes_what_the_composed_layers_do(arch_dirs, path, arch):
+    """A decode step of three sequences (contexts of 5, 20 and 37 tokens in scattered cache
+    blocks) in one kernel call and through the layers composed op by op."""
+    engine = LLMEngine.from_pretrained(arch_dirs(arch), device="cpu", dtype="bfloat16", kv_cache_tokens=512)
+    model, caches = engine.model, engine.kv_caches
+    assert (model.decode_step is None) == (arch == "deepseek_v2")  # MLA keeps the composed layers
+    lengths, tables = [5, 20, 37], [[7, 1, 30], [2, 9, 4], [12, 3, 25]]
+    seqs = prompts(engine.args.vocab_size, [n + 1 for n in lengths])
+    with torch.inference_mode():
+        for seq, table, n in zip(seqs, tables, lengths):  # prefill each context into its blocks
+            slots = torch.tensor([table[p // 16] * 16 + p % 16 for p in range(n)])
+            model(torch.tensor(seq[:n]), torch.arange(n), AttentionMetadata(slots, 0, None, None, [PrefillChunk(0, n, 0, None)]),
+                  caches)
+        meta = AttentionMetadata(torch.tensor([t[n // 16] * 16 + n % 16 for t, n in zip(tables, lengths)]), 3, None, None,
+                                 [], block_tables=torch.tensor(tables, dtype=torch.int32),
+                                 context_lens=torch.tensor(lengths, dtype=torch.int32) + 1, block_size=16)
+        step = (torch.tensor([s[n] for s, n in zip(seqs, lengths)]), torch.tensor(lengths), meta, caches)
+        one_call, counts = model(*step)
+        model.decode_step = None
+        composed, composed_counts = model(*step)
+    assert torch.equal(counts, composed_counts)
+    torch.testing.assert_close(one_call.float(), composed.float(), rtol=2 ** -6, atol=2 ** -6)
+    assert torch.equal(model.logits(one_call).argmax(-1), model.logits(composed).argmax(-1))
+
+
 def test_continuous_batch_on_the_kernels_picks_what_transformers_ranks_top(model_dirs, path):
     """Chunked prefill, preemption (a cache far too small) and prefix-cache hits (a shared
     prefix) on the kernel path: every request finishes, every block comes back, and each
