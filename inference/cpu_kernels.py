@@ -199,19 +199,25 @@ def enable(isa: str | None = "auto", amx: bool | None = None, emulated: bool = F
     if isa is None or os.environ.get("MOESERVE_BF16_KERNELS", "1") == "0":
         return None
     if isa == "auto":
-        runnable = runnable_isas()
-        if not runnable:
+        candidates = runnable_isas()
+        if not candidates:
             log.info("CPU kernels off: this CPU has neither AVX2 nor AVX-512; using ATen's",
                      machine=platform.machine())
             return None
-        isa = runnable[0]
-    if isa not in runnable_isas() and not (emulated and "avx2" in runnable_isas()):
+    elif isa not in runnable_isas() and not (emulated and "avx2" in runnable_isas()):
         raise RuntimeError(f"this CPU cannot run the {isa} kernels (its flags lack "
                            f"{sorted(BUILDS[isa][1] - cpu_flags())})")
-    try:
-        lib = load_build(isa, emulated)
-    except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
-        log.warning("CPU kernels off: build failed; using ATen's", isa=isa, error=str(exc))
+    else:
+        candidates = [isa]
+    lib = None
+    for isa in candidates:  # a compiler too old for one instruction set may still build the next
+        try:
+            lib = load_build(isa, emulated)
+            break
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+            log.warning("CPU kernels: build failed", isa=isa, error=str(exc))
+    if lib is None:
+        log.warning("CPU kernels off: no build succeeded; using ATen's")
         return None
     want_amx = os.environ.get("MOESERVE_AMX", "1") != "0" if amx is None else amx
     amx_lib = None

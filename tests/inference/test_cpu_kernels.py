@@ -130,6 +130,25 @@ def test_amx_off_by_environment_keeps_the_avx512_kernels(monkeypatch):
         cpu_kernels.enable()
 
 
+def test_a_failed_build_falls_back_to_the_next_instruction_set(monkeypatch):
+    if "avx2" not in cpu_kernels.runnable_isas():
+        pytest.skip("this CPU has no AVX2")
+    real = cpu_kernels.load_build
+
+    def old_compiler(isa, emulated=False):
+        if isa != "avx2":
+            raise RuntimeError(f"cc: error: unrecognized command-line option for {isa}")
+        return real(isa, emulated)
+
+    monkeypatch.setattr(cpu_kernels, "runnable_isas", lambda: ["avx512bf16", "avx512", "avx2"])
+    monkeypatch.setattr(cpu_kernels, "load_build", old_compiler)
+    try:
+        assert cpu_kernels.enable() == "avx2"
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.enable()
+
+
 def test_kernels_off_by_environment_and_when_the_build_fails(monkeypatch, tmp_path):
     if not cpu_kernels.runnable_isas():
         pytest.skip("no kernel build runs on this CPU")
