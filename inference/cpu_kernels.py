@@ -210,12 +210,12 @@ def enable(isa: str | None = "auto", amx: bool | None = None, emulated: bool = F
     else:
         candidates = [isa]
     lib = None
-    for isa in candidates:  # a compiler too old for one instruction set may still build the next
+    for candidate in candidates:  # a compiler too old for one instruction set may still build the next
         try:
-            lib = load_build(isa, emulated)
+            lib, isa = load_build(candidate, emulated), candidate
             break
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
-            log.warning("CPU kernels: build failed", isa=isa, error=str(exc))
+            log.warning("CPU kernels: build failed", isa=candidate, error=str(exc))
     if lib is None:
         log.warning("CPU kernels off: no build succeeded; using ATen's")
         return None
