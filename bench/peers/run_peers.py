@@ -334,22 +334,38 @@ def run_offline(engine: str, spec: dict, log_dir: Path, tag: str) -> dict:
     return {**json.loads(out_file.read_text()), "busy_before": busy}
 
 
-def cpu_busy(seconds: float = 1.0) -> float:
+def _group_jiffies(pgid: int) -> int:
+    """CPU time (utime + stime, in clock ticks) of the live processes of process group pgid."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:  # fields after the command: state, ppid, pgrp, ...
+            total += int(fields[11]) + int(fields[12])
+    return total
+
+
+def cpu_busy(seconds: float = 1.0, exclude_group: int | None = None) -> float:
     """Share of all cores busy over `seconds` (from /proc/stat), sampled while no engine of ours
     works: the benchmark needs a quiet machine (two engines' OpenMP threads on two shared cores
-    slow each other down many times over), so each measure records what else was running."""
-    def sample() -> tuple[int, int]:
+    slow each other down many times over), so each measure records what else was running.
+    exclude_group: a server's process group, whose own idle work (vLLM's engine core polls its
+    queue) is not someone else's."""
+    def sample() -> tuple[int, int, int]:
         vals = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         idle = vals[3] + vals[4]  # idle + iowait
-        return sum(vals[:8]), idle
+        own = _group_jiffies(exclude_group) if exclude_group else 0
+        return sum(vals[:8]), idle, own
 
     try:
-        total0, idle0 = sample()
+        total0, idle0, own0 = sample()
         time.sleep(seconds)
-        total1, idle1 = sample()
+        total1, idle1, own1 = sample()
     except (OSError, ValueError, IndexError):
         return float("nan")
-    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+    return max(0.0, 1.0 - (idle1 - idle0 + own1 - own0) / max(1, total1 - total0))
 
 
 BUSY_WARN = 0.15
@@ -475,7 +491,7 @@ def run_serving(engine: str, spec: dict, model_dir: Path, gguf: Path | None, log
     cmd = server_cmd(engine, model_dir, gguf, port, len(spec["batch"]), max_len)
     with Server(engine, cmd, port, log_dir / f"serve-{engine}-{tag}.log") as server:
         asyncio.run(_fire(server.base, server.model_id, spec["warmup"], min(n, 8)))
-        busy = cpu_busy()  # the server idles now: anything busy is someone else
+        busy = cpu_busy(exclude_group=server.proc.pid)  # the server idles: anything else busy is someone else
         result = asyncio.run(_fire(server.base, server.model_id, spec["batch"], n))
     expected = len(spec["batch"]) * n
     if result["tokens"] != expected:
