@@ -16,6 +16,23 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+/* out[i] = q . rows[i] for i < n (rows at stride d): eight rows at a time share each load of
+ * q and one transposing reduction. */
+static void dots(const float *q, const float *rows, int64_t n, int64_t d, float *out) {
+    int64_t i = 0;
+    if (d % VL == 0)
+        for (; i + 8 <= n; i += 8) {
+            vf a[8];
+            for (int r = 0; r < 8; r++) a[r] = vf_zero();
+            for (int64_t c = 0; c < d; c += VL) {
+                const vf qv = vf_load(q + c);
+                for (int r = 0; r < 8; r++) a[r] = vf_fma(qv, vf_load(rows + (i + r) * d + c), a[r]);
+            }
+            vf_sum8(a, out + i);
+        }
+    for (; i < n; i++) out[i] = dot_f32(q, rows + i * d, d);
+}
+
 /* acc[0..n) = acc * scale + sum_i w[i] * rows[i][0..n) (rows at stride ld), a few vectors of
  * acc held in registers across all the rows. */
 static void weighted_rows(float *acc, float scale, const float *w, const float *rows, int64_t count, int64_t ld,
@@ -93,17 +110,19 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
             const int32_t *table = block_tables + b * bt_stride;
             for (int64_t p0 = c0; p0 < c1; p0 += ATT_CHUNK) {
                 const int64_t n = c1 - p0 < ATT_CHUNK ? c1 - p0 : ATT_CHUNK;
-                for (int64_t i = 0; i < n; i++) {
-                    const int64_t p = p0 + i, slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-                    widen_row(k_cache + slot * k_slot + g * k_head, dk, kf + i * dk, dk);
-                    widen_row(v_cache + slot * v_slot + g * v_head, dv, vfl + i * dv, dv);
+                for (int64_t i = 0; i < n;) { /* block by block: consecutive slots within one */
+                    const int64_t p = p0 + i, off = p % block_size;
+                    const int64_t run = block_size - off < n - i ? block_size - off : n - i;
+                    const int64_t slot = (int64_t)table[p / block_size] * block_size + off;
+                    for (int64_t r = 0; r < run; r++, i++) {
+                        widen_row(k_cache + (slot + r) * k_slot + g * k_head, dk, kf + i * dk, dk);
+                        widen_row(v_cache + (slot + r) * v_slot + g * v_head, dv, vfl + i * dv, dv);
+                    }
                 }
                 for (int64_t h = 0; h < hpg; h++) {
                     float *sh = sc + h * ATT_CHUNK, top = -INFINITY, *stats = res + h * part;
-                    for (int64_t i = 0; i < n; i++) {
-                        sh[i] = dot_f32(qf + h * dk, kf + i * dk, dk);
-                        top = sh[i] > top ? sh[i] : top;
-                    }
+                    dots(qf + h * dk, kf, n, dk, sh);
+                    for (int64_t i = 0; i < n; i++) top = sh[i] > top ? sh[i] : top;
                     const float m = stats[0] > top ? stats[0] : top, rescale = expf(stats[0] - m);
                     float sum = 0.0f;
                     int64_t i = 0;

@@ -166,6 +166,21 @@ static inline void vf_store_bf16(bf16 *p, vf v) {
 
 #endif
 
+/* The sums of 8 vectors, out[r] = sum of the lanes of a[r]: one transposing reduction
+ * instead of 8 horizontal ones. */
+static inline void vf_sum8(const vf a[8], float out[8]) {
+#if defined(MS_AVX512)
+    __m256 h[8];
+    for (int r = 0; r < 8; r++) h[r] = _mm256_add_ps(_mm512_castps512_ps256(a[r]), _mm512_extractf32x8_ps(a[r], 1));
+#else
+    const __m256 *h = a;
+#endif
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
+    /* t0 lanes: sums of rows 0-3 over the low 128 bits, then over the high 128 bits */
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31)));
+}
+
 /* VL packed bf16 pairs (one 32-bit word per column: element 2k in the low half, 2k+1 in the
  * high half) -> the even and the odd elements as float32 */
 static inline void vf_load_pairs(const bf16 *p, vf *even, vf *odd) {
