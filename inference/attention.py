@@ -58,8 +58,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     nd = meta.num_decode
     if nd and meta.block_tables is not None:
-        out[:nd] = cpu_kernels.op("decode_attention")(q[:nd], k_cache, v_cache, meta.block_tables,
-                                                      meta.context_lens, meta.block_size, scale, 0)
+        out[:nd] = cpu_kernels.decode_attention(q[:nd], k_cache, v_cache, meta.block_tables,
+                                                meta.context_lens, meta.block_size, scale)
     elif nd:
         keys = gather_slots(k_cache, meta.decode_slots).transpose(1, 2)  # [B_d, G, L, d]
         values = gather_slots(v_cache, meta.decode_slots).transpose(1, 2)

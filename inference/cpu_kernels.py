@@ -1,20 +1,21 @@
-"""The engine's own bf16 CPU kernels (csrc/kernels.c): linear layers, MoE layers, decode
-attention over the paged cache, RMSNorm with the residual add, rotary embeddings with the
-cache write.
+"""The engine's own bf16 CPU kernels (csrc/): linear layers, whole MoE layers, decode attention
+over the paged cache, RMSNorm with the residual add, rotary embeddings with the cache write,
+and a decode step of every layer in one call.
 
 ATen's bf16 kernels are fast only where the CPU has AVX512-BF16 (oneDNN): on an AVX2 CPU a
 bf16 batched matmul runs 100x slower than float32, and even on AVX-512 ones single-row
 products stream memory at a third of its bandwidth. These kernels widen bf16 to float32 in
 registers and use float32 FMAs, so one source serves every x86 CPU from AVX2 up.
 
-The instruction set is chosen from the CPU's reported flags (`cpu_isa`), never assumed: the
-C file is compiled once per instruction set ("avx2": AVX2 + FMA; "avx512": AVX-512 F/BW/DQ/VL),
-with the system C compiler on first use (about a second, cached under the cache folder),
-and only the build this CPU can run is loaded. AMX (Sapphire Rapids and later) is a separate
-object (csrc/amx.c) that the AVX-512 build calls for register tiles of many rows, loaded only
-where the CPU reports AMX and Linux grants its state (arch_prctl). A CPU with neither AVX2
-nor AVX-512 (or aarch64), MOESERVE_BF16_KERNELS=0, or no C compiler: ATen's kernels, with a
-log line saying so. MOESERVE_AMX=0 keeps the AVX-512 kernels without AMX.
+The instruction set is chosen from the CPU's reported flags (`runnable_isas`), never assumed.
+The C files are compiled once per instruction set ("avx2": AVX2 + FMA; "avx512": AVX-512
+F/BW/DQ/VL; "avx512bf16": the same with vdpbf16ps tiles) with the system C compiler on first
+use (seconds, cached under the cache folder), and only a build this CPU can run is loaded.
+AMX (Sapphire Rapids and later) is a separate object (csrc/amx.c) that the AVX-512 build
+hands products of many rows to, loaded only where the CPU reports AMX and Linux grants its
+state (arch_prctl). A CPU with neither AVX2 nor AVX-512 (or aarch64), MOESERVE_BF16_KERNELS=0,
+or no C compiler: ATen's kernels, with a log line saying so. MOESERVE_AMX=0 keeps the
+AVX-512 kernels without AMX.
 
 Weights the kernels read are prepacked once at load (`pack_weight`): a packed weight has one
 dimension more than its matrix ([K/2, N, 2] for [N, K]), so it can never be mistaken for a
@@ -178,9 +179,8 @@ def _amx_library(emulated: bool = False) -> ctypes.CDLL | None:
     return lib
 
 
-# Set by enable(); plain values so compiled graphs read them as constants. ISA: the build in
-# use ("avx512", "avx2") or None for ATen's kernels; AMX: the AVX-512 build hands tiles of
-# many rows to AMX.
+# Set by enable(). ISA: the build in use ("avx512bf16", "avx512", "avx2") or None for ATen's
+# kernels; AMX: the AVX-512 build hands products of many rows to AMX.
 ISA: str | None = None
 AMX = False
 _lib: ctypes.CDLL | None = None
@@ -292,7 +292,7 @@ def is_packed(w: torch.Tensor, matrix_dims: int = 2) -> bool:
     return w.dim() == matrix_dims + 1
 
 
-# ---- the kernels (eager calls; the operators below wrap them for compiled graphs) ---------
+# ---- the kernels ----------------------------------------------------------------------------
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] bf16 @ packed weight [K/2, N, 2] (+ bias [N]) -> [..., N] bf16."""
@@ -423,79 +423,3 @@ def decode_step(step: DecodeStep, input_ids: torch.Tensor, positions: torch.Tens
                                final_norm.data_ptr(), step.eps, hidden.data_ptr(), counts.data_ptr(), _threads()),
            "decode_step")
     return hidden, counts
-
-
-# ---- the kernels as operators, for compiled decode graphs ------------------------------
-# Eager code calls the functions above directly (an operator dispatch costs ~8 us a call);
-# compiled graphs call these, so a kernel never breaks the graph. `op(name)` picks.
-
-@torch.library.custom_op("moeserve::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return linear(x, weight, bias)
-
-
-@_linear_op.register_fake
-def _(x, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.shape[-2])
-
-
-@torch.library.custom_op("moeserve::linear_heads", mutates_args=())
-def _linear_heads_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return linear_heads(x, weight)
-
-
-@_linear_heads_op.register_fake
-def _(x, weight):
-    return x.new_empty(x.shape[0], x.shape[1], weight.shape[-2])
-
-
-@torch.library.custom_op("moeserve::moe", mutates_args=())
-def _moe_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-            weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return moe(x, w13, w2, ids, weights)
-
-
-@_moe_op.register_fake
-def _(x, w13, w2, ids, weights):
-    return torch.empty_like(x), x.new_empty(w13.shape[0], dtype=torch.int64)
-
-
-@torch.library.custom_op("moeserve::decode_attention", mutates_args=())
-def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                         context_lens: torch.Tensor, block_size: int, scale: float, v_dim: int) -> torch.Tensor:
-    return decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, v_dim)
-
-
-@_decode_attention_op.register_fake
-def _(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, v_dim):
-    return q.new_empty(q.shape[0], q.shape[1], v_dim or v_cache.shape[2])
-
-
-@torch.library.custom_op("moeserve::rms_norm", mutates_args=("residual",))
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None) -> torch.Tensor:
-    return rms_norm(x, weight, eps, residual)
-
-
-@_rms_norm_op.register_fake
-def _(x, weight, eps, residual):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("moeserve::rope_and_cache", mutates_args=("qkv", "k_cache", "v_cache"))
-def _rope_and_cache_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-                       slots: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    rope_and_cache(qkv, cos, sin, num_heads, num_kv_heads, slots, k_cache, v_cache)
-
-
-@_rope_and_cache_op.register_fake
-def _(qkv, cos, sin, num_heads, num_kv_heads, slots, k_cache, v_cache):
-    return None
-
-
-_EAGER = {"linear": linear, "linear_heads": linear_heads, "moe": moe, "decode_attention": decode_attention,
-          "rms_norm": rms_norm, "rope_and_cache": rope_and_cache}
-
-
-def op(name: str):
-    """The kernel `name`: the operator inside a compiled graph, the plain function otherwise."""
-    return getattr(torch.ops.moeserve, name) if torch.compiler.is_compiling() else _EAGER[name]

@@ -113,7 +113,7 @@ class MLAttention(nn.Module):
         """Absorbed attention of B_d single-token queries over their cached latents -> [B_d, H, v]."""
         r = self.kv_lora_rank
         if self.w_uk_t is not None:  # packed for the CPU kernels
-            heads = cpu_kernels.op("linear_heads")
+            heads = cpu_kernels.linear_heads
             q_lat = heads(q_nope, self.w_uk_t)
         else:
             w = self.wkv_b.weight.view(self.num_heads, self.nope_dim + self.v_dim, r)
@@ -121,8 +121,8 @@ class MLAttention(nn.Module):
             q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
         q_abs = torch.cat((q_lat, q_pe), dim=-1)  # [B_d, H, r + p]
         if meta.block_tables is not None:
-            o = cpu_kernels.op("decode_attention")(q_abs, cache, cache, meta.block_tables, meta.context_lens,
-                                                   meta.block_size, self.scale, r)
+            o = cpu_kernels.decode_attention(q_abs, cache, cache, meta.block_tables, meta.context_lens,
+                                             meta.block_size, self.scale, r)
         else:
             keys = gather_slots(cache, meta.decode_slots)[:, :, 0]  # [B_d, L, r + p]
             # One kv head shared by all H query heads: two bmm with the heads as rows, instead

@@ -51,7 +51,7 @@ class Attention(nn.Module):
         if self.clip_qkv is not None:
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         if cpu_kernels.applies(qkv):  # rotated in place, keys and values written in the same pass
-            cpu_kernels.op("rope_and_cache")(qkv, cos, sin, h, g, meta.slot_mapping, k_cache, v_cache)
+            cpu_kernels.rope_and_cache(qkv, cos, sin, h, g, meta.slot_mapping, k_cache, v_cache)
             q, k, v = qkv[:, :h], qkv[:, h:h + g], qkv[:, h + g:]
         else:
             qk = apply_rope(qkv[:, : h + g], cos, sin)  # q and k rotated in one pass
@@ -141,8 +141,8 @@ class MoETransformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.decode_step is not None and meta.block_tables is not None and not meta.prefills \
-                and not torch.compiler.is_compiling():  # a decode step on the CPU kernels: one call
+        if self.decode_step is not None and meta.block_tables is not None and not meta.prefills:
+            # a decode step on the CPU kernels: every layer in one call
             return cpu_kernels.decode_step(self.decode_step, input_ids, positions, meta.slot_mapping, meta.block_tables,
                                            meta.context_lens, meta.block_size, kv_caches)
         x = self.embed(input_ids)

@@ -165,7 +165,7 @@ class MoE(nn.Module):
         """Returns the MoE output [T, D] and the per-expert token counts [E]."""
         weights, ids = self.route(x)
         if cpu_kernels.is_packed(self.w13, matrix_dims=3):
-            return cpu_kernels.op("moe")(x, self.w13, self.w2, ids, weights)
+            return cpu_kernels.moe(x, self.w13, self.w2, ids, weights)
         run = dispatch_op if torch.compiler.is_compiling() else dispatch
         return run(x, weights, ids, self.w13, self.w2, self.gather_max_tokens)
 

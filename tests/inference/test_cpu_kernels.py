@@ -444,6 +444,16 @@ def test_the_engine_logs_the_path_of_each_layer_kind(model_dirs, path):
     assert line["moe_batch"] == ("amx" if path.amx else path.isa)
 
 
+def test_compile_is_ignored_on_the_kernels(model_dirs, path):
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        engine = LLMEngine.from_pretrained(model_dirs("mixtral"), device="cpu", dtype="bfloat16", kv_cache_tokens=64,
+                                           compile=True)
+    assert engine.runner.decode_model is engine.model
+    assert any(e["event"] == "not compiling: decode steps run on the CPU kernels" for e in logs)
+
+
 def test_all_kernels_off_runs_atens_kernels_on_row_major_weights(model_dirs):
     try:
         cpu_kernels.enable(None)
@@ -454,27 +464,3 @@ def test_all_kernels_off_runs_atens_kernels_on_row_major_weights(model_dirs):
         assert len(out.token_ids) == 4
     finally:
         cpu_kernels.enable()
-
-
-# ---- compiled graphs -------------------------------------------------------------------
-
-def test_compiled_layers_call_the_kernels_without_a_graph_break(path):
-    from inference.moe import MoE
-
-    moe = MoE(64, 32, num_experts=8, top_k=2, norm_topk_prob=True)
-    for p, shape in ((moe.gate, (8, 64)), (moe.w13, (8, 64, 64)), (moe.w2, (8, 64, 32))):
-        p.data = randn(*shape, scale=0.2)
-    moe.pack()
-    w = cpu_kernels.pack_weight(randn(300, 64))
-    x = randn(3, 64)
-    with torch.inference_mode():
-        for fn, args in ((linear, (x, w)), (moe, (x,))):
-            explanation = torch._dynamo.explain(fn)(*args)
-            assert explanation.graph_break_count == 0
-            ops = {str(n.target) for g in explanation.graphs for n in g.graph.nodes if n.op == "call_function"}
-            assert any("moeserve" in op for op in ops), ops
-        torch.testing.assert_close(torch.compile(linear, dynamic=True)(x, w), linear(x, w), rtol=0, atol=0)
-        eager_out, eager_counts = moe(x)
-        compiled_out, compiled_counts = torch.compile(moe, dynamic=True)(x)
-        assert torch.equal(compiled_counts, eager_counts)
-        torch.testing.assert_close(compiled_out, eager_out, rtol=0, atol=0)
