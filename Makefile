@@ -21,7 +21,8 @@ $(STAMP): pyproject.toml
 run: setup
 	$(BIN)/moeserve serve $(if $(MODEL),--model $(MODEL),)
 
-test: setup
+# The style check runs first: a formatting slip fails `make test` (and CI) like a test would.
+test: setup lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: setup
@@ -65,7 +66,8 @@ bench-serving: setup
 	$(BIN)/python loadtest/bench_serving.py $(ARGS)
 
 lint: setup
-	$(BIN)/ruff check inference service telemetry tests bench loadtest
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) .pytest_cache

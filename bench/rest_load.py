@@ -18,10 +18,25 @@ REPO = Path(__file__).resolve().parents[1]
 
 def start_server(model: Path, flags: list[str], env: dict[str, str], log: Path):
     """Starts `moeserve serve` on free ports; returns (process, base url) once it is ready."""
-    argv = [sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--port", "0",
-            "--grpc-port", "-1", "--log-format", "json", *flags]
+    argv = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        "0",
+        "--grpc-port",
+        "-1",
+        "--log-format",
+        "json",
+        *flags,
+    ]
     out = log.open("w")
-    proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        argv, cwd=REPO, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         for line in log.read_text().splitlines():
@@ -56,7 +71,9 @@ async def closed_loop(url: str, bodies: list[dict], concurrency: int) -> tuple[f
     pending = list(reversed(bodies))
     tokens = 0
     connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=600)
+    ) as session:
 
         async def worker() -> None:
             nonlocal tokens
@@ -70,5 +87,11 @@ async def closed_loop(url: str, bodies: list[dict], concurrency: int) -> tuple[f
 
 
 def streaming_body(prompt, max_tokens: int) -> dict:
-    return {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }

@@ -62,10 +62,22 @@ def main(argv: list[str] | None = None) -> int:
 
     def prompts(seed: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(seed)
-        return [torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.requests)]
+        return [
+            torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist()
+            for _ in range(args.requests)
+        ]
 
-    engine = LLMEngine.from_pretrained(model, device=args.device, dtype="bfloat16", max_num_seqs=args.concurrency)
-    flags = ["--device", args.device, "--dtype", "bfloat16", "--max-num-seqs", str(args.concurrency)]
+    engine = LLMEngine.from_pretrained(
+        model, device=args.device, dtype="bfloat16", max_num_seqs=args.concurrency
+    )
+    flags = [
+        "--device",
+        args.device,
+        "--dtype",
+        "bfloat16",
+        "--max-num-seqs",
+        str(args.concurrency),
+    ]
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = start_server(model, flags, {}, Path(tmp) / "server.log")
@@ -78,25 +90,43 @@ def main(argv: list[str] | None = None) -> int:
                 order = ("offline", "rest") if r % 2 == 0 else ("rest", "offline")
                 rates = {}
                 for side in order:
-                    rates[side] = (offline_round(engine, batch, args.output_len) if side == "offline"
-                                   else rest_round(url, batch, args.output_len, args.concurrency))
+                    rates[side] = (
+                        offline_round(engine, batch, args.output_len)
+                        if side == "offline"
+                        else rest_round(url, batch, args.output_len, args.concurrency)
+                    )
                 rounds.append({**rates, "ratio": rates["rest"] / rates["offline"]})
-                print(f"round {r}: REST {rates['rest']:.1f} tok/s, offline {rates['offline']:.1f} tok/s, "
-                      f"ratio {rounds[-1]['ratio']:.3f}", flush=True)
+                print(
+                    f"round {r}: REST {rates['rest']:.1f} tok/s, offline {rates['offline']:.1f} tok/s, "
+                    f"ratio {rounds[-1]['ratio']:.3f}",
+                    flush=True,
+                )
         finally:
             proc.terminate()
             proc.wait(60)
     ratio = statistics.median(r["ratio"] for r in rounds)
     rest_tps = statistics.median(r["rest"] for r in rounds)
     engine_tps = statistics.median(r["offline"] for r in rounds)
-    print(f"serving tax: REST {rest_tps:.1f} tok/s with {args.concurrency} streams vs offline engine "
-          f"{engine_tps:.1f} tok/s (medians) -> ratio {ratio:.3f} (median of {args.rounds} paired rounds; "
-          f"target >= 0.9)")
+    print(
+        f"serving tax: REST {rest_tps:.1f} tok/s with {args.concurrency} streams vs offline engine "
+        f"{engine_tps:.1f} tok/s (medians) -> ratio {ratio:.3f} (median of {args.rounds} paired rounds; "
+        f"target >= 0.9)"
+    )
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "serving_bench.json").write_text(json.dumps({
-        "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.platform(),
-        "rest_tokens_per_s": rest_tps, "offline_tokens_per_s": engine_tps, "ratio": ratio, "rounds": rounds,
-        "config": {k: str(v) for k, v in vars(args).items()}}, indent=2))
+    (RESULTS / "serving_bench.json").write_text(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d %H:%M"),
+                "machine": platform.platform(),
+                "rest_tokens_per_s": rest_tps,
+                "offline_tokens_per_s": engine_tps,
+                "ratio": ratio,
+                "rounds": rounds,
+                "config": {k: str(v) for k, v in vars(args).items()},
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

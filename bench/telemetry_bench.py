@@ -56,13 +56,18 @@ async def _load(url: str, args: argparse.Namespace, num_requests: int) -> tuple[
 def _scrape(url: str, stop: threading.Event) -> None:
     with httpx.Client(base_url=url, timeout=10) as client:
         while not stop.wait(SCRAPE_INTERVAL_S):
-            client.get("/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
+            client.get(
+                "/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"}
+            )
 
 
 def start(model: Path, args: argparse.Namespace, telemetry: bool, sink_port: int, tmp: Path):
     if telemetry:
-        env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}",
-               "MOESERVE_TELEMETRY": "1"}
+        env = {
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}",
+            "MOESERVE_TELEMETRY": "1",
+        }
     else:
         env = {"OTEL_TRACES_EXPORTER": "none", "MOESERVE_TELEMETRY": "0"}
     log = tmp / f"server-{'on' if telemetry else 'off'}.log"
@@ -80,7 +85,11 @@ def cpu_seconds(pid: int) -> float:
 
 def engine_core_pid(pid: int) -> int:
     """The server's one child, its engine core process (listed under the thread that started it)."""
-    children = [c for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    children = [
+        c
+        for task in Path(f"/proc/{pid}/task").iterdir()
+        for c in (task / "children").read_text().split()
+    ]
     return int(children[0])
 
 
@@ -96,9 +105,14 @@ def run_round(url: str, pid: int, args: argparse.Namespace, telemetry: bool) -> 
         elapsed, tokens = asyncio.run(_load(url, args, args.requests))
     finally:
         stop.set()
-    return {"telemetry": telemetry, "seconds": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed,
-            "api_cpu_ms_per_token": (cpu_seconds(pid) - api_cpu) / tokens * 1e3,
-            "engine_cpu_ms_per_token": (cpu_seconds(core) - core_cpu) / tokens * 1e3}
+    return {
+        "telemetry": telemetry,
+        "seconds": elapsed,
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / elapsed,
+        "api_cpu_ms_per_token": (cpu_seconds(pid) - api_cpu) / tokens * 1e3,
+        "engine_cpu_ms_per_token": (cpu_seconds(core) - core_cpu) / tokens * 1e3,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,16 +142,22 @@ def main(argv: list[str] | None = None) -> int:
                 servers[telemetry] = url, log, proc.pid
             for r in range(args.rounds):
                 rates = {}
-                for telemetry in ((False, True) if r % 2 == 0 else (True, False)):
+                for telemetry in (False, True) if r % 2 == 0 else (True, False):
                     url, _, pid = servers[telemetry]
                     rounds.append(run_round(url, pid, args, telemetry))
                     rates[telemetry] = rounds[-1]["tokens_per_s"]
-                    print(f"telemetry {'on ' if telemetry else 'off'}: {rates[telemetry]:8.1f} tok/s, CPU per "
-                          f"output token: API process {rounds[-1]['api_cpu_ms_per_token']:.3f} ms, engine core "
-                          f"{rounds[-1]['engine_cpu_ms_per_token']:.2f} ms", flush=True)
+                    print(
+                        f"telemetry {'on ' if telemetry else 'off'}: {rates[telemetry]:8.1f} tok/s, CPU per "
+                        f"output token: API process {rounds[-1]['api_cpu_ms_per_token']:.3f} ms, engine core "
+                        f"{rounds[-1]['engine_cpu_ms_per_token']:.2f} ms",
+                        flush=True,
+                    )
                 pairs.append(rates[True] / rates[False])
-            summary_lines = sum(1 for line in servers[True][1].read_text().splitlines()
-                                if '"request finished"' in line)
+            summary_lines = sum(
+                1
+                for line in servers[True][1].read_text().splitlines()
+                if '"request finished"' in line
+            )
     finally:
         for proc in procs:
             proc.terminate()
@@ -146,12 +166,21 @@ def main(argv: list[str] | None = None) -> int:
     ratio = statistics.median(pairs)
     on = statistics.median(r["tokens_per_s"] for r in rounds if r["telemetry"])
     off = statistics.median(r["tokens_per_s"] for r in rounds if not r["telemetry"])
-    result = {"ratio_on_over_off": ratio, "target": 0.97, "on_tokens_per_s": on, "off_tokens_per_s": off,
-              "pair_ratios": pairs, "spans_exported": sink.spans, "summary_log_lines": summary_lines,
-              "rounds": rounds,
-              "config": {**{k: str(v) for k, v in vars(args).items()}, "machine": platform.platform()}}
-    print(f"telemetry overhead: on/off throughput = {ratio:.3f} (median of {args.rounds} paired rounds; "
-          f"target >= 0.97); {sink.spans} spans exported, {summary_lines} request summary lines")
+    result = {
+        "ratio_on_over_off": ratio,
+        "target": 0.97,
+        "on_tokens_per_s": on,
+        "off_tokens_per_s": off,
+        "pair_ratios": pairs,
+        "spans_exported": sink.spans,
+        "summary_log_lines": summary_lines,
+        "rounds": rounds,
+        "config": {**{k: str(v) for k, v in vars(args).items()}, "machine": platform.platform()},
+    }
+    print(
+        f"telemetry overhead: on/off throughput = {ratio:.3f} (median of {args.rounds} paired rounds; "
+        f"target >= 0.97); {sink.spans} spans exported, {summary_lines} request summary lines"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     return 0

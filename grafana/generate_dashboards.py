@@ -109,8 +109,14 @@ class Layout:
         self.x, self.y, self.row_h = 0, self.y + 1, 0
 
 
-def prom(expr: str, legend: str = "__auto", *, exemplar: bool = False, instant: bool = False,
-         fmt: str = "time_series") -> dict[str, Any]:
+def prom(
+    expr: str,
+    legend: str = "__auto",
+    *,
+    exemplar: bool = False,
+    instant: bool = False,
+    fmt: str = "time_series",
+) -> dict[str, Any]:
     return {
         "datasource": PROM,
         "editorMode": "code",
@@ -127,10 +133,18 @@ def with_ref_ids(targets: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"refId": chr(ord("A") + i), **t} for i, t in enumerate(targets)]
 
 
-def timeseries(title: str, description: str, targets: list[dict[str, Any]], unit: str, *,
-               links: list[dict[str, Any]] | None = None, stack: bool = False,
-               thresholds: list[tuple[str, float | None]] | None = None,
-               min_: float | None = 0, max_: float | None = None) -> dict[str, Any]:
+def timeseries(
+    title: str,
+    description: str,
+    targets: list[dict[str, Any]],
+    unit: str,
+    *,
+    links: list[dict[str, Any]] | None = None,
+    stack: bool = False,
+    thresholds: list[tuple[str, float | None]] | None = None,
+    min_: float | None = 0,
+    max_: float | None = None,
+) -> dict[str, Any]:
     steps = [{"color": c, "value": v} for c, v in (thresholds or [("green", None)])]
     defaults: dict[str, Any] = {
         "unit": unit,
@@ -167,14 +181,25 @@ def timeseries(title: str, description: str, targets: list[dict[str, Any]], unit
     }
 
 
-def stat(title: str, description: str, target: dict[str, Any], unit: str,
-         thresholds: list[tuple[str, float | None]], *, decimals: int | None = None,
-         links: list[dict[str, Any]] | None = None, kind: str = "stat",
-         max_: float | None = None) -> dict[str, Any]:
+def stat(
+    title: str,
+    description: str,
+    target: dict[str, Any],
+    unit: str,
+    thresholds: list[tuple[str, float | None]],
+    *,
+    decimals: int | None = None,
+    links: list[dict[str, Any]] | None = None,
+    kind: str = "stat",
+    max_: float | None = None,
+) -> dict[str, Any]:
     defaults: dict[str, Any] = {
         "unit": unit,
         "color": {"mode": "thresholds"},
-        "thresholds": {"mode": "absolute", "steps": [{"color": c, "value": v} for c, v in thresholds]},
+        "thresholds": {
+            "mode": "absolute",
+            "steps": [{"color": c, "value": v} for c, v in thresholds],
+        },
         "mappings": [],
         "links": [],
     }
@@ -187,8 +212,9 @@ def stat(title: str, description: str, target: dict[str, Any], unit: str,
         "orientation": "auto",
     }
     if kind == "stat":
-        options.update({"colorMode": "value", "graphMode": "area", "justifyMode": "auto",
-                        "textMode": "auto"})
+        options.update(
+            {"colorMode": "value", "graphMode": "area", "justifyMode": "auto", "textMode": "auto"}
+        )
     else:  # gauge
         options.update({"showThresholdLabels": False, "showThresholdMarkers": True})
     return {
@@ -224,8 +250,14 @@ EXEMPLAR_METRICS = {
 }
 
 
-def dashboard(uid: str, title: str, description: str, panels: list[dict[str, Any]],
-              variables: list[dict[str, Any]], links: list[dict[str, Any]]) -> dict[str, Any]:
+def dashboard(
+    uid: str,
+    title: str,
+    description: str,
+    panels: list[dict[str, Any]],
+    variables: list[dict[str, Any]],
+    links: list[dict[str, Any]],
+) -> dict[str, Any]:
     return {
         "uid": uid,
         "title": title,
@@ -268,7 +300,11 @@ def query_variable(name: str, label: str, query: str) -> dict[str, Any]:
         "type": "query",
         "datasource": PROM,
         "definition": query,
-        "query": {"qryType": 1, "query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+        "query": {
+            "qryType": 1,
+            "query": query,
+            "refId": "PrometheusVariableQueryEditor-VariableQuery",
+        },
         "refresh": 2,  # on time range change
         "regex": "",
         "sort": 3,  # numerical ascending (layer, expert numbers)
@@ -298,7 +334,9 @@ def common_variables() -> list[dict[str, Any]]:
         },
         query_variable("model", "Model", "label_values(moeserve_num_requests_running, model)"),
         query_variable(
-            "instance", "Instance", 'label_values(moeserve_num_requests_running{model=~"$model"}, instance)'
+            "instance",
+            "Instance",
+            'label_values(moeserve_num_requests_running{model=~"$model"}, instance)',
         ),
     ]
 
@@ -326,70 +364,204 @@ def overview() -> dict[str, Any]:
     req = f"moeserve_requests_total{{{SEL}}}"
 
     g.row("Service level")
-    g.add(stat("Requests/s", "Finished requests per second (all APIs and outcomes).",
-               prom(f"sum(rate({req}[{RATE}]))"), "reqps", [("blue", None)], decimals=2), 4, 4)
-    g.add(stat("Server error ratio", "Share of requests that ended in a server error (5xx / gRPC "
-               "INTERNAL); client errors and 429s are not counted.",
-               prom(f'sum(rate(moeserve_requests_total{{{SEL},status="server_error"}}[{RATE}])) '
-                    f"/ sum(rate({req}[{RATE}]))"),
-               "percentunit", [("green", None), ("orange", 0.01), ("red", 0.05)], decimals=2), 4, 4)
-    g.add(stat("Rejected (429)/s", "Requests refused because the waiting queue was full (HTTP 429 "
-               "/ gRPC RESOURCE_EXHAUSTED).",
-               prom(f'sum(rate(moeserve_requests_total{{{SEL},status="rejected"}}[{RATE}]))'),
-               "reqps", [("green", None), ("red", 0.001)], decimals=2), 4, 4)
-    g.add(stat("TTFT p95", "95th percentile time to first token.",
-               prom(f"histogram_quantile(0.95, sum by (le) (rate("
-                    f"moeserve_time_to_first_token_seconds_bucket{{{SEL}}}[{RATE}])))"),
-               "s", [("green", None), ("orange", 0.5), ("red", 1)], links=DRILL_DOWN), 4, 4)
-    g.add(stat("Output tokens/s", "Generated tokens per second.",
-               prom(f"sum(rate(moeserve_generation_tokens_total{{{SEL}}}[{RATE}]))"),
-               "short", [("blue", None)], decimals=1), 4, 4)
-    g.add(stat("KV cache usage", "Share of KV-cache blocks held by live requests.",
-               prom(f"max(moeserve_kv_cache_usage_ratio{{{SEL}}})"), "percentunit",
-               [("green", None), ("orange", 0.9), ("red", 0.98)], kind="gauge", max_=1), 4, 4)
+    g.add(
+        stat(
+            "Requests/s",
+            "Finished requests per second (all APIs and outcomes).",
+            prom(f"sum(rate({req}[{RATE}]))"),
+            "reqps",
+            [("blue", None)],
+            decimals=2,
+        ),
+        4,
+        4,
+    )
+    g.add(
+        stat(
+            "Server error ratio",
+            "Share of requests that ended in a server error (5xx / gRPC "
+            "INTERNAL); client errors and 429s are not counted.",
+            prom(
+                f'sum(rate(moeserve_requests_total{{{SEL},status="server_error"}}[{RATE}])) '
+                f"/ sum(rate({req}[{RATE}]))"
+            ),
+            "percentunit",
+            [("green", None), ("orange", 0.01), ("red", 0.05)],
+            decimals=2,
+        ),
+        4,
+        4,
+    )
+    g.add(
+        stat(
+            "Rejected (429)/s",
+            "Requests refused because the waiting queue was full (HTTP 429 "
+            "/ gRPC RESOURCE_EXHAUSTED).",
+            prom(f'sum(rate(moeserve_requests_total{{{SEL},status="rejected"}}[{RATE}]))'),
+            "reqps",
+            [("green", None), ("red", 0.001)],
+            decimals=2,
+        ),
+        4,
+        4,
+    )
+    g.add(
+        stat(
+            "TTFT p95",
+            "95th percentile time to first token.",
+            prom(
+                f"histogram_quantile(0.95, sum by (le) (rate("
+                f"moeserve_time_to_first_token_seconds_bucket{{{SEL}}}[{RATE}])))"
+            ),
+            "s",
+            [("green", None), ("orange", 0.5), ("red", 1)],
+            links=DRILL_DOWN,
+        ),
+        4,
+        4,
+    )
+    g.add(
+        stat(
+            "Output tokens/s",
+            "Generated tokens per second.",
+            prom(f"sum(rate(moeserve_generation_tokens_total{{{SEL}}}[{RATE}]))"),
+            "short",
+            [("blue", None)],
+            decimals=1,
+        ),
+        4,
+        4,
+    )
+    g.add(
+        stat(
+            "KV cache usage",
+            "Share of KV-cache blocks held by live requests.",
+            prom(f"max(moeserve_kv_cache_usage_ratio{{{SEL}}})"),
+            "percentunit",
+            [("green", None), ("orange", 0.9), ("red", 0.98)],
+            kind="gauge",
+            max_=1,
+        ),
+        4,
+        4,
+    )
 
     g.row("Traffic")
-    g.add(timeseries("Request rate by API and status",
-                     "Finished requests per second by API (rest|grpc) and outcome "
-                     "(ok|client_error|server_error|rejected).",
-                     [prom(f"sum by (api, status) (rate({req}[{RATE}]))", "{{api}} {{status}}")],
-                     "reqps", stack=True, links=DRILL_DOWN), 12, 8)
-    g.add(timeseries("Errors and rejections by status",
-                     "Requests that did not end ok: client errors (4xx, cancelled), server "
-                     "errors (5xx) and 429 rejections, by API.",
-                     [prom(f'sum by (api, status) (rate(moeserve_requests_total{{{SEL},status!="ok"}}[{RATE}]))',
-                           "{{api}} {{status}}")],
-                     "reqps", links=DRILL_DOWN), 12, 8)
-    g.add(timeseries("Finish reasons",
-                     "Why successful requests stopped: stop (EOS / stop string), length "
-                     "(max_tokens or context), abort.",
-                     [prom(f'sum by (finish_reason) (rate(moeserve_requests_total{{{SEL},status="ok"}}[{RATE}]))',
-                           "{{finish_reason}}")],
-                     "reqps", stack=True), 12, 8)
-    g.add(timeseries("Token throughput",
-                     "Output (generated) and prompt tokens per second, by API.",
-                     [prom(f"sum by (api) (rate(moeserve_generation_tokens_total{{{SEL}}}[{RATE}]))",
-                           "output {{api}}"),
-                      prom(f"sum by (api) (rate(moeserve_prompt_tokens_total{{{SEL}}}[{RATE}]))",
-                           "prompt {{api}}")],
-                     "short"), 12, 8)
+    g.add(
+        timeseries(
+            "Request rate by API and status",
+            "Finished requests per second by API (rest|grpc) and outcome "
+            "(ok|client_error|server_error|rejected).",
+            [prom(f"sum by (api, status) (rate({req}[{RATE}]))", "{{api}} {{status}}")],
+            "reqps",
+            stack=True,
+            links=DRILL_DOWN,
+        ),
+        12,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Errors and rejections by status",
+            "Requests that did not end ok: client errors (4xx, cancelled), server "
+            "errors (5xx) and 429 rejections, by API.",
+            [
+                prom(
+                    f'sum by (api, status) (rate(moeserve_requests_total{{{SEL},status!="ok"}}[{RATE}]))',
+                    "{{api}} {{status}}",
+                )
+            ],
+            "reqps",
+            links=DRILL_DOWN,
+        ),
+        12,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Finish reasons",
+            "Why successful requests stopped: stop (EOS / stop string), length "
+            "(max_tokens or context), abort.",
+            [
+                prom(
+                    f'sum by (finish_reason) (rate(moeserve_requests_total{{{SEL},status="ok"}}[{RATE}]))',
+                    "{{finish_reason}}",
+                )
+            ],
+            "reqps",
+            stack=True,
+        ),
+        12,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Token throughput",
+            "Output (generated) and prompt tokens per second, by API.",
+            [
+                prom(
+                    f"sum by (api) (rate(moeserve_generation_tokens_total{{{SEL}}}[{RATE}]))",
+                    "output {{api}}",
+                ),
+                prom(
+                    f"sum by (api) (rate(moeserve_prompt_tokens_total{{{SEL}}}[{RATE}]))",
+                    "prompt {{api}}",
+                ),
+            ],
+            "short",
+        ),
+        12,
+        8,
+    )
 
     g.row("Latency (exemplars: click a diamond to open its trace)")
-    g.add(timeseries("Time to first token (TTFT)",
-                     "p50/p95/p99 from arrival to the first generated token. Exemplars carry "
-                     "the trace id of a request in that bucket.",
-                     quantiles("moeserve_time_to_first_token_seconds"), "s",
-                     links=DRILL_DOWN, thresholds=[("green", None), ("red", 1)]), 8, 8)
-    g.add(timeseries("Time per output token (TPOT)",
-                     "p50/p95/p99 of each request's mean time per output token after the first.",
-                     quantiles("moeserve_time_per_output_token_seconds"), "s",
-                     links=DRILL_DOWN, thresholds=[("green", None), ("red", 0.1)]), 8, 8)
-    g.add(timeseries("End-to-end request latency",
-                     "p50/p95/p99 from arrival to the request finishing.",
-                     quantiles("moeserve_e2e_request_latency_seconds"), "s", links=DRILL_DOWN), 8, 8)
-    g.add(timeseries("Queue time",
-                     "p50/p95/p99 time requests waited before first being scheduled.",
-                     quantiles("moeserve_request_queue_time_seconds"), "s", links=DRILL_DOWN), 8, 8)
+    g.add(
+        timeseries(
+            "Time to first token (TTFT)",
+            "p50/p95/p99 from arrival to the first generated token. Exemplars carry "
+            "the trace id of a request in that bucket.",
+            quantiles("moeserve_time_to_first_token_seconds"),
+            "s",
+            links=DRILL_DOWN,
+            thresholds=[("green", None), ("red", 1)],
+        ),
+        8,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Time per output token (TPOT)",
+            "p50/p95/p99 of each request's mean time per output token after the first.",
+            quantiles("moeserve_time_per_output_token_seconds"),
+            "s",
+            links=DRILL_DOWN,
+            thresholds=[("green", None), ("red", 0.1)],
+        ),
+        8,
+        8,
+    )
+    g.add(
+        timeseries(
+            "End-to-end request latency",
+            "p50/p95/p99 from arrival to the request finishing.",
+            quantiles("moeserve_e2e_request_latency_seconds"),
+            "s",
+            links=DRILL_DOWN,
+        ),
+        8,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Queue time",
+            "p50/p95/p99 time requests waited before first being scheduled.",
+            quantiles("moeserve_request_queue_time_seconds"),
+            "s",
+            links=DRILL_DOWN,
+        ),
+        8,
+        8,
+    )
     means = [
         (name, metric)
         for name, metric in (
@@ -399,87 +571,195 @@ def overview() -> dict[str, Any]:
             ("queue", "moeserve_request_queue_time_seconds"),
         )
     ]
-    g.add(timeseries("Mean latencies",
-                     "Mean TTFT, TPOT, end-to-end and queue time (sum / count).",
-                     [prom(f"sum(rate({m}_sum{{{SEL}}}[{RATE}])) / sum(rate({m}_count{{{SEL}}}[{RATE}]))",
-                           n) for n, m in means],
-                     "s"), 8, 8)
-    g.add(timeseries("Engine step time",
-                     "p50/p95/p99 duration of one engine step (schedule + forward + sample).",
-                     quantiles("moeserve_engine_step_seconds"), "s"), 8, 8)
+    g.add(
+        timeseries(
+            "Mean latencies",
+            "Mean TTFT, TPOT, end-to-end and queue time (sum / count).",
+            [
+                prom(
+                    f"sum(rate({m}_sum{{{SEL}}}[{RATE}])) / sum(rate({m}_count{{{SEL}}}[{RATE}]))",
+                    n,
+                )
+                for n, m in means
+            ],
+            "s",
+        ),
+        8,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Engine step time",
+            "p50/p95/p99 duration of one engine step (schedule + forward + sample).",
+            quantiles("moeserve_engine_step_seconds"),
+            "s",
+        ),
+        8,
+        8,
+    )
 
     g.row("Engine and KV cache")
-    g.add(timeseries("Running / waiting requests",
-                     "Requests in the running batch, in the waiting queue, and the queue bound "
-                     "(--max-waiting) beyond which requests get 429.",
-                     [prom(f"sum(moeserve_num_requests_running{{{SEL}}})", "running"),
-                      prom(f"sum(moeserve_num_requests_waiting{{{SEL}}})", "waiting"),
-                      prom(f"sum(moeserve_max_waiting{{{SEL}}})", "max waiting")],
-                     "short"), 8, 8)
-    g.add(timeseries("Batch size",
-                     "Sequences per engine step: p50/p95 and mean.",
-                     [*quantiles("moeserve_batch_size")[:2],
-                      prom(f"sum(rate(moeserve_batch_size_sum{{{SEL}}}[{RATE}])) / "
-                           f"sum(rate(moeserve_batch_size_count{{{SEL}}}[{RATE}]))", "mean")],
-                     "short"), 8, 8)
-    g.add(timeseries("KV cache usage over time",
-                     "Share of KV-cache blocks held by live requests, per instance "
-                     "(alerts at 90% / 98%).",
-                     [prom(f"max by (instance) (moeserve_kv_cache_usage_ratio{{{SEL}}})", "{{instance}}")],
-                     "percentunit", max_=1,
-                     thresholds=[("green", None), ("orange", 0.9), ("red", 0.98)]), 8, 8)
-    g.add(timeseries("Preemptions",
-                     "Sequences preempted per second (KV cache exhausted: evicted and "
-                     "recomputed later).",
-                     [prom(f"sum by (instance) (rate(moeserve_preemptions_total{{{SEL}}}[{RATE}]))",
-                           "{{instance}}")],
-                     "short", links=DRILL_DOWN), 8, 8)
-    g.add(timeseries("429 rejections",
-                     "Requests rejected per second because the waiting queue was full, by API.",
-                     [prom(f'sum by (api) (rate(moeserve_requests_total{{{SEL},status="rejected"}}[{RATE}]))',
-                           "{{api}}")],
-                     "reqps", links=DRILL_DOWN), 8, 8)
-    g.add(timeseries("Waiting-queue saturation",
-                     "Waiting requests / --max-waiting, per instance (alerts at 80% / 95%).",
-                     [prom(f"sum by (instance) (moeserve_num_requests_waiting{{{SEL}}}) / "
-                           f"sum by (instance) (moeserve_max_waiting{{{SEL}}} > 0)", "{{instance}}")],
-                     "percentunit", max_=1,
-                     thresholds=[("green", None), ("orange", 0.8), ("red", 0.95)]), 8, 8)
+    g.add(
+        timeseries(
+            "Running / waiting requests",
+            "Requests in the running batch, in the waiting queue, and the queue bound "
+            "(--max-waiting) beyond which requests get 429.",
+            [
+                prom(f"sum(moeserve_num_requests_running{{{SEL}}})", "running"),
+                prom(f"sum(moeserve_num_requests_waiting{{{SEL}}})", "waiting"),
+                prom(f"sum(moeserve_max_waiting{{{SEL}}})", "max waiting"),
+            ],
+            "short",
+        ),
+        8,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Batch size",
+            "Sequences per engine step: p50/p95 and mean.",
+            [
+                *quantiles("moeserve_batch_size")[:2],
+                prom(
+                    f"sum(rate(moeserve_batch_size_sum{{{SEL}}}[{RATE}])) / "
+                    f"sum(rate(moeserve_batch_size_count{{{SEL}}}[{RATE}]))",
+                    "mean",
+                ),
+            ],
+            "short",
+        ),
+        8,
+        8,
+    )
+    g.add(
+        timeseries(
+            "KV cache usage over time",
+            "Share of KV-cache blocks held by live requests, per instance (alerts at 90% / 98%).",
+            [prom(f"max by (instance) (moeserve_kv_cache_usage_ratio{{{SEL}}})", "{{instance}}")],
+            "percentunit",
+            max_=1,
+            thresholds=[("green", None), ("orange", 0.9), ("red", 0.98)],
+        ),
+        8,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Preemptions",
+            "Sequences preempted per second (KV cache exhausted: evicted and recomputed later).",
+            [
+                prom(
+                    f"sum by (instance) (rate(moeserve_preemptions_total{{{SEL}}}[{RATE}]))",
+                    "{{instance}}",
+                )
+            ],
+            "short",
+            links=DRILL_DOWN,
+        ),
+        8,
+        8,
+    )
+    g.add(
+        timeseries(
+            "429 rejections",
+            "Requests rejected per second because the waiting queue was full, by API.",
+            [
+                prom(
+                    f'sum by (api) (rate(moeserve_requests_total{{{SEL},status="rejected"}}[{RATE}]))',
+                    "{{api}}",
+                )
+            ],
+            "reqps",
+            links=DRILL_DOWN,
+        ),
+        8,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Waiting-queue saturation",
+            "Waiting requests / --max-waiting, per instance (alerts at 80% / 95%).",
+            [
+                prom(
+                    f"sum by (instance) (moeserve_num_requests_waiting{{{SEL}}}) / "
+                    f"sum by (instance) (moeserve_max_waiting{{{SEL}}} > 0)",
+                    "{{instance}}",
+                )
+            ],
+            "percentunit",
+            max_=1,
+            thresholds=[("green", None), ("orange", 0.8), ("red", 0.95)],
+        ),
+        8,
+        8,
+    )
 
     g.row("Logs and traces")
-    g.add({
-        "type": "logs",
-        "title": "Logs of $model",
-        "description": "moeserve's JSON log lines in Loki (shipped by the OpenTelemetry "
-                       "Collector), filtered by the dashboard's model. Expand a line and follow "
-                       "its trace_id link to Tempo.",
-        "datasource": LOKI,
-        "targets": [{"refId": "A", "datasource": LOKI, "expr": LOGQL, "queryType": "range",
-                     "editorMode": "code"}],
-        "fieldConfig": {"defaults": {"links": []}, "overrides": []},
-        "options": {"showTime": True, "wrapLogMessage": True, "prettifyLogMessage": False,
-                    "enableLogDetails": True, "dedupStrategy": "none", "sortOrder": "Descending",
-                    "showLabels": False, "showCommonLabels": False},
-        "links": [LOG_LINK],
-    }, 24, 10)
-    g.add({
-        "type": "table",
-        "title": "Recent traces of $model",
-        "description": "Server spans of recent requests in Tempo; click a trace id to open it "
-                       "(spans queue, prefill, decode; logs and metrics linked from there).",
-        "datasource": TEMPO,
-        "targets": [{"refId": "A", "datasource": TEMPO, "queryType": "traceql", "query": TRACEQL,
-                     "limit": 20, "tableType": "traces"}],
-        "fieldConfig": {"defaults": {"links": []}, "overrides": []},
-        "options": {"showHeader": True, "cellHeight": "sm"},
-        "links": [TRACE_LINK, SLOW_TRACE_LINK],
-    }, 24, 8)
+    g.add(
+        {
+            "type": "logs",
+            "title": "Logs of $model",
+            "description": "moeserve's JSON log lines in Loki (shipped by the OpenTelemetry "
+            "Collector), filtered by the dashboard's model. Expand a line and follow "
+            "its trace_id link to Tempo.",
+            "datasource": LOKI,
+            "targets": [
+                {
+                    "refId": "A",
+                    "datasource": LOKI,
+                    "expr": LOGQL,
+                    "queryType": "range",
+                    "editorMode": "code",
+                }
+            ],
+            "fieldConfig": {"defaults": {"links": []}, "overrides": []},
+            "options": {
+                "showTime": True,
+                "wrapLogMessage": True,
+                "prettifyLogMessage": False,
+                "enableLogDetails": True,
+                "dedupStrategy": "none",
+                "sortOrder": "Descending",
+                "showLabels": False,
+                "showCommonLabels": False,
+            },
+            "links": [LOG_LINK],
+        },
+        24,
+        10,
+    )
+    g.add(
+        {
+            "type": "table",
+            "title": "Recent traces of $model",
+            "description": "Server spans of recent requests in Tempo; click a trace id to open it "
+            "(spans queue, prefill, decode; logs and metrics linked from there).",
+            "datasource": TEMPO,
+            "targets": [
+                {
+                    "refId": "A",
+                    "datasource": TEMPO,
+                    "queryType": "traceql",
+                    "query": TRACEQL,
+                    "limit": 20,
+                    "tableType": "traces",
+                }
+            ],
+            "fieldConfig": {"defaults": {"links": []}, "overrides": []},
+            "options": {"showHeader": True, "cellHeight": "sm"},
+            "links": [TRACE_LINK, SLOW_TRACE_LINK],
+        },
+        24,
+        8,
+    )
 
     return dashboard(
-        OVERVIEW_UID, "moeserve / Overview",
+        OVERVIEW_UID,
+        "moeserve / Overview",
         "Requests, latency (with trace exemplars), throughput, engine and KV-cache state, "
         "logs and traces of moeserve.",
-        g.panels, common_variables(),
+        g.panels,
+        common_variables(),
         [dashboard_link("moeserve / MoE experts", EXPERTS_UID)],
     )
 
@@ -493,136 +773,275 @@ def moe_experts() -> dict[str, Any]:
     imbalance = f'moeserve_moe_expert_imbalance{{{SEL},layer=~"$layer"}}'
 
     g.row("Summary")
-    g.add(stat("Max imbalance", "Highest max/mean expert load over the selected layers "
-               "(1 = balanced; alert above 3).",
-               prom(f"max({imbalance})"), "x", [("green", None), ("orange", 2), ("red", 3)],
-               decimals=2, links=DRILL_DOWN), 8, 4)
-    g.add(stat("Routed tokens/s", "Tokens routed to experts per second, summed over layers and "
-               "experts (top-k routing counts each token k times per layer).",
-               prom(f"sum(rate({tokens}[{RATE}]))"), "short", [("blue", None)], decimals=1), 8, 4)
-    g.add(stat("Hottest expert share", "Largest share of a layer's routed tokens that one expert "
-               "received over the dashboard's time range.",
-               prom(f"max(sum by (layer, expert) (increase({tokens}[$__range])) / on (layer) group_left "
-                    f"sum by (layer) (increase({tokens}[$__range])))"),
-               "percentunit", [("green", None), ("orange", 0.5), ("red", 0.8)], decimals=1), 8, 4)
+    g.add(
+        stat(
+            "Max imbalance",
+            "Highest max/mean expert load over the selected layers (1 = balanced; alert above 3).",
+            prom(f"max({imbalance})"),
+            "x",
+            [("green", None), ("orange", 2), ("red", 3)],
+            decimals=2,
+            links=DRILL_DOWN,
+        ),
+        8,
+        4,
+    )
+    g.add(
+        stat(
+            "Routed tokens/s",
+            "Tokens routed to experts per second, summed over layers and "
+            "experts (top-k routing counts each token k times per layer).",
+            prom(f"sum(rate({tokens}[{RATE}]))"),
+            "short",
+            [("blue", None)],
+            decimals=1,
+        ),
+        8,
+        4,
+    )
+    g.add(
+        stat(
+            "Hottest expert share",
+            "Largest share of a layer's routed tokens that one expert "
+            "received over the dashboard's time range.",
+            prom(
+                f"max(sum by (layer, expert) (increase({tokens}[$__range])) / on (layer) group_left "
+                f"sum by (layer) (increase({tokens}[$__range])))"
+            ),
+            "percentunit",
+            [("green", None), ("orange", 0.5), ("red", 0.8)],
+            decimals=1,
+        ),
+        8,
+        4,
+    )
 
     g.row("Expert load")
-    g.add({
-        "type": "table",
-        "title": "Expert-load share: layer x expert",
-        "description": "Share of each layer's routed tokens that each expert received over the "
-                       "time range (a row sums to 1; 1/num_experts everywhere is perfectly "
-                       "balanced). Cells are coloured by share.",
-        "datasource": PROM,
-        "targets": with_ref_ids([prom(
-            f"sum by (layer, expert) (increase({tokens}[$__range])) / on (layer) group_left "
-            f"sum by (layer) (increase({tokens}[$__range]))", instant=True, fmt="table")]),
-        "transformations": [
-            {"id": "groupingToMatrix",
-             "options": {"rowField": "layer", "columnField": "expert", "valueField": "Value",
-                         "emptyValue": "zero"}},
-            {"id": "renameByRegex", "options": {"regex": "layer\\\\expert", "renamePattern": "layer"}},
-        ],
-        "fieldConfig": {
-            "defaults": {
-                "unit": "percentunit",
-                "decimals": 1,
-                "min": 0,
-                "max": 1,
-                "color": {"mode": "continuous-GrYlRd"},
-                "custom": {"align": "center", "cellOptions": {"type": "color-background",
-                                                             "mode": "gradient"}},
-                "thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None}]},
-                "links": [],
-            },
-            "overrides": [
-                {"matcher": {"id": "byName", "options": "layer"},
-                 "properties": [{"id": "custom.cellOptions", "value": {"type": "auto"}},
-                                {"id": "unit", "value": "none"}]},
+    g.add(
+        {
+            "type": "table",
+            "title": "Expert-load share: layer x expert",
+            "description": "Share of each layer's routed tokens that each expert received over the "
+            "time range (a row sums to 1; 1/num_experts everywhere is perfectly "
+            "balanced). Cells are coloured by share.",
+            "datasource": PROM,
+            "targets": with_ref_ids(
+                [
+                    prom(
+                        f"sum by (layer, expert) (increase({tokens}[$__range])) / on (layer) group_left "
+                        f"sum by (layer) (increase({tokens}[$__range]))",
+                        instant=True,
+                        fmt="table",
+                    )
+                ]
+            ),
+            "transformations": [
+                {
+                    "id": "groupingToMatrix",
+                    "options": {
+                        "rowField": "layer",
+                        "columnField": "expert",
+                        "valueField": "Value",
+                        "emptyValue": "zero",
+                    },
+                },
+                {
+                    "id": "renameByRegex",
+                    "options": {"regex": "layer\\\\expert", "renamePattern": "layer"},
+                },
             ],
+            "fieldConfig": {
+                "defaults": {
+                    "unit": "percentunit",
+                    "decimals": 1,
+                    "min": 0,
+                    "max": 1,
+                    "color": {"mode": "continuous-GrYlRd"},
+                    "custom": {
+                        "align": "center",
+                        "cellOptions": {"type": "color-background", "mode": "gradient"},
+                    },
+                    "thresholds": {
+                        "mode": "absolute",
+                        "steps": [{"color": "green", "value": None}],
+                    },
+                    "links": [],
+                },
+                "overrides": [
+                    {
+                        "matcher": {"id": "byName", "options": "layer"},
+                        "properties": [
+                            {"id": "custom.cellOptions", "value": {"type": "auto"}},
+                            {"id": "unit", "value": "none"},
+                        ],
+                    },
+                ],
+            },
+            "options": {
+                "showHeader": True,
+                "cellHeight": "sm",
+                "sortBy": [{"displayName": "layer", "desc": False}],
+            },
+            "links": DRILL_DOWN,
         },
-        "options": {"showHeader": True, "cellHeight": "sm",
-                    "sortBy": [{"displayName": "layer", "desc": False}]},
-        "links": DRILL_DOWN,
-    }, 24, 10)
-    g.add({
-        "type": "heatmap",
-        "title": "Expert load over time: layer $layer",
-        "description": "Tokens per second routed to each expert of this layer (one row per "
-                       "expert). A bright row that stays bright is a hot expert.",
-        "datasource": PROM,
-        "repeat": "layer",
-        "repeatDirection": "h",
-        "maxPerRow": 4,
-        "targets": with_ref_ids([prom(
-            f'sum by (expert) (rate(moeserve_moe_expert_tokens_total{{{SEL},layer=~"$layer"}}[{RATE}]))',
-            "{{expert}}")]),
-        "fieldConfig": {"defaults": {"custom": {"hideFrom": {"legend": False, "tooltip": False,
-                                                             "viz": False},
-                                                "scaleDistribution": {"type": "linear"}},
-                                     "links": []},
-                        "overrides": []},
-        "options": {
-            "calculate": False,
-            "cellGap": 1,
-            "color": {"mode": "scheme", "scheme": "Oranges", "fill": "dark-orange", "scale": "exponential",
-                      "exponent": 0.5, "steps": 64, "reverse": False},
-            "yAxis": {"axisPlacement": "left", "reverse": False, "unit": "none",
-                      "axisLabel": "expert"},
-            "rowsFrame": {"layout": "auto"},
-            "cellValues": {"unit": "short"},
-            "legend": {"show": True},
-            "tooltip": {"mode": "single", "yHistogram": False, "showColorScale": False},
-            "exemplars": {"color": "rgba(255,0,255,0.7)"},
-            "filterValues": {"le": 1e-9},
+        24,
+        10,
+    )
+    g.add(
+        {
+            "type": "heatmap",
+            "title": "Expert load over time: layer $layer",
+            "description": "Tokens per second routed to each expert of this layer (one row per "
+            "expert). A bright row that stays bright is a hot expert.",
+            "datasource": PROM,
+            "repeat": "layer",
+            "repeatDirection": "h",
+            "maxPerRow": 4,
+            "targets": with_ref_ids(
+                [
+                    prom(
+                        f'sum by (expert) (rate(moeserve_moe_expert_tokens_total{{{SEL},layer=~"$layer"}}[{RATE}]))',
+                        "{{expert}}",
+                    )
+                ]
+            ),
+            "fieldConfig": {
+                "defaults": {
+                    "custom": {
+                        "hideFrom": {"legend": False, "tooltip": False, "viz": False},
+                        "scaleDistribution": {"type": "linear"},
+                    },
+                    "links": [],
+                },
+                "overrides": [],
+            },
+            "options": {
+                "calculate": False,
+                "cellGap": 1,
+                "color": {
+                    "mode": "scheme",
+                    "scheme": "Oranges",
+                    "fill": "dark-orange",
+                    "scale": "exponential",
+                    "exponent": 0.5,
+                    "steps": 64,
+                    "reverse": False,
+                },
+                "yAxis": {
+                    "axisPlacement": "left",
+                    "reverse": False,
+                    "unit": "none",
+                    "axisLabel": "expert",
+                },
+                "rowsFrame": {"layout": "auto"},
+                "cellValues": {"unit": "short"},
+                "legend": {"show": True},
+                "tooltip": {"mode": "single", "yHistogram": False, "showColorScale": False},
+                "exemplars": {"color": "rgba(255,0,255,0.7)"},
+                "filterValues": {"le": 1e-9},
+            },
+            "links": DRILL_DOWN,
         },
-        "links": DRILL_DOWN,
-    }, 12, 8)
+        12,
+        8,
+    )
 
     g.row("Imbalance and tokens per expert")
-    g.add(timeseries("Imbalance over time (max/mean expert load)",
-                     "Per layer: load of the busiest expert / mean expert load over the last "
-                     "engine steps (1 = balanced, num_experts = one expert takes everything; "
-                     "0 = nothing routed). The alert fires above 3 for 15 minutes.",
-                     [prom(f"max by (layer) ({imbalance})", "layer {{layer}}")], "x",
-                     links=DRILL_DOWN, thresholds=[("green", None), ("red", 3)]), 12, 8)
-    g.add({
-        "type": "bargauge",
-        "title": "Tokens per expert (time range)",
-        "description": "Tokens routed to each expert over the time range, summed over the "
-                       "selected layers.",
-        "datasource": PROM,
-        "targets": with_ref_ids([prom(f"sum by (expert) (increase({tokens}[$__range]))",
-                                      "expert {{expert}}", instant=True)]),
-        "fieldConfig": {"defaults": {"unit": "short", "min": 0, "color": {"mode": "continuous-BlPu"},
-                                     "thresholds": {"mode": "absolute",
-                                                    "steps": [{"color": "green", "value": None}]},
-                                     "links": []},
-                        "overrides": []},
-        "options": {"orientation": "horizontal", "displayMode": "gradient", "showUnfilled": True,
-                    "valueMode": "color", "namePlacement": "auto", "sizing": "auto",
-                    "minVizHeight": 10, "minVizWidth": 0, "maxVizHeight": 300,
-                    "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
-        "links": [],
-    }, 12, 8)
-    g.add(timeseries("Tokens per expert per second",
-                     "Routed tokens per second for each (layer, expert).",
-                     [prom(f"sum by (layer, expert) (rate({tokens}[{RATE}]))",
-                           "L{{layer}} E{{expert}}")], "short"), 12, 8)
-    g.add(timeseries("Routed tokens per layer",
-                     "Tokens routed per second in each layer (all experts).",
-                     [prom(f"sum by (layer) (rate({tokens}[{RATE}]))", "layer {{layer}}")],
-                     "short"), 12, 8)
+    g.add(
+        timeseries(
+            "Imbalance over time (max/mean expert load)",
+            "Per layer: load of the busiest expert / mean expert load over the last "
+            "engine steps (1 = balanced, num_experts = one expert takes everything; "
+            "0 = nothing routed). The alert fires above 3 for 15 minutes.",
+            [prom(f"max by (layer) ({imbalance})", "layer {{layer}}")],
+            "x",
+            links=DRILL_DOWN,
+            thresholds=[("green", None), ("red", 3)],
+        ),
+        12,
+        8,
+    )
+    g.add(
+        {
+            "type": "bargauge",
+            "title": "Tokens per expert (time range)",
+            "description": "Tokens routed to each expert over the time range, summed over the "
+            "selected layers.",
+            "datasource": PROM,
+            "targets": with_ref_ids(
+                [
+                    prom(
+                        f"sum by (expert) (increase({tokens}[$__range]))",
+                        "expert {{expert}}",
+                        instant=True,
+                    )
+                ]
+            ),
+            "fieldConfig": {
+                "defaults": {
+                    "unit": "short",
+                    "min": 0,
+                    "color": {"mode": "continuous-BlPu"},
+                    "thresholds": {
+                        "mode": "absolute",
+                        "steps": [{"color": "green", "value": None}],
+                    },
+                    "links": [],
+                },
+                "overrides": [],
+            },
+            "options": {
+                "orientation": "horizontal",
+                "displayMode": "gradient",
+                "showUnfilled": True,
+                "valueMode": "color",
+                "namePlacement": "auto",
+                "sizing": "auto",
+                "minVizHeight": 10,
+                "minVizWidth": 0,
+                "maxVizHeight": 300,
+                "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            },
+            "links": [],
+        },
+        12,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Tokens per expert per second",
+            "Routed tokens per second for each (layer, expert).",
+            [prom(f"sum by (layer, expert) (rate({tokens}[{RATE}]))", "L{{layer}} E{{expert}}")],
+            "short",
+        ),
+        12,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Routed tokens per layer",
+            "Tokens routed per second in each layer (all experts).",
+            [prom(f"sum by (layer) (rate({tokens}[{RATE}]))", "layer {{layer}}")],
+            "short",
+        ),
+        12,
+        8,
+    )
 
     variables = [
         *common_variables(),
-        query_variable("layer", "Layer",
-                       'label_values(moeserve_moe_expert_tokens_total{model=~"$model"}, layer)'),
+        query_variable(
+            "layer",
+            "Layer",
+            'label_values(moeserve_moe_expert_tokens_total{model=~"$model"}, layer)',
+        ),
     ]
     return dashboard(
-        EXPERTS_UID, "moeserve / MoE experts",
+        EXPERTS_UID,
+        "moeserve / MoE experts",
         "Routing of tokens to experts: load per layer and expert, imbalance over time.",
-        g.panels, variables,
+        g.panels,
+        variables,
         [dashboard_link("moeserve / Overview", OVERVIEW_UID)],
     )
 

@@ -75,9 +75,14 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, model_dir: str | Path, device: str = "auto", dtype: str = "auto",
-                 config: EngineConfig | None = None,
-                 process_init: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str = "auto",
+        dtype: str = "auto",
+        config: EngineConfig | None = None,
+        process_init: Callable[[], None] | None = None,
+    ) -> None:
         """Starts the engine core process and waits until it has loaded the model (blocking:
         call it off the event loop). `process_init` (picklable) runs first in that process,
         e.g. to configure logging the way the API process does."""
@@ -97,7 +102,9 @@ class AsyncLLMEngine:
         self._send_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromCore)
-        self._process, self._conn = spawn_engine_core(str(path), device, dtype, config, process_init)
+        self._process, self._conn = spawn_engine_core(
+            str(path), device, dtype, config, process_init
+        )
         ready = self._receive_start()
         self.max_model_len = ready.max_model_len
         self.device, self.dtype = ready.device, ready.dtype
@@ -107,8 +114,9 @@ class AsyncLLMEngine:
             message = self._decoder.decode(self._conn.recv_bytes())
         except EOFError:
             self._conn.close()
-            raise ModelLoadError(f"the engine process exited while starting (exit code "
-                                 f"{self._process.wait(10)})") from None
+            raise ModelLoadError(
+                f"the engine process exited while starting (exit code {self._process.wait(10)})"
+            ) from None
         if isinstance(message, Failed):
             self._conn.close()
             self._process.wait(10)
@@ -118,15 +126,26 @@ class AsyncLLMEngine:
         return message
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str = "auto", dtype: str = "auto",
-                        process_init: Callable[[], None] | None = None, **limits) -> AsyncLLMEngine:
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: str = "auto",
+        dtype: str = "auto",
+        process_init: Callable[[], None] | None = None,
+        **limits,
+    ) -> AsyncLLMEngine:
         return cls(path, device, dtype, EngineConfig.from_kwargs(**limits), process_init)
 
     # ---- state read by the service (as of the last step) ------------------------------------
     @property
     def is_alive(self) -> bool:
-        return (self._reader is not None and self._reader.is_alive() and self._process.poll() is None
-                and self._error is None and not self._stopping)
+        return (
+            self._reader is not None
+            and self._reader.is_alive()
+            and self._process.poll() is None
+            and self._error is None
+            and not self._stopping
+        )
 
     @property
     def num_waiting(self) -> int:
@@ -184,18 +203,31 @@ class AsyncLLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt, params: SamplingParams) -> list[int]:
-        return tokenize_prompt(self.tokenizer, self.args.vocab_size, self.max_model_len, prompt, params)
+        return tokenize_prompt(
+            self.tokenizer, self.args.vocab_size, self.max_model_len, prompt, params
+        )
 
-    async def stream(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                     log_context: dict | None = None,
-                     prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+    async def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        log_context: dict | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Yields outputs as tokens arrive (deltas in `delta_*`); aborts the request in the
         engine if the consumer stops early (disconnect, cancellation, deadline)."""
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
-        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt, params)
+        ids = (
+            prompt_token_ids
+            if prompt_token_ids is not None
+            else self.tokenize_prompt(prompt, params)
+        )
         if self.num_waiting >= self.max_waiting:
-            raise QueueFullError(f"{self.num_waiting} requests are waiting (max_waiting={self.max_waiting})")
+            raise QueueFullError(
+                f"{self.num_waiting} requests are waiting (max_waiting={self.max_waiting})"
+            )
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise InvalidParameterError("request_id", f"{request_id!r} is already in use")
@@ -217,8 +249,13 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(request_id)
 
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                       log_context: dict | None = None) -> RequestOutput:
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        log_context: dict | None = None,
+    ) -> RequestOutput:
         output = None
         async for output in self.stream(prompt, params, request_id, log_context):
             pass

@@ -34,10 +34,14 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's k/v is written
     num_decode: int  # rows [0, num_decode) are single-token queries
     decode_slots: torch.Tensor | None  # [B_d, L] cache slots of each decode row's context
-    decode_mask: torch.Tensor | None  # [B_d, 1, 1, L] True where the slot is part of the context; None: one row
+    decode_mask: (
+        torch.Tensor | None
+    )  # [B_d, 1, 1, L] True where the slot is part of the context; None: one row
     prefills: list[PrefillChunk]
     block_tables: torch.Tensor | None = None  # [B_d, W] int32, the decode rows' cache blocks
-    context_lens: torch.Tensor | None = None  # [B_d] int32, their context lengths (the new token included)
+    context_lens: torch.Tensor | None = (
+        None  # [B_d] int32, their context lengths (the new token included)
+    )
     block_size: int = 0
 
 
@@ -52,19 +56,33 @@ def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, slots.flatten()).view(*slots.shape, *cache.shape[1:])
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """q [T, H, d]; k, v [T, G, d] (already written to the caches). Returns [T, H, d_v]."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     nd = meta.num_decode
     if nd and meta.block_tables is not None:
-        out[:nd] = cpu_kernels.decode_attention(q[:nd], k_cache, v_cache, meta.block_tables,
-                                                meta.context_lens, meta.block_size, scale)
+        out[:nd] = cpu_kernels.decode_attention(
+            q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size, scale
+        )
     elif nd:
         keys = gather_slots(k_cache, meta.decode_slots).transpose(1, 2)  # [B_d, G, L, d]
         values = gather_slots(v_cache, meta.decode_slots).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, values,
-                                           attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            q[:nd].unsqueeze(2),
+            keys,
+            values,
+            attn_mask=meta.decode_mask,
+            scale=scale,
+            enable_gqa=True,
+        )
         out[:nd] = o.squeeze(2)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
@@ -77,8 +95,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             query_pos = torch.arange(chunk.context_len, total, device=q.device)
             mask = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]
             causal = False
-        o = F.scaled_dot_product_attention(qc, kc.transpose(0, 1).unsqueeze(0),
-                                           vc.transpose(0, 1).unsqueeze(0), attn_mask=mask,
-                                           is_causal=causal, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            qc,
+            kc.transpose(0, 1).unsqueeze(0),
+            vc.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=True,
+        )
         out[rows] = o.squeeze(0).transpose(0, 1)
     return out

@@ -20,7 +20,9 @@ def _chain_hash(parent: int, tokens: list[int]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
@@ -55,7 +57,7 @@ class BlockManager:
             return 0
         parent, hits = 0, []
         for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
-            parent = _chain_hash(parent, seq.token_ids[start:start + self.block_size])
+            parent = _chain_hash(parent, seq.token_ids[start : start + self.block_size])
             block = self.block_of.get(parent)
             if block is None:
                 break
@@ -77,7 +79,9 @@ class BlockManager:
         full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else 0
         for i in range(seq.num_hashed_blocks, full):
-            parent = _chain_hash(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            parent = _chain_hash(
+                parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            )
             seq.block_hashes.append(parent)
             block = seq.block_table[i]
             if parent not in self.block_of and block not in self.hash_of:

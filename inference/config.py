@@ -70,21 +70,32 @@ class ModelArgs:
         arch = (getattr(cfg, "architectures", None) or ["?"])[0]
         if arch not in _ARCH_FIELDS:
             raise ModelLoadError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         common = {
-            "architecture": arch, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-            "num_layers": cfg.num_hidden_layers, "num_heads": cfg.num_attention_heads,
-            "num_kv_heads": cfg.num_key_value_heads, "head_dim": head_dim,
-            "top_k": getattr(cfg, "num_experts_per_tok", 0), "rms_norm_eps": cfg.rms_norm_eps,
+            "architecture": arch,
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size,
+            "num_layers": cfg.num_hidden_layers,
+            "num_heads": cfg.num_attention_heads,
+            "num_kv_heads": cfg.num_key_value_heads,
+            "head_dim": head_dim,
+            "top_k": getattr(cfg, "num_experts_per_tok", 0),
+            "rms_norm_eps": cfg.rms_norm_eps,
             "max_position_embeddings": cfg.max_position_embeddings,
-            "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)), "hf_config": cfg}
+            "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+            "hf_config": cfg,
+        }
         return cls(**(common | _ARCH_FIELDS[arch](cfg)))
 
 
 def _mixtral(cfg) -> dict:
-    return {"num_experts": cfg.num_local_experts, "moe_intermediate_size": cfg.intermediate_size,
-            "norm_topk_prob": True}
+    return {
+        "num_experts": cfg.num_local_experts,
+        "moe_intermediate_size": cfg.intermediate_size,
+        "norm_topk_prob": True,
+    }
 
 
 def _qwen_moe(cfg) -> dict:
@@ -92,23 +103,38 @@ def _qwen_moe(cfg) -> dict:
     optional dense layers (decoder_sparse_step, mlp_only_layers)."""
     step = getattr(cfg, "decoder_sparse_step", 1) or 1
     only_mlp = set(getattr(cfg, "mlp_only_layers", []) or [])
-    dense = tuple(i for i in range(cfg.num_hidden_layers)
-                  if i in only_mlp or cfg.num_experts == 0 or (i + 1) % step != 0)
-    out = {"num_experts": cfg.num_experts, "moe_intermediate_size": cfg.moe_intermediate_size,
-           "norm_topk_prob": bool(cfg.norm_topk_prob), "dense_layers": dense,
-           "dense_intermediate_size": cfg.intermediate_size}
+    dense = tuple(
+        i
+        for i in range(cfg.num_hidden_layers)
+        if i in only_mlp or cfg.num_experts == 0 or (i + 1) % step != 0
+    )
+    out = {
+        "num_experts": cfg.num_experts,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "norm_topk_prob": bool(cfg.norm_topk_prob),
+        "dense_layers": dense,
+        "dense_intermediate_size": cfg.intermediate_size,
+    }
     if cfg.architectures[0] == "Qwen3MoeForCausalLM":
         bias = bool(getattr(cfg, "attention_bias", False))
         return out | {"qk_norm": "head", "qkv_bias": bias, "o_bias": bias}
-    return out | {"qkv_bias": bool(getattr(cfg, "qkv_bias", True)),
-                  "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size}
+    return out | {
+        "qkv_bias": bool(getattr(cfg, "qkv_bias", True)),
+        "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+    }
 
 
 def _olmoe(cfg) -> dict:
     bias = bool(getattr(cfg, "attention_bias", False))
-    return {"num_experts": cfg.num_experts, "moe_intermediate_size": cfg.intermediate_size,
-            "norm_topk_prob": bool(cfg.norm_topk_prob), "qk_norm": "full", "clip_qkv": cfg.clip_qkv,
-            "qkv_bias": bias, "o_bias": bias}
+    return {
+        "num_experts": cfg.num_experts,
+        "moe_intermediate_size": cfg.intermediate_size,
+        "norm_topk_prob": bool(cfg.norm_topk_prob),
+        "qk_norm": "full",
+        "clip_qkv": cfg.clip_qkv,
+        "qkv_bias": bias,
+        "o_bias": bias,
+    }
 
 
 def _deepseek_v2(cfg) -> dict:
@@ -116,40 +142,67 @@ def _deepseek_v2(cfg) -> dict:
     DeepSeek's own code, layers off moe_layer_freq) dense, greedy or group-limited routing."""
     method = cfg.topk_method or "greedy"
     if method not in ("greedy", "group_limited_greedy"):
-        raise ModelLoadError(f"DeepseekV2ForCausalLM: topk_method {method!r} is not supported "
-                             "(greedy, group_limited_greedy)")
+        raise ModelLoadError(
+            f"DeepseekV2ForCausalLM: topk_method {method!r} is not supported "
+            "(greedy, group_limited_greedy)"
+        )
     freq = getattr(cfg, "moe_layer_freq", 1) or 1
-    dense = tuple(i for i in range(cfg.num_hidden_layers)
-                  if i < cfg.first_k_dense_replace or i % freq)
+    dense = tuple(
+        i for i in range(cfg.num_hidden_layers) if i < cfg.first_k_dense_replace or i % freq
+    )
     bias = bool(getattr(cfg, "attention_bias", False))
     return {
         "num_kv_heads": cfg.num_attention_heads,
         "head_dim": cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
-        "num_experts": cfg.n_routed_experts, "moe_intermediate_size": cfg.moe_intermediate_size,
-        "norm_topk_prob": bool(cfg.norm_topk_prob), "qkv_bias": bias, "o_bias": bias,
+        "num_experts": cfg.n_routed_experts,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "norm_topk_prob": bool(cfg.norm_topk_prob),
+        "qkv_bias": bias,
+        "o_bias": bias,
         "shared_expert_intermediate_size": (cfg.n_shared_experts or 0) * cfg.moe_intermediate_size,
-        "shared_expert_gated": False, "dense_intermediate_size": cfg.intermediate_size,
-        "dense_layers": dense, "topk_method": method,
+        "shared_expert_gated": False,
+        "dense_intermediate_size": cfg.intermediate_size,
+        "dense_layers": dense,
+        "topk_method": method,
         "num_groups": (cfg.n_group or 1) if method == "group_limited_greedy" else 1,
-        "topk_group": cfg.topk_group or 1, "routed_scaling_factor": float(cfg.routed_scaling_factor),
-        "router_fp32": True, "q_lora_rank": cfg.q_lora_rank or 0, "kv_lora_rank": cfg.kv_lora_rank,
-        "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim}
+        "topk_group": cfg.topk_group or 1,
+        "routed_scaling_factor": float(cfg.routed_scaling_factor),
+        "router_fp32": True,
+        "q_lora_rank": cfg.q_lora_rank or 0,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim,
+    }
 
 
 def _llama(cfg) -> dict:
     """Dense Llama (and Llama-architecture models such as SmolLM2): every layer a SwiGLU MLP."""
     if getattr(cfg, "hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"LlamaForCausalLM: hidden_act {cfg.hidden_act!r} is not supported (silu)")
+        raise ModelLoadError(
+            f"LlamaForCausalLM: hidden_act {cfg.hidden_act!r} is not supported (silu)"
+        )
     bias = bool(getattr(cfg, "attention_bias", False))
-    return {"num_experts": 0, "top_k": 0, "moe_intermediate_size": 0, "norm_topk_prob": False,
-            "dense_layers": tuple(range(cfg.num_hidden_layers)),
-            "dense_intermediate_size": cfg.intermediate_size,
-            "mlp_bias": bool(getattr(cfg, "mlp_bias", False)), "qkv_bias": bias, "o_bias": bias}
+    return {
+        "num_experts": 0,
+        "top_k": 0,
+        "moe_intermediate_size": 0,
+        "norm_topk_prob": False,
+        "dense_layers": tuple(range(cfg.num_hidden_layers)),
+        "dense_intermediate_size": cfg.intermediate_size,
+        "mlp_bias": bool(getattr(cfg, "mlp_bias", False)),
+        "qkv_bias": bias,
+        "o_bias": bias,
+    }
 
 
-_ARCH_FIELDS = {"MixtralForCausalLM": _mixtral, "Qwen2MoeForCausalLM": _qwen_moe,
-                "Qwen3MoeForCausalLM": _qwen_moe, "OlmoeForCausalLM": _olmoe,
-                "DeepseekV2ForCausalLM": _deepseek_v2, "LlamaForCausalLM": _llama}
+_ARCH_FIELDS = {
+    "MixtralForCausalLM": _mixtral,
+    "Qwen2MoeForCausalLM": _qwen_moe,
+    "Qwen3MoeForCausalLM": _qwen_moe,
+    "OlmoeForCausalLM": _olmoe,
+    "DeepseekV2ForCausalLM": _deepseek_v2,
+    "LlamaForCausalLM": _llama,
+}
 SUPPORTED_ARCHITECTURES = tuple(_ARCH_FIELDS)
 
 

@@ -110,8 +110,21 @@ def _build(sources: list[Path], flags: list[str], name: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([_compiler(), *_COMMON_FLAGS, *flags, f"-I{_CSRC}", *map(str, sources), "-o", tmp, "-lm"],
-                              check=False, capture_output=True, timeout=180)
+        done = subprocess.run(
+            [
+                _compiler(),
+                *_COMMON_FLAGS,
+                *flags,
+                f"-I{_CSRC}",
+                *map(str, sources),
+                "-o",
+                tmp,
+                "-lm",
+            ],
+            check=False,
+            capture_output=True,
+            timeout=180,
+        )
         if done.returncode:
             raise RuntimeError(done.stderr.decode(errors="replace").strip()[-800:])
         os.replace(tmp, target)
@@ -125,23 +138,129 @@ class LayerSpec(ctypes.Structure):
     """One decoder layer for the fused decode step (csrc/layer.c, same field order):
     its sizes, options and the addresses of its packed weights, which must outlive it."""
 
-    _fields_ = [(n, _I64) for n in ("hidden", "heads", "kv_heads", "head_dim", "experts", "top_k", "moe_inter",
-                                    "mlp_inter", "qk_norm", "norm_topk_prob")] \
-        + [(n, _F32) for n in ("eps", "scale", "clip_qkv", "routed_scaling")] \
-        + [(n, _P) for n in ("input_norm", "post_norm", "wqkv", "qkv_bias", "wo", "o_bias", "q_norm", "k_norm",
-                             "router", "w13", "w2", "mlp_w13", "mlp_b13", "mlp_w2", "mlp_b2", "shared_gate")]
+    _fields_ = (
+        [
+            (n, _I64)
+            for n in (
+                "hidden",
+                "heads",
+                "kv_heads",
+                "head_dim",
+                "experts",
+                "top_k",
+                "moe_inter",
+                "mlp_inter",
+                "qk_norm",
+                "norm_topk_prob",
+            )
+        ]
+        + [(n, _F32) for n in ("eps", "scale", "clip_qkv", "routed_scaling")]
+        + [
+            (n, _P)
+            for n in (
+                "input_norm",
+                "post_norm",
+                "wqkv",
+                "qkv_bias",
+                "wo",
+                "o_bias",
+                "q_norm",
+                "k_norm",
+                "router",
+                "w13",
+                "w2",
+                "mlp_w13",
+                "mlp_b13",
+                "mlp_w2",
+                "mlp_b2",
+                "shared_gate",
+            )
+        ]
+    )
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.ms_linear.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _INT]
-    lib.ms_moe.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _P, _I64, _P, _INT]
-    lib.ms_decode_attention.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64,
-                                        _I64, _P, _I64, _P, _I64, _F32, _P, _I64, _INT]
+    lib.ms_linear.argtypes = [
+        _P,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _P,
+        _I64,
+        _I64,
+        _P,
+        _P,
+        _I64,
+        _I64,
+        _I64,
+        _INT,
+    ]
+    lib.ms_moe.argtypes = [
+        _P,
+        _I64,
+        _I64,
+        _I64,
+        _P,
+        _P,
+        _I64,
+        _I64,
+        _P,
+        _P,
+        _I64,
+        _P,
+        _I64,
+        _P,
+        _INT,
+    ]
+    lib.ms_decode_attention.argtypes = [
+        _P,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _P,
+        _I64,
+        _I64,
+        _I64,
+        _P,
+        _I64,
+        _I64,
+        _I64,
+        _P,
+        _I64,
+        _P,
+        _I64,
+        _F32,
+        _P,
+        _I64,
+        _INT,
+    ]
     lib.ms_rmsnorm.argtypes = [_P, _I64, _P, _I64, _P, _F32, _P, _I64, _I64, _I64, _INT]
     lib.ms_rope_cache.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _INT]
     lib.ms_set_amx.argtypes = [_P]
-    lib.ms_decode_step.argtypes = [ctypes.POINTER(LayerSpec), _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _I64,
-                                   _P, _I64, _P, _F32, _P, _P, _INT]
+    lib.ms_decode_step.argtypes = [
+        ctypes.POINTER(LayerSpec),
+        _I64,
+        _P,
+        _P,
+        _I64,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _I64,
+        _P,
+        _I64,
+        _P,
+        _F32,
+        _P,
+        _P,
+        _INT,
+    ]
     lib.ms_rmsnorm.restype = lib.ms_rope_cache.restype = lib.ms_set_amx.restype = None
     return lib
 
@@ -156,8 +275,12 @@ def load_build(isa: str, emulated: bool = False) -> ctypes.CDLL:
     if emulated and isa.startswith("avx512"):
         import simde_py
 
-        flags = [*BUILDS["avx2"][0], *(f for f in flags if f.startswith("-D")), "-DMS_SIMDE",
-                 f"-I{simde_py.get_include()}"]
+        flags = [
+            *BUILDS["avx2"][0],
+            *(f for f in flags if f.startswith("-D")),
+            "-DMS_SIMDE",
+            f"-I{simde_py.get_include()}",
+        ]
         name += "-simde"
     return _bind(ctypes.CDLL(str(_build([_CSRC / f for f in KERNEL_SOURCES], flags, name))))
 
@@ -201,16 +324,22 @@ def enable(isa: str | None = "auto", amx: bool | None = None, emulated: bool = F
     if isa == "auto":
         candidates = runnable_isas()
         if not candidates:
-            log.info("CPU kernels off: this CPU has neither AVX2 nor AVX-512; using ATen's",
-                     machine=platform.machine())
+            log.info(
+                "CPU kernels off: this CPU has neither AVX2 nor AVX-512; using ATen's",
+                machine=platform.machine(),
+            )
             return None
     elif isa not in runnable_isas() and not (emulated and "avx2" in runnable_isas()):
-        raise RuntimeError(f"this CPU cannot run the {isa} kernels (its flags lack "
-                           f"{sorted(BUILDS[isa][1] - cpu_flags())})")
+        raise RuntimeError(
+            f"this CPU cannot run the {isa} kernels (its flags lack "
+            f"{sorted(BUILDS[isa][1] - cpu_flags())})"
+        )
     else:
         candidates = [isa]
     lib = None
-    for candidate in candidates:  # a compiler too old for one instruction set may still build the next
+    for (
+        candidate
+    ) in candidates:  # a compiler too old for one instruction set may still build the next
         try:
             lib, isa = load_build(candidate, emulated), candidate
             break
@@ -239,7 +368,12 @@ def enable_once() -> str | None:
 def paths() -> dict[str, str]:
     """What each layer kind runs on, for the start-up log line (SPEC section 12)."""
     if ISA is None:
-        return {"linear": "aten", "moe_token": "aten", "moe_batch": "aten", "decode_attention": "aten"}
+        return {
+            "linear": "aten",
+            "moe_token": "aten",
+            "moe_batch": "aten",
+            "decode_attention": "aten",
+        }
     tiles = "amx" if AMX else ISA
     return {"linear": ISA, "moe_token": ISA, "moe_batch": tiles, "decode_attention": ISA}
 
@@ -262,6 +396,7 @@ def _check(status: int, what: str) -> None:
 
 # ---- packed weights --------------------------------------------------------------------
 
+
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
     """[..., N, K] row-major -> [..., ceil(K/2), N, 2] in the kernels' layout (csrc/kernels.c):
     blocks of 16 output columns, each a run of 64-byte rows holding the 16 columns' pair of
@@ -281,8 +416,18 @@ def unpack_weight(p: torch.Tensor, k: int) -> torch.Tensor:
     kp = 2 * half
     flat = p.reshape(-1, n * kp)
     m, full = flat.shape[0], n // 16 * 16
-    blocks = flat[:, : full * kp].reshape(m, n // 16, half, 16, 2).permute(0, 1, 3, 2, 4).reshape(m, full, kp)
-    tail = flat[:, full * kp:].reshape(m, half, n - full, 2).permute(0, 2, 1, 3).reshape(m, n - full, kp)
+    blocks = (
+        flat[:, : full * kp]
+        .reshape(m, n // 16, half, 16, 2)
+        .permute(0, 1, 3, 2, 4)
+        .reshape(m, full, kp)
+    )
+    tail = (
+        flat[:, full * kp :]
+        .reshape(m, half, n - full, 2)
+        .permute(0, 2, 1, 3)
+        .reshape(m, n - full, kp)
+    )
     return torch.cat((blocks, tail), dim=1)[..., :k].reshape(*lead, n, k)
 
 
@@ -294,6 +439,7 @@ def is_packed(w: torch.Tensor, matrix_dims: int = 2) -> bool:
 
 # ---- the kernels ----------------------------------------------------------------------------
 
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] bf16 @ packed weight [K/2, N, 2] (+ bias [N]) -> [..., N] bf16."""
     k = x.shape[-1]
@@ -304,8 +450,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     y = x.new_empty(*x.shape[:-1], n)
-    _check(_lib.ms_linear(rows.data_ptr(), 0, rows.stride(0), rows.shape[0], k, weight.data_ptr(), 0, n,
-                          None if bias is None else bias.data_ptr(), y.data_ptr(), 0, n, 1, _threads()), "linear")
+    _check(
+        _lib.ms_linear(
+            rows.data_ptr(),
+            0,
+            rows.stride(0),
+            rows.shape[0],
+            k,
+            weight.data_ptr(),
+            0,
+            n,
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            0,
+            n,
+            1,
+            _threads(),
+        ),
+        "linear",
+    )
     return y
 
 
@@ -318,13 +481,31 @@ def linear_heads(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     y = x.new_empty(b, h, n)
     w_stride = weight[0].numel()
-    _check(_lib.ms_linear(x.data_ptr(), x.stride(1), x.stride(0), b, k, weight.data_ptr(), w_stride, n, None,
-                          y.data_ptr(), n, h * n, h, _threads()), "linear_heads")
+    _check(
+        _lib.ms_linear(
+            x.data_ptr(),
+            x.stride(1),
+            x.stride(0),
+            b,
+            k,
+            weight.data_ptr(),
+            w_stride,
+            n,
+            None,
+            y.data_ptr(),
+            n,
+            h * n,
+            h,
+            _threads(),
+        ),
+        "linear_heads",
+    )
     return y
 
 
-def moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-        weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The routed experts of tokens x [T, D] in one call: packed w13 [E, D/2, 2I, 2] (gate
     columns then up), w2 [E, I/2, D, 2], expert ids and router weights [T, A] -> the MoE
     output [T, D] bf16 and the tokens per expert [E]."""
@@ -336,13 +517,39 @@ def moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
     weights = weights.to(torch.float32).contiguous()
     out = x.new_empty(t, d)
     counts = torch.empty(e, dtype=torch.int64)
-    _check(_lib.ms_moe(x.data_ptr(), x.stride(0), t, d, w13.data_ptr(), w2.data_ptr(), e, i, ids.data_ptr(),
-                       weights.data_ptr(), ids.shape[1], out.data_ptr(), d, counts.data_ptr(), _threads()), "moe")
+    _check(
+        _lib.ms_moe(
+            x.data_ptr(),
+            x.stride(0),
+            t,
+            d,
+            w13.data_ptr(),
+            w2.data_ptr(),
+            e,
+            i,
+            ids.data_ptr(),
+            weights.data_ptr(),
+            ids.shape[1],
+            out.data_ptr(),
+            d,
+            counts.data_ptr(),
+            _threads(),
+        ),
+        "moe",
+    )
     return out, counts
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, block_size: int, scale: float, v_dim: int | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    v_dim: int | None = None,
+) -> torch.Tensor:
     """Single-token queries q [B, H, dk] (unit last stride, rows at any stride) over their
     paged contexts: caches [S, G, d] (MLA: one latent cache passed as both, `v_dim` its value
     width), block_tables [B, W] int32, context_lens [B] int32 -> [B, H, dv] bf16."""
@@ -352,15 +559,38 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.stride(-1) != 1 or q.stride(1) != dk:
         q = q.contiguous()
     out = q.new_empty(b, h, dv)
-    _check(_lib.ms_decode_attention(
-        q.data_ptr(), q.stride(0), b, h, g, k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), dk,
-        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), dv, block_tables.data_ptr(),
-        block_tables.stride(0), context_lens.data_ptr(), block_size, scale, out.data_ptr(), h * dv,
-        _threads()), "decode_attention")
+    _check(
+        _lib.ms_decode_attention(
+            q.data_ptr(),
+            q.stride(0),
+            b,
+            h,
+            g,
+            k_cache.data_ptr(),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            dk,
+            v_cache.data_ptr(),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            dv,
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            context_lens.data_ptr(),
+            block_size,
+            scale,
+            out.data_ptr(),
+            h * dv,
+            _threads(),
+        ),
+        "decode_attention",
+    )
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """RMSNorm(x) * weight over the last dim, rounded as the reference rounds; with
     `residual`, residual += x first (in place) and the sum is normalised."""
     d = x.shape[-1]
@@ -369,20 +599,49 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         rows = rows.contiguous()
     out = x.new_empty(x.shape)
     res = None if residual is None else residual.view(-1, d)
-    _lib.ms_rmsnorm(rows.data_ptr(), rows.stride(0), None if res is None else res.data_ptr(),
-                    0 if res is None else res.stride(0), weight.data_ptr(), eps, out.data_ptr(), d,
-                    rows.shape[0], d, _threads())
+    _lib.ms_rmsnorm(
+        rows.data_ptr(),
+        rows.stride(0),
+        None if res is None else res.data_ptr(),
+        0 if res is None else res.stride(0),
+        weight.data_ptr(),
+        eps,
+        out.data_ptr(),
+        d,
+        rows.shape[0],
+        d,
+        _threads(),
+    )
     return out
 
 
-def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                   num_kv_heads: int, slots: torch.Tensor | None, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor) -> None:
+def rope_and_cache(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    slots: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
     """qkv [T, H + 2G, d] (contiguous): rotates the query and key heads in place (cos/sin
     [T, d] bf16) and writes the keys and values to the cache rows `slots` [T] int64."""
     t, _, d = qkv.shape
-    _lib.ms_rope_cache(qkv.data_ptr(), qkv.stride(0), t, num_heads, num_kv_heads, d, cos.data_ptr(), sin.data_ptr(),
-                       None if slots is None else slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _threads())
+    _lib.ms_rope_cache(
+        qkv.data_ptr(),
+        qkv.stride(0),
+        t,
+        num_heads,
+        num_kv_heads,
+        d,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        None if slots is None else slots.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        _threads(),
+    )
 
 
 class DecodeStep:
@@ -390,13 +649,23 @@ class DecodeStep:
     the layer specs, the embedding and final-norm weights and the float32 rope tables, held
     here with the addresses the kernel reads (the tensors must outlive it)."""
 
-    def __init__(self, specs: list[LayerSpec], embed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 final_norm: torch.Tensor, eps: float) -> None:
+    def __init__(
+        self,
+        specs: list[LayerSpec],
+        embed: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        final_norm: torch.Tensor,
+        eps: float,
+    ) -> None:
         self.layers = (LayerSpec * len(specs))(*specs)
         self.tensors = (embed, cos, sin, final_norm)
         self.eps = eps
         self.hidden = specs[0].hidden
-        self.moe_layers, self.experts = sum(1 for s in specs if s.experts), max(s.experts for s in specs)
+        self.moe_layers, self.experts = (
+            sum(1 for s in specs if s.experts),
+            max(s.experts for s in specs),
+        )
         self._caches: tuple[list, ctypes.Array, ctypes.Array] | None = None
 
     def cache_addresses(self, kv_caches: list) -> tuple[ctypes.Array, ctypes.Array]:
@@ -407,9 +676,16 @@ class DecodeStep:
         return self._caches[1], self._caches[2]
 
 
-def decode_step(step: DecodeStep, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                kv_caches: list) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_step(
+    step: DecodeStep,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    kv_caches: list,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer of a decode step of T single-token rows, and the final norm -> hidden
     [T, D] and the tokens per expert [MoE layers, E]."""
     t = input_ids.shape[0]
@@ -417,9 +693,29 @@ def decode_step(step: DecodeStep, input_ids: torch.Tensor, positions: torch.Tens
     keys, values = step.cache_addresses(kv_caches)
     hidden = embed.new_empty(t, step.hidden)
     counts = torch.empty(step.moe_layers, step.experts, dtype=torch.int64)
-    _check(_lib.ms_decode_step(step.layers, len(step.layers), embed.data_ptr(), input_ids.data_ptr(), t, cos.data_ptr(),
-                               sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), keys, values,
-                               block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), block_size,
-                               final_norm.data_ptr(), step.eps, hidden.data_ptr(), counts.data_ptr(), _threads()),
-           "decode_step")
+    _check(
+        _lib.ms_decode_step(
+            step.layers,
+            len(step.layers),
+            embed.data_ptr(),
+            input_ids.data_ptr(),
+            t,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            positions.data_ptr(),
+            slots.data_ptr(),
+            keys,
+            values,
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            context_lens.data_ptr(),
+            block_size,
+            final_norm.data_ptr(),
+            step.eps,
+            hidden.data_ptr(),
+            counts.data_ptr(),
+            _threads(),
+        ),
+        "decode_step",
+    )
     return hidden, counts

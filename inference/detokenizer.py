@@ -15,7 +15,9 @@ _PROMPT_CONTEXT = 8  # prompt tokens given to the decoder for leading-space hand
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str]) -> None:
         self._backend = tokenizer.backend_tokenizer  # tokenizers.Tokenizer of a fast tokenizer
-        self._stream = DecodeStream(ids=prompt_token_ids[-_PROMPT_CONTEXT:], skip_special_tokens=True)
+        self._stream = DecodeStream(
+            ids=prompt_token_ids[-_PROMPT_CONTEXT:], skip_special_tokens=True
+        )
         self.stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""

@@ -31,8 +31,13 @@ log = structlog.get_logger("inference.engine")
 
 
 class LLMEngine:
-    def __init__(self, model_dir: str | Path, device: str = "auto", dtype: str = "auto",
-                 config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str = "auto",
+        dtype: str = "auto",
+        config: EngineConfig | None = None,
+    ) -> None:
         path = Path(model_dir)
         self.config = config = config or EngineConfig()
         self.device = resolve_device(device)
@@ -41,9 +46,16 @@ class LLMEngine:
         self.dtype = resolve_dtype(dtype, self.device, getattr(hf_config, "dtype", None))
         self.tokenizer = load_tokenizer(path)
         self.model_path = path
-        log.info("loading weights", model=str(path), architecture=args.architecture,
-                 device=str(self.device), dtype=str(self.dtype).removeprefix("torch."))
-        max_positions = min(args.max_position_embeddings, config.max_model_len or args.max_position_embeddings)
+        log.info(
+            "loading weights",
+            model=str(path),
+            architecture=args.architecture,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
+        max_positions = min(
+            args.max_position_embeddings, config.max_model_len or args.max_position_embeddings
+        )
         # The gather path avoids host syncs, which only matters on a GPU (see moe.py).
         gather_max_tokens = 8 if self.device.type == "cuda" else 0
         with torch.device(self.device):
@@ -59,26 +71,60 @@ class LLMEngine:
                 # The kernels already fuse what torch.compile would, and a compiled graph of
                 # their operators measured slower (one sequence 7 against 132 tok/s eager).
                 if compile:
-                    log.info("not compiling: decode steps run on the CPU kernels", isa=cpu_kernels.ISA)
+                    log.info(
+                        "not compiling: decode steps run on the CPU kernels", isa=cpu_kernels.ISA
+                    )
                 compile = False
-            log.info("CPU kernels", isa=cpu_kernels.ISA or "none", amx=cpu_kernels.AMX, **cpu_kernels.paths())
-        num_blocks = num_cache_blocks(args, self.dtype, self.device, config.block_size,
-                                      config.kv_cache_tokens, config.gpu_memory_utilization)
+            log.info(
+                "CPU kernels",
+                isa=cpu_kernels.ISA or "none",
+                amx=cpu_kernels.AMX,
+                **cpu_kernels.paths(),
+            )
+        num_blocks = num_cache_blocks(
+            args,
+            self.dtype,
+            self.device,
+            config.block_size,
+            config.kv_cache_tokens,
+            config.gpu_memory_utilization,
+        )
         cache_tokens = num_blocks * config.block_size
         self.max_model_len = min(max_positions, cache_tokens)
         if config.max_model_len and config.max_model_len > self.max_model_len:
             raise InvalidParameterError(
-                "max_model_len", f"is {config.max_model_len} but the model and KV cache allow at most "
-                                 f"{self.max_model_len} tokens")
-        log.info("allocating kv cache", blocks=num_blocks, tokens=cache_tokens, max_model_len=self.max_model_len,
-                 bytes_per_token=kv_bytes_per_token(args, self.dtype))
-        self.kv_caches = allocate_kv_cache(args, num_blocks, config.block_size, self.dtype, self.device)
+                "max_model_len",
+                f"is {config.max_model_len} but the model and KV cache allow at most "
+                f"{self.max_model_len} tokens",
+            )
+        log.info(
+            "allocating kv cache",
+            blocks=num_blocks,
+            tokens=cache_tokens,
+            max_model_len=self.max_model_len,
+            bytes_per_token=kv_bytes_per_token(args, self.dtype),
+        )
+        self.kv_caches = allocate_kv_cache(
+            args, num_blocks, config.block_size, self.dtype, self.device
+        )
         self.eos_token_ids = self._eos_ids(path, hf_config)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   on_preempt=self._on_preempt)
-        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size,
-                                  Sampler(args.vocab_size, self.eos_token_ids), self.device, compile)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            on_preempt=self._on_preempt,
+        )
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_caches,
+            config.block_size,
+            Sampler(args.vocab_size, self.eos_token_ids),
+            self.device,
+            compile,
+        )
         self.requests: dict[str, list[Sequence]] = {}
         self._aborted: list[FinishedSequence] = []  # reported with the next step's stats
         if compile:
@@ -96,7 +142,9 @@ class LLMEngine:
         log.info("decode steps compiled", seconds=round(time.monotonic() - started, 1))
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str = "auto", dtype: str = "auto", **limits) -> LLMEngine:
+    def from_pretrained(
+        cls, path: str | Path, device: str = "auto", dtype: str = "auto", **limits
+    ) -> LLMEngine:
         return cls(path, device, dtype, EngineConfig.from_kwargs(**limits))
 
     def _eos_ids(self, path: Path, hf_config) -> set[int]:
@@ -115,20 +163,39 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         """Validates a prompt against the model's limits and returns its token ids."""
-        return tokenize_prompt(self.tokenizer, self.args.vocab_size, self.max_model_len, prompt, params)
+        return tokenize_prompt(
+            self.tokenizer, self.args.vocab_size, self.max_model_len, prompt, params
+        )
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                    log_context: dict | None = None, prompt_token_ids: list[int] | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        log_context: dict | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
         if request_id in self.requests:
             raise InvalidParameterError("request_id", f"{request_id!r} is already in use")
-        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt, params)
+        ids = (
+            prompt_token_ids
+            if prompt_token_ids is not None
+            else self.tokenize_prompt(prompt, params)
+        )
         seqs = []
         for i in range(params.n):
             gen = None
             if params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
-            seq = Sequence(f"{request_id}#{i}" if params.n > 1 else request_id, request_id, i, ids, params,
-                           gen, log_context)
+            seq = Sequence(
+                f"{request_id}#{i}" if params.n > 1 else request_id,
+                request_id,
+                i,
+                ids,
+                params,
+                gen,
+                log_context,
+            )
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
             seqs.append(seq)
             self.scheduler.add(seq)
@@ -168,7 +235,9 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(seq)
             touched[seq.request_id] = None
         if result is not None and result.sample is not None:
-            for seq, token, lp in zip(result.sampled, result.sample.token_ids, result.sample.logprobs):
+            for seq, token, lp in zip(
+                result.sampled, result.sample.token_ids, result.sample.logprobs
+            ):
                 self._append_token(seq, token, lp, now)
         for seq, _ in sched.scheduled:
             if seq.is_finished:
@@ -186,15 +255,23 @@ class LLMEngine:
         if result is not None and result.expert_counts.numel():
             expert_tokens = result.expert_counts.tolist()
         stats = StepStats(
-            started=started, started_unix_ns=started_ns, duration_s=time.monotonic() - started,
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            started=started,
+            started_unix_ns=started_ns,
+            duration_s=time.monotonic() - started,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
             batch_size=len(sched.scheduled),
             num_prefill_tokens=sum(n for _, n in sched.scheduled if n > 1),
             num_decode_tokens=sum(1 for _, n in sched.scheduled if n == 1),
             num_generated_tokens=len(result.sampled) if result else 0,
-            kv_usage=self.block_manager.usage, kv_blocks_used=self.block_manager.num_used,
-            num_requests=len(self.requests), num_preemptions=sched.num_preempted,
-            request_ids=list(touched), expert_tokens=expert_tokens, finished=finished)
+            kv_usage=self.block_manager.usage,
+            kv_blocks_used=self.block_manager.num_used,
+            num_requests=len(self.requests),
+            num_preemptions=sched.num_preempted,
+            request_ids=list(touched),
+            expert_tokens=expert_tokens,
+            finished=finished,
+        )
         return outputs, stats
 
     def _append_token(self, seq: Sequence, token: int, lp, now: float) -> None:
@@ -219,8 +296,13 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
 
     def _on_preempt(self, seq: Sequence) -> None:
-        log.info("sequence preempted", seq_id=seq.seq_id, num_tokens=seq.num_tokens,
-                 kv_usage=round(self.block_manager.usage, 3), **seq.log_context)
+        log.info(
+            "sequence preempted",
+            seq_id=seq.seq_id,
+            num_tokens=seq.num_tokens,
+            kv_usage=round(self.block_manager.usage, 3),
+            **seq.log_context,
+        )
 
     def _output(self, request_id: str, seqs: list[Sequence]) -> RequestOutput:
         completions = []
@@ -229,21 +311,41 @@ class LLMEngine:
             text_end = seq.detok.streamable_len(done)
             text = seq.detok.text
             tokens = seq.output_token_ids
-            completions.append(CompletionOutput(
-                index=seq.index, text=text[:text_end], token_ids=tokens,
-                delta_text=text[seq.sent_text:text_end], delta_token_ids=tokens[seq.sent_tokens:],
-                delta_logprobs=seq.logprobs[seq.sent_logprobs:],
-                logprobs=seq.logprobs if seq.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, times=seq.times))
-            seq.sent_text, seq.sent_tokens, seq.sent_logprobs = text_end, len(tokens), len(seq.logprobs)
-        return RequestOutput(request_id, seqs[0].token_ids[: seqs[0].num_prompt_tokens], completions,
-                             finished=all(s.is_finished for s in seqs),
-                             num_cached_tokens=seqs[0].num_cached_tokens)
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text[:text_end],
+                    token_ids=tokens,
+                    delta_text=text[seq.sent_text : text_end],
+                    delta_token_ids=tokens[seq.sent_tokens :],
+                    delta_logprobs=seq.logprobs[seq.sent_logprobs :],
+                    logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    times=seq.times,
+                )
+            )
+            seq.sent_text, seq.sent_tokens, seq.sent_logprobs = (
+                text_end,
+                len(tokens),
+                len(seq.logprobs),
+            )
+        return RequestOutput(
+            request_id,
+            seqs[0].token_ids[: seqs[0].num_prompt_tokens],
+            completions,
+            finished=all(s.is_finished for s in seqs),
+            num_cached_tokens=seqs[0].num_cached_tokens,
+        )
 
     # ---- offline batch ----------------------------------------------------------------------
-    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
         params = params or SamplingParams()
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         ids = [f"offline-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         for rid, prompt in zip(ids, prompts):
@@ -258,5 +360,12 @@ class LLMEngine:
 
 
 def _finished(seq: Sequence) -> FinishedSequence:
-    return FinishedSequence(seq.request_id, seq.seq_id, seq.num_prompt_tokens, seq.num_output_tokens,
-                            seq.num_cached_tokens, seq.finish_reason, seq.times)
+    return FinishedSequence(
+        seq.request_id,
+        seq.seq_id,
+        seq.num_prompt_tokens,
+        seq.num_output_tokens,
+        seq.num_cached_tokens,
+        seq.finish_reason,
+        seq.times,
+    )

@@ -93,15 +93,22 @@ def failure(exc: BaseException) -> Failed:
     return Failed("other", f"{type(exc).__name__}: {exc}")
 
 
-def spawn_engine_core(model_dir: str, device: str, dtype: str, config: EngineConfig,
-                      process_init: Callable[[], None] | None) -> tuple[subprocess.Popen, Connection]:
+def spawn_engine_core(
+    model_dir: str,
+    device: str,
+    dtype: str,
+    config: EngineConfig,
+    process_init: Callable[[], None] | None,
+) -> tuple[subprocess.Popen, Connection]:
     """Starts `python -m inference.engine_core` on one end of a socket pair. A fresh
     interpreter rather than multiprocessing's spawn, which re-imports the caller's __main__
     (a script without a __main__ guard would start itself again). The core exits when its
     end of the pair closes, so it never outlives the API process."""
     ours, theirs = socket.socketpair()
-    process = subprocess.Popen([sys.executable, "-m", "inference.engine_core", str(theirs.fileno())],
-                               pass_fds=[theirs.fileno()])
+    process = subprocess.Popen(
+        [sys.executable, "-m", "inference.engine_core", str(theirs.fileno())],
+        pass_fds=[theirs.fileno()],
+    )
     theirs.close()
     conn = Connection(ours.detach())
     # the start-up arguments, pickled: process_init is any picklable callable
@@ -127,8 +134,13 @@ def main(fd: int) -> None:
     except Exception as exc:  # noqa: BLE001 - any start failure is reported to the API process
         conn.send_bytes(encoder.encode(failure(exc)))
         return
-    conn.send_bytes(encoder.encode(Ready(engine.max_model_len, str(engine.device),
-                                         str(engine.dtype).removeprefix("torch."))))
+    conn.send_bytes(
+        encoder.encode(
+            Ready(
+                engine.max_model_len, str(engine.device), str(engine.dtype).removeprefix("torch.")
+            )
+        )
+    )
     EngineCore(engine, conn, encoder).run()
 
 
@@ -162,8 +174,13 @@ class EngineCore:
                 return
             if isinstance(message, AddRequest):
                 try:
-                    self.engine.add_request(message.request_id, None, message.params, message.log_context,
-                                            prompt_token_ids=message.prompt_token_ids)
+                    self.engine.add_request(
+                        message.request_id,
+                        None,
+                        message.params,
+                        message.log_context,
+                        prompt_token_ids=message.prompt_token_ids,
+                    )
                 except InvalidParameterError as exc:
                     self._send(Rejected(message.request_id, exc.param, exc.message))
             elif isinstance(message, AbortRequest):

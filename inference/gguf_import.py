@@ -66,8 +66,9 @@ def _write(src: Path, out: Path) -> None:
         pass
     try:
         tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
-                                                     dtype=SAVE_DTYPE, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            src.parent, gguf_file=src.name, dtype=SAVE_DTYPE, **kwargs
+        )
     except (ImportError, ValueError, KeyError, OSError) as e:
         # Unsupported GGUF architecture or quantisation type, a corrupt file, or a
         # missing `gguf`/`accelerate` package: transformers says which.

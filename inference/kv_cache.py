@@ -15,8 +15,14 @@ def kv_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
     return args.num_layers * sum(heads * width for heads, width in args.kv_cache_shapes) * elem
 
 
-def num_cache_blocks(args: ModelArgs, dtype: torch.dtype, device: torch.device, block_size: int,
-                     kv_cache_tokens: int | None, gpu_memory_utilization: float) -> int:
+def num_cache_blocks(
+    args: ModelArgs,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    kv_cache_tokens: int | None,
+    gpu_memory_utilization: float,
+) -> int:
     if kv_cache_tokens is None and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = free - (1 - gpu_memory_utilization) * total  # keep headroom for activations
@@ -26,8 +32,13 @@ def num_cache_blocks(args: ModelArgs, dtype: torch.dtype, device: torch.device, 
     return max(kv_cache_tokens // block_size, 1)
 
 
-def allocate_kv_cache(args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+def allocate_kv_cache(
+    args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, ...]]:
     slots = num_blocks * block_size
-    return [tuple(torch.zeros(slots, *shape, dtype=dtype, device=device) for shape in args.kv_cache_shapes)
-            for _ in range(args.num_layers)]
+    return [
+        tuple(
+            torch.zeros(slots, *shape, dtype=dtype, device=device) for shape in args.kv_cache_shapes
+        )
+        for _ in range(args.num_layers)
+    ]

@@ -18,7 +18,8 @@ from inference.errors import ModelLoadError
 # HF tensor name (after "model.layers.N.") -> (our parameter under "layers.N.", part)
 # part: None (whole tensor), or which rows of a fused parameter it fills.
 _LAYER_RULES: list[tuple[re.Pattern, str, str | None]] = [
-    (re.compile(p), target, part) for p, target, part in [
+    (re.compile(p), target, part)
+    for p, target, part in [
         (r"input_layernorm\.weight", "input_norm.weight", None),
         (r"post_attention_layernorm\.weight", "post_attn_norm.weight", None),
         (r"self_attn\.([qkv])_proj\.(weight|bias)", "attn.wqkv.{1}", "{0}"),
@@ -60,8 +61,11 @@ _LAYER_RULES: list[tuple[re.Pattern, str, str | None]] = [
 ]
 # MLA has an unfused query projection: checked before _LAYER_RULES' q/k/v rule.
 _MLA_RULES = [(re.compile(r"self_attn\.q_proj\.weight"), "attn.wq.weight", None)]
-_TOP_LEVEL = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
-              "lm_head.weight": "lm_head.weight"}
+_TOP_LEVEL = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
 _LAYER_PREFIX = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
@@ -77,7 +81,9 @@ def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise ModelLoadError(f"{path} has no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
+        raise ModelLoadError(
+            f"{path} has no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)"
+        )
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -87,7 +93,9 @@ def checkpoint_files(path: Path) -> list[Path]:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
-            raise ModelLoadError(f"{path}: shard(s) named in the index are missing: {', '.join(missing)}")
+            raise ModelLoadError(
+                f"{path}: shard(s) named in the index are missing: {', '.join(missing)}"
+            )
         return [path / s for s in shards]
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -103,7 +111,7 @@ def _target(name: str, model, args: ModelArgs) -> tuple[str, int | None, str | N
         return None
     layer, rest = int(m.group(1)), m.group(2)
     moe_prefix = "mlp.moe." if args.shared_expert_intermediate_size else "mlp."
-    for pattern, target, part in (_MLA_RULES + _LAYER_RULES if args.kv_lora_rank else _LAYER_RULES):
+    for pattern, target, part in _MLA_RULES + _LAYER_RULES if args.kv_lora_rank else _LAYER_RULES:
         pm = pattern.fullmatch(rest)
         if pm:
             groups = pm.groups()
@@ -138,18 +146,24 @@ def load_weights(model, path: Path, args: ModelArgs) -> None:
                 if tgt is None:
                     if ".rotary_emb." in name:
                         continue
-                    raise ModelLoadError(f"{file.name}: unexpected weight {name!r} for {args.architecture}")
+                    raise ModelLoadError(
+                        f"{file.name}: unexpected weight {name!r} for {args.architecture}"
+                    )
                 pname, expert, part = tgt
                 if pname not in params:
-                    raise ModelLoadError(f"{file.name}: weight {name!r} has no place in this model "
-                                         f"(checkpoint and config.json disagree)")
+                    raise ModelLoadError(
+                        f"{file.name}: weight {name!r} has no place in this model "
+                        f"(checkpoint and config.json disagree)"
+                    )
                 param = params[pname].data
                 dest = param[expert] if expert is not None else param
                 dest = dest[_rows(pname, part, dest, args)]
                 tensor = f.get_tensor(name)
                 if tuple(tensor.shape) != tuple(dest.shape):
-                    raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                                         f"expected {tuple(dest.shape)} from config.json")
+                    raise ModelLoadError(
+                        f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(dest.shape)} from config.json"
+                    )
                 dest.copy_(tensor)
                 filled[pname] = filled.get(pname, 0) + tensor.numel()
     if args.tie_word_embeddings and "lm_head.weight" not in filled:
@@ -157,5 +171,7 @@ def load_weights(model, path: Path, args: ModelArgs) -> None:
         filled["lm_head.weight"] = params["lm_head.weight"].numel()
     missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
     if missing:
-        raise ModelLoadError(f"{path}: checkpoint lacks weights for: {', '.join(missing[:8])}"
-                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+        raise ModelLoadError(
+            f"{path}: checkpoint lacks weights for: {', '.join(missing[:8])}"
+            + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        )

@@ -34,7 +34,7 @@ _LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use the reference's 
 
 def softmax_scale(qk_head_dim: int, rope_parameters: dict | None) -> float:
     """qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared when set."""
-    scale = qk_head_dim ** -0.5
+    scale = qk_head_dim**-0.5
     rope = rope_parameters or {}
     factor, mscale_all_dim = rope.get("factor") or 1.0, rope.get("mscale_all_dim") or 0.0
     if rope.get("rope_type", "default") != "default" and mscale_all_dim and factor > 1:
@@ -67,12 +67,22 @@ class MLAttention(nn.Module):
     def pack(self) -> None:
         """The absorbed projections as packed per-head weights for the CPU kernels, from the
         row-major kv_b_proj (which its own Linear.pack() packs afterwards, for prefill)."""
-        w = self.wkv_b.weight.data.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        self.w_uk_t = cpu_kernels.pack_weight(w[:, : self.nope_dim].transpose(1, 2))  # [H] of [r, n]
-        self.w_uv = cpu_kernels.pack_weight(w[:, self.nope_dim:])  # [H] of [v, r]
+        w = self.wkv_b.weight.data.view(
+            self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank
+        )
+        self.w_uk_t = cpu_kernels.pack_weight(
+            w[:, : self.nope_dim].transpose(1, 2)
+        )  # [H] of [r, n]
+        self.w_uv = cpu_kernels.pack_weight(w[:, self.nope_dim :])  # [H] of [v, r]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: torch.Tensor,
+    ) -> torch.Tensor:
         t, h, r = x.shape[0], self.num_heads, self.kv_lora_rank
         q = self.wq_b(self.q_a_norm(self.wq_a(x))) if self.q_lora else self.wq(x)
         q_nope, q_pe = q.view(t, h, -1).split((self.nope_dim, self.rope_dim), dim=-1)
@@ -95,8 +105,14 @@ class MLAttention(nn.Module):
                 query_pos = torch.arange(chunk.context_len, total, device=x.device)
                 mask = torch.arange(total, device=x.device)[None, :] <= query_pos[:, None]
             qc = torch.cat((q_nope[rows], q_pe[rows]), dim=-1).transpose(0, 1)  # [H, c, n + p]
-            o = F.scaled_dot_product_attention(qc, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                               is_causal=mask is None, scale=self.scale)
+            o = F.scaled_dot_product_attention(
+                qc,
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scale,
+            )
             out[rows] = o.transpose(0, 1)
         return self.wo(out.view(t, h * self.v_dim))
 
@@ -108,8 +124,9 @@ class MLAttention(nn.Module):
         k_pe = latent[:, :, r:].expand(n, self.num_heads, self.rope_dim)
         return torch.cat((k_nope, k_pe), dim=-1), v
 
-    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """Absorbed attention of B_d single-token queries over their cached latents -> [B_d, H, v]."""
         r = self.kv_lora_rank
         if self.w_uk_t is not None:  # packed for the CPU kernels
@@ -117,19 +134,29 @@ class MLAttention(nn.Module):
             q_lat = heads(q_nope, self.w_uk_t)
         else:
             w = self.wkv_b.weight.view(self.num_heads, self.nope_dim + self.v_dim, r)
-            w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim:]  # [H, n, r], [H, v, r]
+            w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]  # [H, n, r], [H, v, r]
             q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
         q_abs = torch.cat((q_lat, q_pe), dim=-1)  # [B_d, H, r + p]
         if meta.block_tables is not None:
-            o = cpu_kernels.decode_attention(q_abs, cache, cache, meta.block_tables, meta.context_lens,
-                                             meta.block_size, self.scale, r)
+            o = cpu_kernels.decode_attention(
+                q_abs,
+                cache,
+                cache,
+                meta.block_tables,
+                meta.context_lens,
+                meta.block_size,
+                self.scale,
+                r,
+            )
         else:
             keys = gather_slots(cache, meta.decode_slots)[:, :, 0]  # [B_d, L, r + p]
             # One kv head shared by all H query heads: two bmm with the heads as rows, instead
             # of SDPA, whose CPU path would copy the keys H times (enable_gqa) every step.
             scores = torch.bmm(q_abs, keys.transpose(1, 2)).float() * self.scale  # [B_d, H, L]
             if meta.decode_mask is not None:
-                scores = scores.masked_fill(~meta.decode_mask.view(scores.shape[0], 1, -1), float("-inf"))
+                scores = scores.masked_fill(
+                    ~meta.decode_mask.view(scores.shape[0], 1, -1), float("-inf")
+                )
             o = torch.bmm(scores.softmax(dim=-1).to(keys.dtype), keys[..., :r])  # [B_d, H, r]
         if self.w_uk_t is not None:
             return heads(o, self.w_uv)

@@ -28,22 +28,33 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = h, g, d
         self.wqkv = Linear(args.hidden_size, (h + 2 * g) * d, bias=args.qkv_bias)  # q, k, v fused
         self.wo = Linear(h * d, args.hidden_size, bias=args.o_bias)
-        self.scale = d ** -0.5
+        self.scale = d**-0.5
         # q/k RMSNorm before rope: per head (Qwen3-MoE) or over the whole projection (OLMoE)
         self.per_head_norm = args.qk_norm == "head"
-        self.q_norm = RMSNorm(d if self.per_head_norm else h * d, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(d if self.per_head_norm else g * d, args.rms_norm_eps) if args.qk_norm else None
+        self.q_norm = (
+            RMSNorm(d if self.per_head_norm else h * d, args.rms_norm_eps) if args.qk_norm else None
+        )
+        self.k_norm = (
+            RMSNorm(d if self.per_head_norm else g * d, args.rms_norm_eps) if args.qk_norm else None
+        )
         self.clip_qkv = args.clip_qkv
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         t, h, g = qkv.shape[0], self.num_heads, self.num_kv_heads
-        q, k, v = qkv[:, :h], qkv[:, h:h + g], qkv[:, h + g:]
+        q, k, v = qkv[:, :h], qkv[:, h : h + g], qkv[:, h + g :]
         if not self.per_head_norm:
             q, k = q.reshape(t, -1), k.reshape(t, -1)
         return torch.cat((self.q_norm(q).view(t, h, -1), self.k_norm(k).view(t, g, -1), v), dim=1)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
         h, g = self.num_heads, self.num_kv_heads
         qkv = self.wqkv(x).view(x.shape[0], h + 2 * g, self.head_dim)
         if self.q_norm is not None:
@@ -52,10 +63,10 @@ class Attention(nn.Module):
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         if cpu_kernels.applies(qkv):  # rotated in place, keys and values written in the same pass
             cpu_kernels.rope_and_cache(qkv, cos, sin, h, g, meta.slot_mapping, k_cache, v_cache)
-            q, k, v = qkv[:, :h], qkv[:, h:h + g], qkv[:, h + g:]
+            q, k, v = qkv[:, :h], qkv[:, h : h + g], qkv[:, h + g :]
         else:
             qk = apply_rope(qkv[:, : h + g], cos, sin)  # q and k rotated in one pass
-            q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + g:]
+            q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + g :]
             write_kv(k_cache, meta.slot_mapping, k)
             write_kv(v_cache, meta.slot_mapping, v)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
@@ -72,12 +83,24 @@ class DecoderLayer(nn.Module):
         if not self.is_moe:
             self.mlp = DenseMLP(args.hidden_size, args.dense_intermediate_size, args.mlp_bias)
             return
-        moe = MoE(args.hidden_size, args.moe_intermediate_size, args.num_experts, args.top_k,
-                  args.norm_topk_prob, gather_max_tokens, args.num_groups, args.topk_group,
-                  args.routed_scaling_factor, args.router_fp32)
+        moe = MoE(
+            args.hidden_size,
+            args.moe_intermediate_size,
+            args.num_experts,
+            args.top_k,
+            args.norm_topk_prob,
+            gather_max_tokens,
+            args.num_groups,
+            args.topk_group,
+            args.routed_scaling_factor,
+            args.router_fp32,
+        )
         if args.shared_expert_intermediate_size:
-            moe = SharedExpertMoE(moe, DenseMLP(args.hidden_size, args.shared_expert_intermediate_size),
-                                  args.shared_expert_gated)
+            moe = SharedExpertMoE(
+                moe,
+                DenseMLP(args.hidden_size, args.shared_expert_intermediate_size),
+                args.shared_expert_gated,
+            )
         self.mlp = moe
 
     def layer_spec(self) -> cpu_kernels.LayerSpec | None:
@@ -88,22 +111,38 @@ class DecoderLayer(nn.Module):
         dense = mlp if isinstance(mlp, DenseMLP) else shared
         if isinstance(attn, MLAttention) or not cpu_kernels.is_packed(attn.wqkv.weight):
             return None
-        if self.is_moe and (moe.router_fp32 or moe.num_groups > 1 or not cpu_kernels.is_packed(moe.w13, 3)):
+        if self.is_moe and (
+            moe.router_fp32 or moe.num_groups > 1 or not cpu_kernels.is_packed(moe.w13, 3)
+        ):
             return None
 
         def ptr(t):
             return None if t is None else t.data_ptr()
 
         spec = cpu_kernels.LayerSpec(
-            hidden=self.input_norm.weight.shape[0], heads=attn.num_heads, kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim, qk_norm={None: 0, True: 1, False: 2}[attn.per_head_norm if attn.q_norm else None],
-            eps=self.input_norm.eps, scale=attn.scale, clip_qkv=attn.clip_qkv or 0.0,
-            input_norm=ptr(self.input_norm.weight), post_norm=ptr(self.post_attn_norm.weight),
-            wqkv=ptr(attn.wqkv.weight), qkv_bias=ptr(attn.wqkv.bias), wo=ptr(attn.wo.weight), o_bias=ptr(attn.wo.bias),
+            hidden=self.input_norm.weight.shape[0],
+            heads=attn.num_heads,
+            kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            qk_norm={None: 0, True: 1, False: 2}[attn.per_head_norm if attn.q_norm else None],
+            eps=self.input_norm.eps,
+            scale=attn.scale,
+            clip_qkv=attn.clip_qkv or 0.0,
+            input_norm=ptr(self.input_norm.weight),
+            post_norm=ptr(self.post_attn_norm.weight),
+            wqkv=ptr(attn.wqkv.weight),
+            qkv_bias=ptr(attn.wqkv.bias),
+            wo=ptr(attn.wo.weight),
+            o_bias=ptr(attn.wo.bias),
             q_norm=ptr(attn.q_norm.weight) if attn.q_norm else None,
-            k_norm=ptr(attn.k_norm.weight) if attn.k_norm else None)
+            k_norm=ptr(attn.k_norm.weight) if attn.k_norm else None,
+        )
         if self.is_moe:
-            spec.experts, spec.top_k, spec.moe_inter = moe.num_experts, moe.top_k, moe.w13.shape[-2] // 2
+            spec.experts, spec.top_k, spec.moe_inter = (
+                moe.num_experts,
+                moe.top_k,
+                moe.w13.shape[-2] // 2,
+            )
             spec.norm_topk_prob, spec.routed_scaling = int(moe.norm_topk_prob), moe.scaling
             spec.router, spec.w13, spec.w2 = ptr(moe.gate), ptr(moe.w13), ptr(moe.w2)
             spec.shared_gate = ptr(mlp.shared_gate) if shared is not None else None
@@ -133,18 +172,35 @@ class MoETransformer(nn.Module):
         super().__init__()
         self.args = args
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, gather_max_tokens) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, i, gather_max_tokens) for i in range(args.num_layers)
+        )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope = RotaryEmbedding(args, max_positions)
-        self.decode_step: cpu_kernels.DecodeStep | None = None  # pack_for_cpu_kernels(): decode steps in one call
+        self.decode_step: cpu_kernels.DecodeStep | None = (
+            None  # pack_for_cpu_kernels(): decode steps in one call
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, ...]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.decode_step is not None and meta.block_tables is not None and not meta.prefills:
             # a decode step on the CPU kernels: every layer in one call
-            return cpu_kernels.decode_step(self.decode_step, input_ids, positions, meta.slot_mapping, meta.block_tables,
-                                           meta.context_lens, meta.block_size, kv_caches)
+            return cpu_kernels.decode_step(
+                self.decode_step,
+                input_ids,
+                positions,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.context_lens,
+                meta.block_size,
+                kv_caches,
+            )
         x = self.embed(input_ids)
         cos, sin = self.rope.tables(positions, x.dtype)
         counts, residual = [], None
@@ -165,8 +221,14 @@ class MoETransformer(nn.Module):
                 module.pack()
         specs = [layer.layer_spec() for layer in self.layers]
         if all(specs):
-            self.decode_step = cpu_kernels.DecodeStep(specs, self.embed.weight, self.rope.cos, self.rope.sin,
-                                                      self.norm.weight, self.norm.eps)
+            self.decode_step = cpu_kernels.DecodeStep(
+                specs,
+                self.embed.weight,
+                self.rope.cos,
+                self.rope.sin,
+                self.norm.weight,
+                self.norm.eps,
+            )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

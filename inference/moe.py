@@ -28,8 +28,14 @@ from inference import cpu_kernels
 from inference.layers import linear
 
 
-def select_experts(probs: torch.Tensor, top_k: int, norm_topk_prob: bool, num_groups: int = 1,
-                   topk_group: int = 1, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(
+    probs: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    num_groups: int = 1,
+    topk_group: int = 1,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Router probabilities [T, E] -> top-A weights and expert ids [T, A].
 
     num_groups > 1 is DeepSeek-V2's group-limited greedy routing: each group of E/num_groups
@@ -60,8 +66,14 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-             w2: torch.Tensor, gather_max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def dispatch(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    gather_max_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Routed tokens -> the MoE output [T, D] and the per-expert token counts [E]."""
     counts = torch.bincount(ids.flatten(), minlength=w13.shape[0])
     if x.shape[0] <= gather_max_tokens:
@@ -131,8 +143,14 @@ def grouped_dispatch(x, weights, ids, counts, w13, w2) -> torch.Tensor:
 # The dispatch as one opaque op for torch.compile: its paths read expert counts on the host,
 # which would split the compiled graph at every MoE layer.
 @torch.library.custom_op("moeserve::moe_dispatch", mutates_args=())
-def dispatch_op(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor, gather_max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def dispatch_op(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    gather_max_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     return dispatch(x, weights, ids, w13, w2, gather_max_tokens)
 
 
@@ -142,12 +160,26 @@ def _(x, weights, ids, w13, w2, gather_max_tokens):
 
 
 class MoE(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool, gather_max_tokens: int = 0, num_groups: int = 1,
-                 topk_group: int = 1, routed_scaling_factor: float = 1.0, router_fp32: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        gather_max_tokens: int = 0,
+        num_groups: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
+        router_fp32: bool = False,
+    ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
-        self.num_groups, self.topk_group, self.scaling = num_groups, topk_group, routed_scaling_factor
+        self.num_groups, self.topk_group, self.scaling = (
+            num_groups,
+            topk_group,
+            routed_scaling_factor,
+        )
         self.router_fp32 = router_fp32
         self.gather_max_tokens = gather_max_tokens  # use the gather path up to this many tokens
         self.gate = nn.Parameter(torch.empty(num_experts, hidden_size))
@@ -158,8 +190,9 @@ class MoE(nn.Module):
         """Softmax router (in float32, as the reference does) -> top-A weights and expert ids."""
         logits = linear(x.float(), self.gate.float()) if self.router_fp32 else linear(x, self.gate)
         probs = logits.softmax(dim=-1, dtype=torch.float32)
-        return select_experts(probs, self.top_k, self.norm_topk_prob, self.num_groups,
-                              self.topk_group, self.scaling)
+        return select_experts(
+            probs, self.top_k, self.norm_topk_prob, self.num_groups, self.topk_group, self.scaling
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the MoE output [T, D] and the per-expert token counts [E]."""
@@ -207,7 +240,9 @@ class SharedExpertMoE(nn.Module):
 
     def pack(self) -> None:
         if self.shared_gate is not None:
-            self.shared_gate = nn.Parameter(cpu_kernels.pack_weight(self.shared_gate.data), requires_grad=False)
+            self.shared_gate = nn.Parameter(
+                cpu_kernels.pack_weight(self.shared_gate.data), requires_grad=False
+            )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         routed, counts = self.moe(x)

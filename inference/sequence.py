@@ -22,9 +22,16 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, seq_id: str, request_id: str, index: int, prompt_token_ids: list[int],
-                 params: SamplingParams, generator: torch.Generator | None,
-                 log_context: dict | None = None) -> None:
+    def __init__(
+        self,
+        seq_id: str,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        log_context: dict | None = None,
+    ) -> None:
         self.seq_id, self.request_id, self.index = seq_id, request_id, index
         self.token_ids = list(prompt_token_ids)  # prompt then output
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -53,7 +60,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:

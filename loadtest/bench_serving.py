@@ -80,7 +80,7 @@ SLO_KEYS = ("ttft", "tpot", "e2el")
 
 
 def parse_slo(text: str | None) -> dict[str, float]:
-    """"ttft:500,tpot:50" -> {"ttft": 500.0, "tpot": 50.0} (milliseconds)."""
+    """ "ttft:500,tpot:50" -> {"ttft": 500.0, "tpot": 50.0} (milliseconds)."""
     slo: dict[str, float] = {}
     for part in (text or "").replace(" ", ",").split(","):
         if not part:
@@ -100,20 +100,38 @@ def parse_slo(text: str | None) -> dict[str, float]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="bench_serving", description=__doc__.split("\n\n")[0],
+        prog="bench_serving",
+        description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n".join(__doc__.split("\n")[6:]))
+        epilog="\n".join(__doc__.split("\n")[6:]),
+    )
     t = p.add_argument_group("target")
-    t.add_argument("--base-url", default=os.environ.get("MOESERVE_BASE_URL", "http://127.0.0.1:8000"))
-    t.add_argument("--endpoint", default="/v1/completions",
-                   help="/v1/completions or /v1/chat/completions (anything with 'chat' in it "
-                        "is sent as a chat request)")
-    t.add_argument("--model", default=os.environ.get("MOESERVE_SERVED_MODEL_NAME"),
-                   help="default: the first model from GET /v1/models")
-    t.add_argument("--api-key", default=os.environ.get("MOESERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
-                   help="sent as 'Authorization: Bearer KEY' [env MOESERVE_API_KEY, OPENAI_API_KEY]")
-    t.add_argument("--header", action="append", default=[], metavar="NAME=VALUE",
-                   help="extra request header (repeatable)")
+    t.add_argument(
+        "--base-url", default=os.environ.get("MOESERVE_BASE_URL", "http://127.0.0.1:8000")
+    )
+    t.add_argument(
+        "--endpoint",
+        default="/v1/completions",
+        help="/v1/completions or /v1/chat/completions (anything with 'chat' in it "
+        "is sent as a chat request)",
+    )
+    t.add_argument(
+        "--model",
+        default=os.environ.get("MOESERVE_SERVED_MODEL_NAME"),
+        help="default: the first model from GET /v1/models",
+    )
+    t.add_argument(
+        "--api-key",
+        default=os.environ.get("MOESERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="sent as 'Authorization: Bearer KEY' [env MOESERVE_API_KEY, OPENAI_API_KEY]",
+    )
+    t.add_argument(
+        "--header",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra request header (repeatable)",
+    )
     t.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", choices=["random", "file"], default="random")
@@ -121,42 +139,84 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--num-prompts", type=int, default=64)
     w.add_argument("--input-len", type=int, default=128, help="prompt tokens (random dataset)")
     w.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
-    w.add_argument("--range-ratio", type=float, default=0.0,
-                   help="lengths uniform in [L*(1-r), L*(1+r)] (0: fixed lengths)")
+    w.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [L*(1-r), L*(1+r)] (0: fixed lengths)",
+    )
     w.add_argument("--prompt-format", choices=["auto", "ids", "text"], default="auto")
-    w.add_argument("--token-id-range", default="100-1000",
-                   help="A-B: token ids for --prompt-format ids when the server has no /tokenize")
-    w.add_argument("--ignore-eos", action="store_true",
-                   help="send ignore_eos (vLLM/moeserve extension) so every request generates "
-                        "exactly its output length")
+    w.add_argument(
+        "--token-id-range",
+        default="100-1000",
+        help="A-B: token ids for --prompt-format ids when the server has no /tokenize",
+    )
+    w.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="send ignore_eos (vLLM/moeserve extension) so every request generates "
+        "exactly its output length",
+    )
     w.add_argument("--temperature", type=float, default=0.0)
-    w.add_argument("--extra-body", type=json.loads, default=None,
-                   help="JSON object merged into every request body")
+    w.add_argument(
+        "--extra-body",
+        type=json.loads,
+        default=None,
+        help="JSON object merged into every request body",
+    )
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--shuffle", action="store_true", help="shuffle file prompts")
     a = p.add_argument_group("arrivals")
-    a.add_argument("--request-rate", type=float, default=math.inf,
-                   help="requests/s (gamma arrivals); inf: all at once (default)")
-    a.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape: 1 = Poisson, < 1 burstier, > 1 more regular")
-    a.add_argument("--max-concurrency", type=int, default=None,
-                   help="cap on requests in flight (fixed concurrency with rate inf)")
+    a.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests/s (gamma arrivals); inf: all at once (default)",
+    )
+    a.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape: 1 = Poisson, < 1 burstier, > 1 more regular",
+    )
+    a.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="cap on requests in flight (fixed concurrency with rate inf)",
+    )
     a.add_argument("--num-warmups", type=int, default=1)
     r = p.add_argument_group("report")
-    r.add_argument("--slo", type=parse_slo, default={}, metavar="ttft:MS,tpot:MS,e2el:MS",
-                   help="goodput SLOs in milliseconds (a request is good when it meets all)")
+    r.add_argument(
+        "--slo",
+        type=parse_slo,
+        default={},
+        metavar="ttft:MS,tpot:MS,e2el:MS",
+        help="goodput SLOs in milliseconds (a request is good when it meets all)",
+    )
     r.add_argument("--percentiles", default="50,90,99")
-    r.add_argument("--result-file", help="JSON result path (default: "
-                   "loadtest/results/bench-<model>-c<conc>-r<rate>-<time>.json)")
+    r.add_argument(
+        "--result-file",
+        help="JSON result path (default: "
+        "loadtest/results/bench-<model>-c<conc>-r<rate>-<time>.json)",
+    )
     r.add_argument("--no-save", action="store_true", help="do not write the JSON result file")
-    r.add_argument("--save-detailed", action="store_true",
-                   help="per-request records (trace ids, TTFT, ITLs, status) in the JSON")
+    r.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="per-request records (trace ids, TTFT, ITLs, status) in the JSON",
+    )
     r.add_argument("--label", default="", help="free text stored in the JSON")
     r.add_argument("--request-id-prefix", default=None, help="x-request-id prefix")
     r.add_argument("--slowest", type=int, default=5, help="slowest requests printed with trace ids")
-    r.add_argument("--server-metrics", nargs="?", const="", default=None, metavar="URL",
-                   help="scrape Prometheus token counters before/after (default URL: "
-                        "<base-url>/metrics)")
+    r.add_argument(
+        "--server-metrics",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="URL",
+        help="scrape Prometheus token counters before/after (default URL: <base-url>/metrics)",
+    )
     r.add_argument("--progress", choices=["auto", "on", "off"], default="auto")
     r.add_argument("--allow-failures", action="store_true", help="exit 0 even if requests failed")
     return p
@@ -228,8 +288,10 @@ class Client:
             name, _, value = item.partition("=")
             headers[name.strip()] = value.strip()
         self.http = httpx.AsyncClient(
-            headers=headers, timeout=httpx.Timeout(args.timeout, connect=30.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+            headers=headers,
+            timeout=httpx.Timeout(args.timeout, connect=30.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        )
         self.model: str = args.model or ""
 
     async def aclose(self) -> None:
@@ -242,15 +304,18 @@ class Client:
                 r.raise_for_status()
                 self.model = r.json()["data"][0]["id"]
             except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
-                raise SystemExit(f"cannot list models at {self.base}/v1/models "
-                                 f"(pass --model?): {exc}") from None
+                raise SystemExit(
+                    f"cannot list models at {self.base}/v1/models (pass --model?): {exc}"
+                ) from None
         return self.model
 
     async def tokenize(self, text: str) -> list[int] | None:
         """Token ids of `text` from POST /tokenize (None when the server has no such route)."""
         try:
-            r = await self.http.post(self.base + "/tokenize", json={
-                "model": self.model, "prompt": text, "add_special_tokens": False})
+            r = await self.http.post(
+                self.base + "/tokenize",
+                json={"model": self.model, "prompt": text, "add_special_tokens": False},
+            )
         except httpx.HTTPError:
             return None
         if r.status_code != 200:
@@ -261,12 +326,20 @@ class Client:
 
     def body(self, spec: RequestSpec) -> dict[str, Any]:
         a = self.args
-        body: dict[str, Any] = {"model": self.model, "stream": True,
-                                "stream_options": {"include_usage": True},
-                                "temperature": a.temperature}
+        body: dict[str, Any] = {
+            "model": self.model,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": a.temperature,
+        }
         if self.chat:
-            messages = spec.prompt if isinstance(spec.prompt, list) and spec.prompt and \
-                isinstance(spec.prompt[0], dict) else [{"role": "user", "content": spec.prompt}]
+            messages = (
+                spec.prompt
+                if isinstance(spec.prompt, list)
+                and spec.prompt
+                and isinstance(spec.prompt[0], dict)
+                else [{"role": "user", "content": spec.prompt}]
+            )
             body.update(messages=messages, max_completion_tokens=spec.output_len)
         else:
             body.update(prompt=spec.prompt, max_tokens=spec.output_len)
@@ -279,14 +352,19 @@ class Client:
     async def send(self, spec: RequestSpec, result: RequestResult, t0: float) -> RequestResult:
         """Streams one request into `result` (times relative to the benchmark start `t0`)."""
         traceparent = f"00-{result.trace_id}-{secrets.token_hex(8)}-01"
-        headers = {"traceparent": traceparent, "x-request-id": result.request_id,
-                   "accept": "text/event-stream"}
+        headers = {
+            "traceparent": traceparent,
+            "x-request-id": result.request_id,
+            "accept": "text/event-stream",
+        }
         content_key = "delta" if self.chat else "text"
         start = time.perf_counter()
         result.start = start - t0
         last = None
         try:
-            async with self.http.stream("POST", self.url, json=self.body(spec), headers=headers) as resp:
+            async with self.http.stream(
+                "POST", self.url, json=self.body(spec), headers=headers
+            ) as resp:
                 result.status = str(resp.status_code)
                 result.server_request_id = resp.headers.get("x-request-id", "")
                 result.server_trace_id = trace_id_of(resp.headers.get("traceparent"))
@@ -360,8 +438,9 @@ def _lengths(rng: random.Random, n: int, length: int, ratio: float) -> list[int]
     return [rng.randint(lo, hi) for _ in range(n)]
 
 
-async def _text_of_length(client: Client, rng: random.Random, target: int, ratio: float | None,
-                          sem: asyncio.Semaphore) -> tuple[str, int | None]:
+async def _text_of_length(
+    client: Client, rng: random.Random, target: int, ratio: float | None, sem: asyncio.Semaphore
+) -> tuple[str, int | None]:
     """Random words with `target` tokens per /tokenize (the closest word count found in a few
     secant steps); without /tokenize, ~1.3 tokens a word."""
     words: list[str] = []
@@ -394,7 +473,9 @@ async def _text_of_length(client: Client, rng: random.Random, target: int, ratio
     return text(n), counts[n]
 
 
-async def build_random(client: Client, args: argparse.Namespace, count: int, seed: int) -> list[RequestSpec]:
+async def build_random(
+    client: Client, args: argparse.Namespace, count: int, seed: int
+) -> list[RequestSpec]:
     rng = random.Random(seed)
     in_lens = _lengths(rng, count, args.input_len, args.range_ratio)
     out_lens = _lengths(rng, count, args.output_len, args.range_ratio)
@@ -414,11 +495,15 @@ async def build_random(client: Client, args: argparse.Namespace, count: int, see
             if not m:
                 raise SystemExit("--token-id-range must be A-B")
             pool = list(range(int(m[1]), int(m[2])))
-        return [RequestSpec([rng.choice(pool) for _ in range(n)], o, n) for n, o in zip(in_lens, out_lens)]
+        return [
+            RequestSpec([rng.choice(pool) for _ in range(n)], o, n)
+            for n, o in zip(in_lens, out_lens)
+        ]
     ratio = len(sample_ids) / 400 if sample_ids else None
     sem = asyncio.Semaphore(8)
-    texts = await asyncio.gather(*[
-        _text_of_length(client, random.Random(rng.random()), n, ratio, sem) for n in in_lens])
+    texts = await asyncio.gather(
+        *[_text_of_length(client, random.Random(rng.random()), n, ratio, sem) for n in in_lens]
+    )
     return [RequestSpec(text, o, n) for (text, n), o in zip(texts, out_lens)]
 
 
@@ -462,8 +547,10 @@ class Progress:
     def line(self) -> str:
         elapsed = time.perf_counter() - self.t0
         rate = self.tokens / elapsed if elapsed > 0 else 0.0
-        return (f"[bench] {self.done}/{self.total} done, {self.failed} failed, {self.in_flight} in "
-                f"flight, {elapsed:6.1f} s, {rate:8.1f} output tok/s")
+        return (
+            f"[bench] {self.done}/{self.total} done, {self.failed} failed, {self.in_flight} in "
+            f"flight, {elapsed:6.1f} s, {rate:8.1f} output tok/s"
+        )
 
     async def run(self) -> None:
         if not self.enabled:
@@ -493,8 +580,9 @@ def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[f
     return out
 
 
-async def run_benchmark(client: Client, specs: list[RequestSpec], args: argparse.Namespace,
-                        prefix: str) -> tuple[list[RequestResult], float]:
+async def run_benchmark(
+    client: Client, specs: list[RequestSpec], args: argparse.Namespace, prefix: str
+) -> tuple[list[RequestResult], float]:
     offsets = arrival_offsets(len(specs), args.request_rate, args.burstiness, args.seed)
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     progress = Progress(len(specs), args.progress)
@@ -506,8 +594,13 @@ async def run_benchmark(client: Client, specs: list[RequestSpec], args: argparse
         if delay > 0:
             await asyncio.sleep(delay)
         trace_id, _ = new_traceparent()
-        result = RequestResult(index=i, trace_id=trace_id, request_id=f"{prefix}{i}",
-                               prompt_len=spec.prompt_len, max_tokens=spec.output_len)
+        result = RequestResult(
+            index=i,
+            trace_id=trace_id,
+            request_id=f"{prefix}{i}",
+            prompt_len=spec.prompt_len,
+            max_tokens=spec.output_len,
+        )
         if sem is not None:
             await sem.acquire()
         progress.in_flight += 1
@@ -536,14 +629,22 @@ async def warm_up(client: Client, specs: list[RequestSpec], prefix: str) -> dict
     results = []
     for i, spec in enumerate(specs):
         trace_id, _ = new_traceparent()
-        r = RequestResult(index=i, trace_id=trace_id, request_id=f"{prefix}warmup-{i}",
-                          prompt_len=spec.prompt_len, max_tokens=spec.output_len)
+        r = RequestResult(
+            index=i,
+            trace_id=trace_id,
+            request_id=f"{prefix}warmup-{i}",
+            prompt_len=spec.prompt_len,
+            max_tokens=spec.output_len,
+        )
         results.append(await client.send(spec, r, time.perf_counter()))
-    return {"requests": len(results), "completed": sum(r.ok for r in results),
-            "prompt_tokens": sum(r.prompt_tokens or r.prompt_len or 0 for r in results),
-            "output_tokens": sum(r.output_tokens for r in results),
-            "trace_ids": [r.trace_id for r in results],
-            "failures": {r.status: r.error for r in results if not r.ok}}
+    return {
+        "requests": len(results),
+        "completed": sum(r.ok for r in results),
+        "prompt_tokens": sum(r.prompt_tokens or r.prompt_len or 0 for r in results),
+        "output_tokens": sum(r.output_tokens for r in results),
+        "trace_ids": [r.trace_id for r in results],
+        "failures": {r.status: r.error for r in results if not r.ok},
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -604,8 +705,11 @@ def percentile(values: list[float], q: float) -> float:
 
 def summarize(values_s: list[float], percentiles: list[float]) -> dict[str, float]:
     ms = [v * 1000.0 for v in values_s]
-    out = {"mean": statistics.fmean(ms) if ms else 0.0, "median": percentile(ms, 50),
-           "std": statistics.pstdev(ms) if len(ms) > 1 else 0.0}
+    out = {
+        "mean": statistics.fmean(ms) if ms else 0.0,
+        "median": percentile(ms, 50),
+        "std": statistics.pstdev(ms) if len(ms) > 1 else 0.0,
+    }
     for q in percentiles:
         out[f"p{q:g}"] = percentile(ms, q)
     return out
@@ -630,8 +734,10 @@ def peak_output_rate(results: list[RequestResult]) -> float:
 
 
 def peak_concurrency(results: list[RequestResult]) -> int:
-    events = sorted([(r.start, 1) for r in results] + [(r.start + r.e2el, -1) for r in results],
-                    key=lambda e: (e[0], e[1]))
+    events = sorted(
+        [(r.start, 1) for r in results] + [(r.start + r.e2el, -1) for r in results],
+        key=lambda e: (e[0], e[1]),
+    )
     cur = peak = 0
     for _, d in events:
         cur += d
@@ -639,8 +745,12 @@ def peak_concurrency(results: list[RequestResult]) -> int:
     return peak
 
 
-def compute_metrics(results: list[RequestResult], duration: float, args: argparse.Namespace,
-                    percentiles: list[float]) -> dict[str, Any]:
+def compute_metrics(
+    results: list[RequestResult],
+    duration: float,
+    args: argparse.Namespace,
+    percentiles: list[float],
+) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     failures: dict[str, int] = {}
     for r in results:
@@ -651,10 +761,16 @@ def compute_metrics(results: list[RequestResult], duration: float, args: argpars
     output_tokens = sum(r.output_tokens for r in ok)
     good = [r for r in ok if meets_slo(r, args.slo)] if args.slo else []
     m: dict[str, Any] = {
-        "completed": len(ok), "failed": len(results) - len(ok), "failures_by_status": failures,
-        "duration": duration, "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "failures_by_status": failures,
+        "duration": duration,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
         "input_tokens_from": "usage" if have_usage else "client",
-        "output_tokens_from": "usage" if all(r.completion_tokens is not None for r in ok) else "chunks",
+        "output_tokens_from": "usage"
+        if all(r.completion_tokens is not None for r in ok)
+        else "chunks",
         "request_throughput": len(ok) / duration if duration else 0.0,
         "request_goodput": len(good) / duration if args.slo and duration else None,
         "slo_attainment": len(good) / len(ok) if args.slo and ok else None,
@@ -663,8 +779,12 @@ def compute_metrics(results: list[RequestResult], duration: float, args: argpars
         "max_output_tokens_per_s": peak_output_rate(results),
         "max_concurrent_requests": peak_concurrency(results),
     }
-    series = {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if r.tpot is not None],
-              "itl": [x for r in ok for x in r.itl], "e2el": [r.e2el for r in ok]}
+    series = {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [r.tpot for r in ok if r.tpot is not None],
+        "itl": [x for r in ok for x in r.itl],
+        "e2el": [r.e2el for r in ok],
+    }
     for name in METRICS:
         for stat, value in summarize(series[name], percentiles).items():
             m[f"{stat}_{name}_ms"] = value
@@ -672,12 +792,22 @@ def compute_metrics(results: list[RequestResult], duration: float, args: argpars
 
 
 def slowest(results: list[RequestResult], n: int) -> list[dict[str, Any]]:
-    rows = sorted(results, key=lambda r: r.e2el, reverse=True)[:max(n, 0)]
-    return [{"index": r.index, "trace_id": r.trace_id, "server_trace_id": r.server_trace_id,
-             "request_id": r.request_id, "status": r.status, "e2el_ms": r.e2el * 1000,
-             "ttft_ms": None if r.ttft is None else r.ttft * 1000,
-             "tpot_ms": None if r.tpot is None else r.tpot * 1000,
-             "output_tokens": r.output_tokens, "error": r.error} for r in rows]
+    rows = sorted(results, key=lambda r: r.e2el, reverse=True)[: max(n, 0)]
+    return [
+        {
+            "index": r.index,
+            "trace_id": r.trace_id,
+            "server_trace_id": r.server_trace_id,
+            "request_id": r.request_id,
+            "status": r.status,
+            "e2el_ms": r.e2el * 1000,
+            "ttft_ms": None if r.ttft is None else r.ttft * 1000,
+            "tpot_ms": None if r.tpot is None else r.tpot * 1000,
+            "output_tokens": r.output_tokens,
+            "error": r.error,
+        }
+        for r in rows
+    ]
 
 
 def request_record(r: RequestResult) -> dict[str, Any]:
@@ -691,7 +821,13 @@ def print_report(out: dict[str, Any], percentiles: list[float]) -> None:
     w = 60
 
     def row(label: str, value: Any, fmt: str = "{:.2f}") -> None:
-        text = "n/a" if value is None else fmt.format(value) if isinstance(value, float) else str(value)
+        text = (
+            "n/a"
+            if value is None
+            else fmt.format(value)
+            if isinstance(value, float)
+            else str(value)
+        )
         print(f"{label:<46}{text:>{w - 46}}")
 
     def head(title: str) -> None:
@@ -717,8 +853,12 @@ def print_report(out: dict[str, Any], percentiles: list[float]) -> None:
     row("Peak output token throughput (tok/s):", out["max_output_tokens_per_s"])
     row("Peak concurrent requests:", out["max_concurrent_requests"])
     row("Total token throughput (tok/s):", out["total_token_throughput"])
-    titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+    titles = {
+        "ttft": "Time to First Token",
+        "tpot": "Time per Output Token (excl. 1st token)",
+        "itl": "Inter-token Latency",
+        "e2el": "End-to-end Latency",
+    }
     for name in METRICS:
         head(titles[name])
         row(f"Mean {name.upper()} (ms):", out[f"mean_{name}_ms"])
@@ -736,13 +876,17 @@ def print_report(out: dict[str, Any], percentiles: list[float]) -> None:
     print("=" * w)
     if out["slowest_requests"]:
         print("Slowest requests (look them up in the trace backend by trace id):")
-        print(f"  {'e2e ms':>9} {'TTFT ms':>9} {'TPOT ms':>8} {'status':>7}  trace_id"
-              "                          request_id")
+        print(
+            f"  {'e2e ms':>9} {'TTFT ms':>9} {'TPOT ms':>8} {'status':>7}  trace_id"
+            "                          request_id"
+        )
         for s in out["slowest_requests"]:
             ttft = "-" if s["ttft_ms"] is None else f"{s['ttft_ms']:.1f}"
             tpot = "-" if s["tpot_ms"] is None else f"{s['tpot_ms']:.2f}"
-            print(f"  {s['e2el_ms']:>9.1f} {ttft:>9} {tpot:>8} {s['status']:>7}  {s['trace_id']}  "
-                  f"{s['request_id']}")
+            print(
+                f"  {s['e2el_ms']:>9.1f} {ttft:>9} {tpot:>8} {s['status']:>7}  {s['trace_id']}  "
+                f"{s['request_id']}"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -753,7 +897,9 @@ def _default_result_path(args: argparse.Namespace, model: str, stamp: str) -> Pa
     conc = args.max_concurrency or "inf"
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", model)[:60]
-    return Path(__file__).resolve().parent / "results" / f"bench-{safe}-c{conc}-r{rate}-{stamp}.json"
+    return (
+        Path(__file__).resolve().parent / "results" / f"bench-{safe}-c{conc}-r{rate}-{stamp}.json"
+    )
 
 
 async def amain(args: argparse.Namespace) -> int:
@@ -762,7 +908,9 @@ async def amain(args: argparse.Namespace) -> int:
     try:
         model = await client.resolve_model()
         run_id = secrets.token_hex(4)
-        prefix = args.request_id_prefix if args.request_id_prefix is not None else f"bench-{run_id}-"
+        prefix = (
+            args.request_id_prefix if args.request_id_prefix is not None else f"bench-{run_id}-"
+        )
         n_warm = max(args.num_warmups, 0)
         total = args.num_prompts + n_warm
         if args.dataset == "random":
@@ -770,9 +918,18 @@ async def amain(args: argparse.Namespace) -> int:
         else:
             specs = build_file(args, total, args.seed)
         warm_specs, specs = specs[:n_warm], specs[n_warm:]
-        warmup = await warm_up(client, warm_specs, prefix) if warm_specs else {
-            "requests": 0, "completed": 0, "prompt_tokens": 0, "output_tokens": 0, "trace_ids": [],
-            "failures": {}}
+        warmup = (
+            await warm_up(client, warm_specs, prefix)
+            if warm_specs
+            else {
+                "requests": 0,
+                "completed": 0,
+                "prompt_tokens": 0,
+                "output_tokens": 0,
+                "trace_ids": [],
+                "failures": {},
+            }
+        )
         metrics_url = None
         if args.server_metrics is not None:
             metrics_url = args.server_metrics or client.base + "/metrics"
@@ -784,22 +941,34 @@ async def amain(args: argparse.Namespace) -> int:
         await client.aclose()
 
     out: dict[str, Any] = {
-        "date": started_at.isoformat(timespec="seconds"), "label": args.label,
-        "base_url": args.base_url, "endpoint": args.endpoint, "model": model,
-        "dataset": args.dataset, "num_prompts": len(specs), "input_len": args.input_len,
-        "output_len": args.output_len, "range_ratio": args.range_ratio,
-        "prompt_format": args.prompt_format, "ignore_eos": args.ignore_eos,
+        "date": started_at.isoformat(timespec="seconds"),
+        "label": args.label,
+        "base_url": args.base_url,
+        "endpoint": args.endpoint,
+        "model": model,
+        "dataset": args.dataset,
+        "num_prompts": len(specs),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "range_ratio": args.range_ratio,
+        "prompt_format": args.prompt_format,
+        "ignore_eos": args.ignore_eos,
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
-        "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
-        "slo": args.slo, "slo_text": ",".join(f"{k}:{v:g}" for k, v in args.slo.items()),
-        "percentiles": percentiles, "warmup": warmup,
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "slo": args.slo,
+        "slo_text": ",".join(f"{k}:{v:g}" for k, v in args.slo.items()),
+        "percentiles": percentiles,
+        "warmup": warmup,
     }
     out.update(compute_metrics(results, duration, args, percentiles))
     if before is not None and after is not None:
         delta = {k: after[k] - before[k] for k in after}
-        delta["match"] = (delta["prompt_tokens"] == out["total_input_tokens"]
-                          and delta["generation_tokens"] == out["total_output_tokens"]
-                          and out["failed"] == 0)
+        delta["match"] = (
+            delta["prompt_tokens"] == out["total_input_tokens"]
+            and delta["generation_tokens"] == out["total_output_tokens"]
+            and out["failed"] == 0
+        )
         out["server_metrics"] = delta
     elif metrics_url:
         out["server_metrics"] = {"error": f"could not scrape {metrics_url}"}
@@ -809,8 +978,11 @@ async def amain(args: argparse.Namespace) -> int:
 
     print_report(out, percentiles)
     if not args.no_save:
-        path = Path(args.result_file) if args.result_file else _default_result_path(
-            args, model, started_at.strftime("%Y%m%d-%H%M%S"))
+        path = (
+            Path(args.result_file)
+            if args.result_file
+            else _default_result_path(args, model, started_at.strftime("%Y%m%d-%H%M%S"))
+        )
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=2) + "\n")
         print(f"Result written to {path}")

@@ -111,7 +111,9 @@ class LengthDist:
                 return cls("exp", float(m[1]))
         except ValueError:
             pass
-        raise ValueError(f"bad length distribution {text!r}: use N, A-B, normal:MEAN,STD or exp:MEAN")
+        raise ValueError(
+            f"bad length distribution {text!r}: use N, A-B, normal:MEAN,STD or exp:MEAN"
+        )
 
     def sample(self, rng: random.Random) -> int:
         if self.kind == "fixed":
@@ -147,29 +149,79 @@ CONFIG = Config()
 @events.init_command_line_parser.add_listener
 def _add_arguments(parser) -> None:
     group = parser.add_argument_group("moeserve")
-    group.add_argument("--prompt-tokens", default="128", env_var="MOESERVE_LT_PROMPT_TOKENS",
-                       help="prompt length in tokens: N, A-B, normal:MEAN,STD or exp:MEAN")
-    group.add_argument("--output-tokens", default="128", env_var="MOESERVE_LT_OUTPUT_TOKENS",
-                       help="max_tokens per request: N, A-B, normal:MEAN,STD or exp:MEAN")
-    group.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", default=True,
-                       help="send ignore_eos so every request generates max_tokens (default)")
-    group.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                       help="leave ignore_eos out (servers that reject unknown fields)")
-    group.add_argument("--chat-weight", type=int, default=1, env_var="MOESERVE_LT_CHAT_WEIGHT",
-                       help="weight of ChatUser in the user mix (0 drops it)")
-    group.add_argument("--completions-weight", type=int, default=1,
-                       env_var="MOESERVE_LT_COMPLETIONS_WEIGHT",
-                       help="weight of CompletionsUser in the user mix (0 drops it)")
-    group.add_argument("--grpc-weight", type=int, default=1, env_var="MOESERVE_LT_GRPC_WEIGHT",
-                       help="weight of GrpcUser in the user mix (0 drops it)")
-    group.add_argument("--think-time", type=float, default=0.0, env_var="MOESERVE_LT_THINK_TIME",
-                       help="max seconds a user waits between requests (uniform 0..S)")
-    group.add_argument("--request-timeout", type=float, default=600.0,
-                       env_var="MOESERVE_LT_REQUEST_TIMEOUT", help="per-request timeout (s)")
-    group.add_argument("--request-log", default=None, env_var="MOESERVE_LT_REQUEST_LOG",
-                       help="CSV file with one row per request (trace id, TTFT, TPOT, e2e)")
-    group.add_argument("--slowest", type=int, default=10, env_var="MOESERVE_LT_SLOWEST",
-                       help="how many of the slowest requests to report with their trace ids")
+    group.add_argument(
+        "--prompt-tokens",
+        default="128",
+        env_var="MOESERVE_LT_PROMPT_TOKENS",
+        help="prompt length in tokens: N, A-B, normal:MEAN,STD or exp:MEAN",
+    )
+    group.add_argument(
+        "--output-tokens",
+        default="128",
+        env_var="MOESERVE_LT_OUTPUT_TOKENS",
+        help="max_tokens per request: N, A-B, normal:MEAN,STD or exp:MEAN",
+    )
+    group.add_argument(
+        "--ignore-eos",
+        dest="ignore_eos",
+        action="store_true",
+        default=True,
+        help="send ignore_eos so every request generates max_tokens (default)",
+    )
+    group.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="leave ignore_eos out (servers that reject unknown fields)",
+    )
+    group.add_argument(
+        "--chat-weight",
+        type=int,
+        default=1,
+        env_var="MOESERVE_LT_CHAT_WEIGHT",
+        help="weight of ChatUser in the user mix (0 drops it)",
+    )
+    group.add_argument(
+        "--completions-weight",
+        type=int,
+        default=1,
+        env_var="MOESERVE_LT_COMPLETIONS_WEIGHT",
+        help="weight of CompletionsUser in the user mix (0 drops it)",
+    )
+    group.add_argument(
+        "--grpc-weight",
+        type=int,
+        default=1,
+        env_var="MOESERVE_LT_GRPC_WEIGHT",
+        help="weight of GrpcUser in the user mix (0 drops it)",
+    )
+    group.add_argument(
+        "--think-time",
+        type=float,
+        default=0.0,
+        env_var="MOESERVE_LT_THINK_TIME",
+        help="max seconds a user waits between requests (uniform 0..S)",
+    )
+    group.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        env_var="MOESERVE_LT_REQUEST_TIMEOUT",
+        help="per-request timeout (s)",
+    )
+    group.add_argument(
+        "--request-log",
+        default=None,
+        env_var="MOESERVE_LT_REQUEST_LOG",
+        help="CSV file with one row per request (trace id, TTFT, TPOT, e2e)",
+    )
+    group.add_argument(
+        "--slowest",
+        type=int,
+        default=10,
+        env_var="MOESERVE_LT_SLOWEST",
+        help="how many of the slowest requests to report with their trace ids",
+    )
 
 
 def _grpc_target_default(host: str) -> str:
@@ -192,8 +244,11 @@ def _configure(environment, **_kwargs) -> None:
         CONFIG.request_log = opts.request_log
         CONFIG.slowest = opts.slowest
         CONFIG.csv_prefix = getattr(opts, "csv_prefix", None)
-        for cls, weight in ((ChatUser, opts.chat_weight), (CompletionsUser, opts.completions_weight),
-                            (GrpcUser, opts.grpc_weight)):
+        for cls, weight in (
+            (ChatUser, opts.chat_weight),
+            (CompletionsUser, opts.completions_weight),
+            (GrpcUser, opts.grpc_weight),
+        ):
             cls.weight = weight
     CONFIG.host = (environment.host or CONFIG.host).rstrip("/")
     CONFIG.grpc_target = os.environ.get("MOESERVE_GRPC_TARGET") or _grpc_target_default(CONFIG.host)
@@ -248,8 +303,9 @@ def tokens_per_word() -> float:
                 body = {"prompt": text, "add_special_tokens": False}
                 if CONFIG.model:
                     body["model"] = CONFIG.model
-                r = requests.post(f"{CONFIG.host}/tokenize", json=body, headers=_auth_headers(),
-                                  timeout=30)
+                r = requests.post(
+                    f"{CONFIG.host}/tokenize", json=body, headers=_auth_headers(), timeout=30
+                )
                 if r.status_code == 200:
                     data = r.json()
                     count = data.get("count") or len(data.get("tokens") or [])
@@ -318,28 +374,67 @@ _slowest: list[tuple[float, int, dict]] = []  # min-heap of the N largest e2e
 _counter = 0
 _log_file = None
 _log_writer = None
-LOG_FIELDS = ["start", "api", "name", "status", "trace_id", "request_id", "ttft_ms", "tpot_ms",
-              "e2e_ms", "prompt_tokens", "output_tokens", "error"]
+LOG_FIELDS = [
+    "start",
+    "api",
+    "name",
+    "status",
+    "trace_id",
+    "request_id",
+    "ttft_ms",
+    "tpot_ms",
+    "e2e_ms",
+    "prompt_tokens",
+    "output_tokens",
+    "error",
+]
 
 
 def record(environment, r: Result) -> None:
     global _counter, _log_file, _log_writer
     context = {"trace_id": r.trace_id, "request_id": r.request_id}
     fire = environment.events.request.fire
-    fire(request_type=r.method, name=r.name, response_time=r.e2e * 1000, response_length=r.tokens,
-         exception=r.error, context=context)
+    fire(
+        request_type=r.method,
+        name=r.name,
+        response_time=r.e2e * 1000,
+        response_length=r.tokens,
+        exception=r.error,
+        context=context,
+    )
     if r.error is None:
         if r.ttft is not None:
-            fire(request_type="TTFT", name=f"TTFT {r.name}", response_time=r.ttft * 1000,
-                 response_length=0, exception=None, context=context)
+            fire(
+                request_type="TTFT",
+                name=f"TTFT {r.name}",
+                response_time=r.ttft * 1000,
+                response_length=0,
+                exception=None,
+                context=context,
+            )
         if (tpot := r.tpot) is not None:
-            fire(request_type="TPOT", name=f"TPOT {r.name}", response_time=tpot * 1000,
-                 response_length=r.tokens, exception=None, context=context)
-    row = {"start": f"{r.start:.3f}", "api": r.api, "name": r.name, "status": r.status,
-           "trace_id": r.trace_id, "request_id": r.request_id,
-           "ttft_ms": _ms(r.ttft), "tpot_ms": _ms(r.tpot), "e2e_ms": _ms(r.e2e),
-           "prompt_tokens": r.prompt_tokens if r.prompt_tokens is not None else "",
-           "output_tokens": r.tokens, "error": str(r.error or "")[:300]}
+            fire(
+                request_type="TPOT",
+                name=f"TPOT {r.name}",
+                response_time=tpot * 1000,
+                response_length=r.tokens,
+                exception=None,
+                context=context,
+            )
+    row = {
+        "start": f"{r.start:.3f}",
+        "api": r.api,
+        "name": r.name,
+        "status": r.status,
+        "trace_id": r.trace_id,
+        "request_id": r.request_id,
+        "ttft_ms": _ms(r.ttft),
+        "tpot_ms": _ms(r.tpot),
+        "e2e_ms": _ms(r.e2e),
+        "prompt_tokens": r.prompt_tokens if r.prompt_tokens is not None else "",
+        "output_tokens": r.tokens,
+        "error": str(r.error or "")[:300],
+    }
     with _lock:
         _counter += 1
         item = (r.e2e, _counter, row)
@@ -371,8 +466,11 @@ def _report_slowest(environment, **_kwargs) -> None:
     if not rows:
         return
     lines = [f"{'e2e ms':>10} {'TTFT ms':>10} {'TPOT ms':>9}  {'status':<8} {'name':<32} trace_id"]
-    lines += [f"{row['e2e_ms']:>10} {row['ttft_ms']:>10} {row['tpot_ms']:>9}  {row['status']:<8} "
-              f"{row['name']:<32} {row['trace_id']}" for row in rows]
+    lines += [
+        f"{row['e2e_ms']:>10} {row['ttft_ms']:>10} {row['tpot_ms']:>9}  {row['status']:<8} "
+        f"{row['name']:<32} {row['trace_id']}"
+        for row in rows
+    ]
     log.info("slowest requests (look them up by trace id):\n%s", "\n".join(lines))
     if CONFIG.csv_prefix:
         with open(f"{CONFIG.csv_prefix}_slowest.csv", "w", newline="") as f:
@@ -423,8 +521,13 @@ class _RestUser(User):
         r = Result(api="REST", method="POST", name=self.name, trace_id=trace_id, start=time.time())
         t0 = time.perf_counter()
         try:
-            with self.session.post(f"{CONFIG.host}{self.path}", json=body, headers=headers,
-                                   stream=True, timeout=CONFIG.timeout) as resp:
+            with self.session.post(
+                f"{CONFIG.host}{self.path}",
+                json=body,
+                headers=headers,
+                stream=True,
+                timeout=CONFIG.timeout,
+            ) as resp:
                 r.status = str(resp.status_code)
                 r.request_id = resp.headers.get("x-request-id", "")
                 if resp.status_code != 200:
@@ -539,8 +642,14 @@ class GrpcUser(User):
             metadata.append(("authorization", f"Bearer {CONFIG.api_key}"))
         request_id = f"locust-{trace_id[:16]}"
         req = pb.GenerateRequest(prompt=prompt, params=params, request_id=request_id)
-        r = Result(api="gRPC", method="gRPC", name=self.name, trace_id=trace_id, start=time.time(),
-                   request_id=request_id)
+        r = Result(
+            api="gRPC",
+            method="gRPC",
+            name=self.name,
+            trace_id=trace_id,
+            start=time.time(),
+            request_id=request_id,
+        )
         t0 = time.perf_counter()
         try:
             for msg in self.stub.GenerateStream(req, metadata=metadata, timeout=CONFIG.timeout):

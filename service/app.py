@@ -25,9 +25,15 @@ from telemetry.metrics import status_from_http
 
 log = structlog.get_logger("service.app")
 
-_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-          503: "service_unavailable"}
+_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
 _CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -68,7 +74,9 @@ def error_response(request: Request, exc: Exception) -> Response[ErrorResponse]:
         body = ErrorBody(message=message, type=kind, code=_CODES.get(status))
         headers.update({k: v for k, v in (exc.headers or {}).items() if k.lower() == "allow"})
     else:
-        log.exception("unhandled error", path=request.url.path, request_id=request_id(request.scope))
+        log.exception(
+            "unhandled error", path=request.url.path, request_id=request_id(request.scope)
+        )
         status, body = 500, ErrorBody(message="internal server error", type="server_error")
     record_error(exc, status_from_http(status))
     return Response(ErrorResponse(error=body), status_code=status, headers=headers)
@@ -116,14 +124,20 @@ def _telemetry_config(state: ServingState) -> dict:
     except ImportError as exc:  # opentelemetry-instrumentation-asgi missing: serve untraced
         log.warning("REST requests are not traced", error=str(exc))
         return {"middleware": middleware}
-    config = OpenTelemetryConfig(tracer_provider=obs.tracer_provider, exclude=_UNTRACED_PATHS,
-                                 exclude_spans=["receive", "send"], scope_span_details_extractor=_span_details)
+    config = OpenTelemetryConfig(
+        tracer_provider=obs.tracer_provider,
+        exclude=_UNTRACED_PATHS,
+        exclude_spans=["receive", "send"],
+        scope_span_details_extractor=_span_details,
+    )
     return {"plugins": [OpenTelemetryPlugin(config)], "middleware": middleware}
 
 
 def create_app(state: ServingState) -> Litestar:
     tokenizer = state.engine.tokenizer
-    token_text = lru_cache(maxsize=65536)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
+    token_text = lru_cache(maxsize=65536)(
+        lambda t: tokenizer.decode([t], skip_special_tokens=False)
+    )
     return Litestar(
         route_handlers=[OpenAIController, TokenizeController, HealthController, MetricsController],
         state=State({"serving": state, "started_at": int(time.time()), "token_text": token_text}),

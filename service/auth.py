@@ -31,8 +31,10 @@ def check_bearer(authorization: str | None, api_key: str | None) -> bool:
 def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     api_key = connection.app.state.serving.settings.api_key
     if not check_bearer(connection.headers.get("authorization"), api_key):
-        raise Unauthorized("invalid or missing API key (expected 'Authorization: Bearer <key>')",
-                           code="invalid_api_key")
+        raise Unauthorized(
+            "invalid or missing API key (expected 'Authorization: Bearer <key>')",
+            code="invalid_api_key",
+        )
 
 
 def reject_while_draining(connection: ASGIConnection, _: BaseRouteHandler) -> None:

@@ -37,8 +37,15 @@ def _import_gguf(ns: argparse.Namespace) -> int:
 def _anomaly_webhook(ns: argparse.Namespace) -> int:
     from telemetry.anomaly import run
 
-    run(host=ns.host, port=ns.port, prometheus_url=ns.prometheus_url, forward_url=ns.forward_url,
-        window_s=ns.window_s, step_s=ns.step_s, onset_lookback_s=ns.onset_lookback_s)
+    run(
+        host=ns.host,
+        port=ns.port,
+        prometheus_url=ns.prometheus_url,
+        forward_url=ns.forward_url,
+        window_s=ns.window_s,
+        step_s=ns.step_s,
+        onset_lookback_s=ns.onset_lookback_s,
+    )
     return 0
 
 
@@ -59,8 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--arch", choices=sorted(ARCHS), default="mixtral")
     demo.set_defaults(func=_demo_model)
 
-    imp = sub.add_parser("import-gguf",
-                         help="convert a GGUF checkpoint into a Hugging Face folder (dequantised, bfloat16)")
+    imp = sub.add_parser(
+        "import-gguf",
+        help="convert a GGUF checkpoint into a Hugging Face folder (dequantised, bfloat16)",
+    )
     imp.add_argument("file")
     imp.add_argument("out_dir")
     imp.set_defaults(func=_import_gguf)
@@ -69,11 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
     hook.add_argument("--host", default="127.0.0.1")
     hook.add_argument("--port", type=int, default=9095)
     hook.add_argument("--prometheus-url", default="http://127.0.0.1:9090")
-    hook.add_argument("--forward-url", default=None, help="forward enriched incidents to this webhook")
-    hook.add_argument("--window-s", type=float, default=1800, help="history pulled per alert (seconds)")
-    hook.add_argument("--step-s", type=float, default=15, help="resolution of that history (seconds)")
-    hook.add_argument("--onset-lookback-s", type=float, default=300,
-                      help="how far before the alert the anomaly may have started (seconds)")
+    hook.add_argument(
+        "--forward-url", default=None, help="forward enriched incidents to this webhook"
+    )
+    hook.add_argument(
+        "--window-s", type=float, default=1800, help="history pulled per alert (seconds)"
+    )
+    hook.add_argument(
+        "--step-s", type=float, default=15, help="resolution of that history (seconds)"
+    )
+    hook.add_argument(
+        "--onset-lookback-s",
+        type=float,
+        default=300,
+        help="how far before the alert the anomaly may have started (seconds)",
+    )
     hook.set_defaults(func=_anomaly_webhook)
     return parser
 

@@ -18,11 +18,19 @@ class ServiceError(Exception):
 
 
 class BadRequest(ServiceError):
-    status_code, grpc_code, error_type = 400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error"
+    status_code, grpc_code, error_type = (
+        400,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "invalid_request_error",
+    )
 
 
 class Unauthorized(ServiceError):
-    status_code, grpc_code, error_type = 401, grpc.StatusCode.UNAUTHENTICATED, "authentication_error"
+    status_code, grpc_code, error_type = (
+        401,
+        grpc.StatusCode.UNAUTHENTICATED,
+        "authentication_error",
+    )
 
 
 class NotFound(ServiceError):
@@ -30,7 +38,11 @@ class NotFound(ServiceError):
 
 
 class PayloadTooLarge(ServiceError):
-    status_code, grpc_code, error_type = 413, grpc.StatusCode.RESOURCE_EXHAUSTED, "invalid_request_error"
+    status_code, grpc_code, error_type = (
+        413,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "invalid_request_error",
+    )
 
 
 class Overloaded(ServiceError):

@@ -146,11 +146,18 @@ class InferenceServicer:
         )
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _generate(self, prompt_ids: list[int], params: SamplingParams, rid: str,
-                  request: pb.GenerateRequest, stream: bool):
+    def _generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        rid: str,
+        request: pb.GenerateRequest,
+        stream: bool,
+    ):
         operation = "chat" if request.messages else "text_completion"
-        return self.state.generate("grpc", prompt_ids, params, rid, operation=operation,
-                                   stream=stream)
+        return self.state.generate(
+            "grpc", prompt_ids, params, rid, operation=operation, stream=stream
+        )
 
     async def _parse_generate(
         self, request: pb.GenerateRequest

@@ -79,15 +79,24 @@ def status_of(exc: BaseException) -> str:
 class Observability:
     """The process's telemetry for one served model; `Observability.disabled()` is a no-op."""
 
-    def __init__(self, model: str, *, metrics: ServiceMetrics | None = None,
-                 tracer: trace.Tracer | None = None, tracer_provider: Any = None,
-                 log_prompts: bool = False, decode: Callable[[list[int]], str] | None = None,
-                 enabled: bool = True) -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        metrics: ServiceMetrics | None = None,
+        tracer: trace.Tracer | None = None,
+        tracer_provider: Any = None,
+        log_prompts: bool = False,
+        decode: Callable[[list[int]], str] | None = None,
+        enabled: bool = True,
+    ) -> None:
         self.model = model
         self.enabled = enabled
         self.metrics = metrics
         self.tracer_provider = tracer_provider
-        self.tracer = tracer or (tracer_provider.get_tracer("moeserve") if tracer_provider else get_tracer())
+        self.tracer = tracer or (
+            tracer_provider.get_tracer("moeserve") if tracer_provider else get_tracer()
+        )
         self.log_prompts = log_prompts
         self.decode = decode
         self.live: dict[str, SpanContext] = {}
@@ -117,16 +126,23 @@ class Observability:
         typical = self._typical_decode_s
         if typical is not None and stats.duration_s > SLOW_STEP_FACTOR * typical:
             return True
-        self._typical_decode_s = stats.duration_s if typical is None else 0.9 * typical + 0.1 * stats.duration_s
+        self._typical_decode_s = (
+            stats.duration_s if typical is None else 0.9 * typical + 0.1 * stats.duration_s
+        )
         self._routine_steps += 1
         return self._routine_steps % ROUTINE_STEP_SPAN_EVERY == 1
 
     # ---- requests -------------------------------------------------------------------------
     @contextmanager
-    def request_scope(self, api: str, request_id: str | None, span: Span) -> Iterator[RequestTelemetry]:
+    def request_scope(
+        self, api: str, request_id: str | None, span: Span
+    ) -> Iterator[RequestTelemetry]:
         """The API layer's request: `span` is its server span (current while it runs)."""
-        rt = RequestTelemetry(self, api_label(api), request_id, span, owns_span=False) if self.enabled \
+        rt = (
+            RequestTelemetry(self, api_label(api), request_id, span, owns_span=False)
+            if self.enabled
             else _NULL
+        )
         token = _CURRENT.set(rt)
         try:
             yield rt
@@ -163,8 +179,9 @@ def record_error(exc: BaseException, status: str) -> None:
 class RequestTelemetry:
     """One API request's telemetry; `admit` when it enters the engine, `finish` once."""
 
-    def __init__(self, obs: Observability, api: str, request_id: str | None, span: Span,
-                 owns_span: bool) -> None:
+    def __init__(
+        self, obs: Observability, api: str, request_id: str | None, span: Span, owns_span: bool
+    ) -> None:
         self.obs, self.api, self.request_id, self.span = obs, api, request_id, span
         self.owns_span = owns_span
         self.engine_request_id: str | None = None
@@ -176,8 +193,15 @@ class RequestTelemetry:
         self.done = False
 
     # ---- while serving --------------------------------------------------------------------
-    def admit(self, engine_request_id: str, prompt: Any, params: Any, operation: str,
-              stream: bool | None, log_context: dict | None) -> dict | None:
+    def admit(
+        self,
+        engine_request_id: str,
+        prompt: Any,
+        params: Any,
+        operation: str,
+        stream: bool | None,
+        log_context: dict | None,
+    ) -> dict | None:
         """The request enters the engine: GenAI attributes on the server span, the span
         context registered for step links; returns the engine's log_context."""
         self.engine_request_id = engine_request_id
@@ -199,20 +223,33 @@ class RequestTelemetry:
             log.exception("request telemetry failed", request_id=self.request_id)
         return context
 
-    def _describe(self, engine_request_id: str, params: Any, operation: str,
-                  stream: bool | None) -> None:
+    def _describe(
+        self, engine_request_id: str, params: Any, operation: str, stream: bool | None
+    ) -> None:
         span = self.span
         if not span.is_recording():
             return
         model = self.obs.model
         span.update_name(genai_span_name(operation, model))
-        span.set_attributes(genai_request_attributes(
-            operation, model, max_tokens=params.max_tokens, temperature=params.temperature,
-            top_p=params.top_p, top_k=params.top_k, seed=params.seed, choice_count=params.n,
-            stream=stream, stop_sequences=params.stop, frequency_penalty=params.frequency_penalty,
-            presence_penalty=params.presence_penalty))
-        span.set_attributes(genai_response_attributes(response_id=engine_request_id,
-                                                      response_model=model))
+        span.set_attributes(
+            genai_request_attributes(
+                operation,
+                model,
+                max_tokens=params.max_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                seed=params.seed,
+                choice_count=params.n,
+                stream=stream,
+                stop_sequences=params.stop,
+                frequency_penalty=params.frequency_penalty,
+                presence_penalty=params.presence_penalty,
+            )
+        )
+        span.set_attributes(
+            genai_response_attributes(response_id=engine_request_id, response_model=model)
+        )
         span.set_attribute("moeserve.request_id", self.request_id)
 
     def observe(self, output: Any) -> None:
@@ -253,37 +290,65 @@ class RequestTelemetry:
         if status != "ok" and span.is_recording():
             exc = self.failure
             span.set_attribute("error.type", type(exc).__name__ if exc is not None else status)
-            span.set_status(Status(StatusCode.ERROR, f"{status}: {exc}" if exc is not None else status))
+            span.set_status(
+                Status(StatusCode.ERROR, f"{status}: {exc}" if exc is not None else status)
+            )
         extra: dict[str, Any] = {"model": obs.model}
         times = _merged_times(out.outputs) if out is not None else None
         if times is None:  # never produced an output: rejected, invalid, aborted while queued
-            finish_reason = "abort" if self.engine_request_id is not None and self.abandoned else None
+            finish_reason = (
+                "abort" if self.engine_request_id is not None and self.abandoned else None
+            )
             if obs.metrics is not None:
                 obs.metrics.count_request(self.api, status, finish_reason)
             num_prompt = len(self.prompt_ids) if self.prompt_ids is not None else 0
             ids = _ids(span)
             if span.is_recording() and self.engine_request_id is not None:
-                span.set_attributes(genai_response_attributes(input_tokens=num_prompt, output_tokens=0))
+                span.set_attributes(
+                    genai_response_attributes(input_tokens=num_prompt, output_tokens=0)
+                )
             if obs.log_prompts:
                 extra["prompt"] = self._prompt_text()
-            log.info("request finished", request_id=self.request_id, api=self.api,
-                     prompt_tokens=num_prompt, completion_tokens=0, queue_ms=None, ttft_ms=None,
-                     tpot_ms=None, e2e_ms=None, finish_reason=finish_reason or "none", status=status,
-                     **ids, **extra)
+            log.info(
+                "request finished",
+                request_id=self.request_id,
+                api=self.api,
+                prompt_tokens=num_prompt,
+                completion_tokens=0,
+                queue_ms=None,
+                ttft_ms=None,
+                tpot_ms=None,
+                e2e_ms=None,
+                finish_reason=finish_reason or "none",
+                status=status,
+                **ids,
+                **extra,
+            )
             return
         reasons = [c.finish_reason for c in out.outputs]
-        finish_reason = reasons[0] if out.finished else "error" if self.failure is not None else "abort"
+        finish_reason = (
+            reasons[0] if out.finished else "error" if self.failure is not None else "abort"
+        )
         if out.finished and len(set(reasons)) > 1:
             extra["finish_reasons"] = reasons
         if obs.log_prompts:
             extra["prompt"] = self._prompt_text(out.prompt_token_ids)
             texts = [c.text for c in out.outputs]
             extra["output"] = texts[0] if len(texts) == 1 else texts
-        finish_request(span, api=self.api, request_id=self.request_id or "", times=times,
-                       num_prompt_tokens=len(out.prompt_token_ids),
-                       num_output_tokens=sum(len(c.token_ids) for c in out.outputs),
-                       finish_reason=finish_reason, status=status, metrics=obs.metrics,
-                       logger=log, tracer=obs.tracer, **extra)
+        finish_request(
+            span,
+            api=self.api,
+            request_id=self.request_id or "",
+            times=times,
+            num_prompt_tokens=len(out.prompt_token_ids),
+            num_output_tokens=sum(len(c.token_ids) for c in out.outputs),
+            finish_reason=finish_reason,
+            status=status,
+            metrics=obs.metrics,
+            logger=log,
+            tracer=obs.tracer,
+            **extra,
+        )
         if span.is_recording() and len(reasons) > 1:
             span.set_attribute("gen_ai.response.finish_reasons", [r or "abort" for r in reasons])
 
@@ -336,11 +401,13 @@ def _merged_times(outputs: list[Any]) -> Any:
 
     finished = [t.finished for t in times]
     return SimpleNamespace(
-        arrival=min(t.arrival for t in times), first_scheduled=first("first_scheduled"),
+        arrival=min(t.arrival for t in times),
+        first_scheduled=first("first_scheduled"),
         first_token=first("first_token"),
         last_token=max((t.last_token for t in times if t.last_token is not None), default=None),
         finished=None if None in finished else max(finished),
-        num_preemptions=sum(t.num_preemptions for t in times))
+        num_preemptions=sum(t.num_preemptions for t in times),
+    )
 
 
 # ---- REST ---------------------------------------------------------------------------------------
@@ -407,25 +474,39 @@ class GrpcTelemetryInterceptor(grpc.aio.ServerInterceptor):
     ours write with `context.write` (a coroutine), which it cannot wrap.
     """
 
-    def __init__(self, obs: Observability, service: str,
-                 generation_methods: tuple[str, ...] = ("Generate", "GenerateStream")) -> None:
+    def __init__(
+        self,
+        obs: Observability,
+        service: str,
+        generation_methods: tuple[str, ...] = ("Generate", "GenerateStream"),
+    ) -> None:
         self._obs = obs
         self._prefix = f"/{service}/"
         self._generation = frozenset(f"/{service}/{m}" for m in generation_methods)
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
-        if handler is None or not self._obs.enabled or not details.method.startswith(self._prefix) \
-                or handler.request_streaming:
+        if (
+            handler is None
+            or not self._obs.enabled
+            or not details.method.startswith(self._prefix)
+            or handler.request_streaming
+        ):
             return handler
         behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
         if not inspect.iscoroutinefunction(behavior):
             return handler
         wrapped = self._wrap(behavior, details.method, details.method in self._generation)
-        make = grpc.unary_stream_rpc_method_handler if handler.response_streaming \
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if handler.response_streaming
             else grpc.unary_unary_rpc_method_handler
-        return make(wrapped, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
+        )
+        return make(
+            wrapped,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
 
     def _wrap(self, behavior: Callable, method: str, generation: bool) -> Callable:
         obs = self._obs
@@ -434,8 +515,12 @@ class GrpcTelemetryInterceptor(grpc.aio.ServerInterceptor):
 
         async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
             structlog.contextvars.clear_contextvars()
-            span = obs.tracer.start_span(method.lstrip("/"), kind=SpanKind.SERVER, attributes=attributes,
-                                         context=extract_context(context.invocation_metadata() or ()))
+            span = obs.tracer.start_span(
+                method.lstrip("/"),
+                kind=SpanKind.SERVER,
+                attributes=attributes,
+                context=extract_context(context.invocation_metadata() or ()),
+            )
             token = otel_context.attach(trace.set_span_in_context(span))
             code = grpc.StatusCode.OK
             try:

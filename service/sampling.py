@@ -21,4 +21,6 @@ def build_sampling_params(**fields) -> SamplingParams:
         if isinstance(exc.__cause__, InvalidParameterError):
             raise exc.__cause__ from None
         m = _PATH.search(str(exc))
-        raise InvalidParameterError(m.group(1) if m else "params", str(exc).split(" - at ")[0]) from None
+        raise InvalidParameterError(
+            m.group(1) if m else "params", str(exc).split(" - at ")[0]
+        ) from None

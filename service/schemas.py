@@ -85,16 +85,24 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
 # Neutral values of the OpenAI fields we accept but do not implement.
 _NEUTRAL: dict[str, tuple] = {
-    "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
-    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
+    "logit_bias": (None, {}),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
     "response_format": (None, {"type": "text"}),
 }
 
 
 def unsupported_fields(req: msgspec.Struct) -> list[str]:
     """Names of set fields whose value asks for a feature this server does not implement."""
-    return [name for name, neutral in _NEUTRAL.items()
-            if hasattr(req, name) and not any(getattr(req, name) == v for v in neutral)]
+    return [
+        name
+        for name, neutral in _NEUTRAL.items()
+        if hasattr(req, name) and not any(getattr(req, name) == v for v in neutral)
+    ]
 
 
 # ---- responses ---------------------------------------------------------------------------

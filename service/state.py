@@ -26,9 +26,17 @@ class ServingState:
     def ready(self) -> bool:
         return self.engine.is_alive and not self.draining
 
-    async def generate(self, api: str, prompt: str | list[int], params: SamplingParams,
-                       request_id: str, log_context: dict | None = None, *, operation: str | None = None,
-                       stream: bool | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        api: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        log_context: dict | None = None,
+        *,
+        operation: str | None = None,
+        stream: bool | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """The one path from either API into the engine: admission while draining, engine
         errors mapped to service errors, in-flight accounting for a graceful drain, and the
         request's telemetry (service/observability.py). `operation` is the GenAI operation
@@ -38,11 +46,14 @@ class ServingState:
         try:
             if self.draining:
                 raise Unavailable("server is shutting down", code="draining")
-            log_context = rt.admit(request_id, prompt, params, operation or genai_operation(api), stream,
-                                   log_context)
+            log_context = rt.admit(
+                request_id, prompt, params, operation or genai_operation(api), stream, log_context
+            )
             self.in_flight += 1
             self._idle.clear()
-            agen = self.engine.stream(prompt, params, request_id=request_id, log_context=log_context)
+            agen = self.engine.stream(
+                prompt, params, request_id=request_id, log_context=log_context
+            )
             try:
                 async for out in agen:
                     rt.observe(out)

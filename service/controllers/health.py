@@ -17,8 +17,10 @@ class HealthController(Controller):
         """Liveness: 200 while the engine core runs (draining included), 503 once it has died
         (vLLM's behaviour), so that the orchestrator restarts a server that cannot serve."""
         alive = serving_state(request).engine.is_alive
-        return Response(HealthResponse(status="ok" if alive else "engine_dead", engine_alive=alive),
-                        status_code=200 if alive else 503)
+        return Response(
+            HealthResponse(status="ok" if alive else "engine_dead", engine_alive=alive),
+            status_code=200 if alive else 503,
+        )
 
     @get("/ready", operation_id="ready")
     async def ready(self, request: Request) -> Response[ReadyResponse]:
@@ -26,7 +28,13 @@ class HealthController(Controller):
         state = serving_state(request)
         engine = state.engine
         status = "ready" if state.ready else "draining" if state.draining else "engine_dead"
-        body = ReadyResponse(status=status, model=state.model_name, num_running=engine.num_running,
-                             num_waiting=engine.num_waiting, in_flight=state.in_flight,
-                             kv_usage=engine.kv_usage, kv_blocks_used=engine.kv_blocks_used)
+        body = ReadyResponse(
+            status=status,
+            model=state.model_name,
+            num_running=engine.num_running,
+            num_waiting=engine.num_waiting,
+            in_flight=state.in_flight,
+            kv_usage=engine.kv_usage,
+            kv_blocks_used=engine.kv_blocks_used,
+        )
         return Response(body, status_code=200 if state.ready else 503)

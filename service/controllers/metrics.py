@@ -26,6 +26,7 @@ class MetricsController(Controller):
         if metrics is None:
             raise NotFound("metrics are disabled on this server", code="metrics_disabled")
         # Off the event loop: the per-expert series make a scrape of a large model take a while.
-        body, content_type = await asyncio.to_thread(render_metrics, metrics.registry,
-                                                     request.headers.get("accept"))
+        body, content_type = await asyncio.to_thread(
+            render_metrics, metrics.registry, request.headers.get("accept")
+        )
         return Response(body, media_type=content_type)

@@ -58,7 +58,9 @@ def _sse(payload: msgspec.Struct) -> bytes:
 
 def _usage(out: RequestOutput) -> Usage:
     prompt, completion = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
 
 
 class _Generation:
@@ -71,13 +73,16 @@ class _Generation:
         self.model = state.model_name
         self.decode: Callable[[int], str] = request.app.state.token_text
 
-    async def start(self, prompt_ids: list[int], params: SamplingParams,
-                    stream: bool) -> tuple[RequestOutput, AsyncIterator]:
+    async def start(
+        self, prompt_ids: list[int], params: SamplingParams, stream: bool
+    ) -> tuple[RequestOutput, AsyncIterator]:
         """Submits to the engine and waits for the first output, so admission errors (429,
         503, 400) become HTTP statuses before any SSE byte is sent. Log lines carry the
         x-request-id as request_id; the engine's id (the response id) rides along."""
         log_context = {"response_id": self.id}
-        agen = self.state.generate(self.api, prompt_ids, params, self.id, log_context, stream=stream)
+        agen = self.state.generate(
+            self.api, prompt_ids, params, self.id, log_context, stream=stream
+        )
         first = await cancel_on_disconnect(self.request, agen.__anext__())
         return first, agen
 
@@ -93,9 +98,14 @@ class _Generation:
             return first
         return await cancel_on_disconnect(self.request, drain())
 
-    def stream(self, first: RequestOutput, agen: AsyncIterator, include_usage: bool,
-               chunks: Callable[[RequestOutput], list[msgspec.Struct]],
-               usage_chunk: Callable[[Usage], msgspec.Struct]) -> Stream:
+    def stream(
+        self,
+        first: RequestOutput,
+        agen: AsyncIterator,
+        include_usage: bool,
+        chunks: Callable[[RequestOutput], list[msgspec.Struct]],
+        usage_chunk: Callable[[Usage], msgspec.Struct],
+    ) -> Stream:
         async def body() -> AsyncIterator[bytes]:
             out = first
             try:
@@ -107,8 +117,13 @@ class _Generation:
                 if include_usage:
                     yield _sse(usage_chunk(_usage(out)))
             except ServiceError as exc:  # e.g. the engine died mid-stream: tell the client
-                yield _sse(ErrorResponse(error=ErrorBody(
-                    message=exc.message, type=exc.error_type, param=exc.param, code=exc.code)))
+                yield _sse(
+                    ErrorResponse(
+                        error=ErrorBody(
+                            message=exc.message, type=exc.error_type, param=exc.param, code=exc.code
+                        )
+                    )
+                )
             finally:
                 await agen.aclose()  # client gone: the generation is aborted here
             yield b"data: [DONE]\n\n"
@@ -127,8 +142,20 @@ def _stop(stop: str | list[str] | None) -> list[str] | None:
 
 
 def _common_fields(data: Any) -> dict[str, Any]:
-    names = ("n", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",
-             "min_p", "min_tokens", "repetition_penalty", "stop_token_ids", "ignore_eos")
+    names = (
+        "n",
+        "seed",
+        "temperature",
+        "top_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "top_k",
+        "min_p",
+        "min_tokens",
+        "repetition_penalty",
+        "stop_token_ids",
+        "ignore_eos",
+    )
     return {"stop": _stop(data.stop), **{name: getattr(data, name) for name in names}}
 
 
@@ -143,8 +170,10 @@ async def _completion_prompt(state: ServingState, prompt: str | list[Any]) -> li
     if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
     if all(isinstance(p, (str, list)) for p in prompt):
-        raise BadRequest("a list of several prompts is not supported; send one request per prompt",
-                         param="prompt")
+        raise BadRequest(
+            "a list of several prompts is not supported; send one request per prompt",
+            param="prompt",
+        )
     raise BadRequest("prompt must be a string or a list of token ids", param="prompt")
 
 
@@ -157,25 +186,42 @@ class OpenAIController(Controller):
     async def list_models(self, request: Request) -> ModelList:
         """The served model."""
         state = serving_state(request)
-        return ModelList(data=[ModelCard(id=state.model_name, created=request.app.state.started_at,
-                                         root=state.model_name, max_model_len=state.engine.max_model_len)])
+        return ModelList(
+            data=[
+                ModelCard(
+                    id=state.model_name,
+                    created=request.app.state.started_at,
+                    root=state.model_name,
+                    max_model_len=state.engine.max_model_len,
+                )
+            ]
+        )
 
-    @post("/completions", operation_id="createCompletion", status_code=200,
-          middleware=[rest_generation_telemetry])
+    @post(
+        "/completions",
+        operation_id="createCompletion",
+        status_code=200,
+        middleware=[rest_generation_telemetry],
+    )
     async def create_completion(self, request: Request, data: CompletionRequest) -> Response:
         """Text completion (OpenAI `/v1/completions`), JSON or SSE."""
         state = serving_state(request)
         check_model(state, data.model)
         _reject_unsupported(data)
-        params = sampling_params(max_tokens=data.max_tokens if data.max_tokens is not None else 16,
-                                 logprobs=data.logprobs, **_common_fields(data))
+        params = sampling_params(
+            max_tokens=data.max_tokens if data.max_tokens is not None else 16,
+            logprobs=data.logprobs,
+            **_common_fields(data),
+        )
         ids = await _completion_prompt(state, data.prompt)
         gen = _Generation(request, state, "openai.completions", "cmpl")
         first, agen = await gen.start(ids, params, bool(data.stream))
         want_logprobs = data.logprobs is not None
         offsets = [0] * params.n
 
-        def logprobs(c: CompletionOutput, entries: list[TokenLogprobs]) -> CompletionLogprobs | None:
+        def logprobs(
+            c: CompletionOutput, entries: list[TokenLogprobs]
+        ) -> CompletionLogprobs | None:
             if not want_logprobs:
                 return None
             tokens = [gen.decode(e.token_id) for e in entries]
@@ -184,17 +230,33 @@ class OpenAIController(Controller):
                 text_offset.append(offsets[c.index])
                 offsets[c.index] += len(t)
             return CompletionLogprobs(
-                tokens=tokens, token_logprobs=[e.logprob for e in entries],
+                tokens=tokens,
+                token_logprobs=[e.logprob for e in entries],
                 top_logprobs=[{gen.decode(t.token_id): t.logprob for t in e.top} for e in entries],
-                text_offset=text_offset)
+                text_offset=text_offset,
+            )
 
         if not data.stream:
             out = await gen.final(first, agen)
-            choices = [CompletionChoice(index=c.index, text=c.text, logprobs=logprobs(c, c.logprobs or []),
-                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                       for c in out.outputs]
-            return Response(CompletionResponse(id=gen.id, created=gen.created, model=gen.model,
-                                               choices=choices, usage=_usage(out)))
+            choices = [
+                CompletionChoice(
+                    index=c.index,
+                    text=c.text,
+                    logprobs=logprobs(c, c.logprobs or []),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                for c in out.outputs
+            ]
+            return Response(
+                CompletionResponse(
+                    id=gen.id,
+                    created=gen.created,
+                    model=gen.model,
+                    choices=choices,
+                    usage=_usage(out),
+                )
+            )
 
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
         reported: set[int] = set()
@@ -202,23 +264,45 @@ class OpenAIController(Controller):
         def chunks(out: RequestOutput) -> list[CompletionResponse]:
             result = []
             for c in out.outputs:
-                if c.index in reported or not (c.delta_text or c.delta_token_ids or c.finish_reason):
+                if c.index in reported or not (
+                    c.delta_text or c.delta_token_ids or c.finish_reason
+                ):
                     continue
                 if c.finish_reason:
                     reported.add(c.index)
-                choice = CompletionChoice(index=c.index, text=c.delta_text,
-                                          logprobs=logprobs(c, c.delta_logprobs),
-                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                result.append(CompletionResponse(id=gen.id, created=gen.created, model=gen.model,
-                                                 choices=[choice]))
+                choice = CompletionChoice(
+                    index=c.index,
+                    text=c.delta_text,
+                    logprobs=logprobs(c, c.delta_logprobs),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                result.append(
+                    CompletionResponse(
+                        id=gen.id, created=gen.created, model=gen.model, choices=[choice]
+                    )
+                )
             return result
 
-        return gen.stream(first, agen, include_usage, chunks, lambda u: CompletionResponse(
-            id=gen.id, created=gen.created, model=gen.model, choices=[], usage=u))
+        return gen.stream(
+            first,
+            agen,
+            include_usage,
+            chunks,
+            lambda u: CompletionResponse(
+                id=gen.id, created=gen.created, model=gen.model, choices=[], usage=u
+            ),
+        )
 
-    @post("/chat/completions", operation_id="createChatCompletion", status_code=200,
-          middleware=[rest_generation_telemetry])
-    async def create_chat_completion(self, request: Request, data: ChatCompletionRequest) -> Response:
+    @post(
+        "/chat/completions",
+        operation_id="createChatCompletion",
+        status_code=200,
+        middleware=[rest_generation_telemetry],
+    )
+    async def create_chat_completion(
+        self, request: Request, data: ChatCompletionRequest
+    ) -> Response:
         """Chat completion (OpenAI `/v1/chat/completions`) through the model's chat template."""
         state = serving_state(request)
         check_model(state, data.model)
@@ -226,12 +310,18 @@ class OpenAIController(Controller):
         if data.top_logprobs is not None and not data.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
         ids = await chat_prompt_ids(state, data.messages)
-        max_tokens = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
+        max_tokens = (
+            data.max_completion_tokens
+            if data.max_completion_tokens is not None
+            else data.max_tokens
+        )
         if max_tokens is None:  # OpenAI's default: up to the context length
             max_tokens = max(state.engine.max_model_len - len(ids), 1)
-        params = sampling_params(max_tokens=max_tokens,
-                                 logprobs=(data.top_logprobs or 0) if data.logprobs else None,
-                                 **_common_fields(data))
+        params = sampling_params(
+            max_tokens=max_tokens,
+            logprobs=(data.top_logprobs or 0) if data.logprobs else None,
+            **_common_fields(data),
+        )
         gen = _Generation(request, state, "openai.chat", "chatcmpl")
         first, agen = await gen.start(ids, params, bool(data.stream))
 
@@ -243,42 +333,86 @@ class OpenAIController(Controller):
                 text = gen.decode(token_id)
                 return TopLogprob(token=text, logprob=lp, bytes=list(text.encode()))
 
-            return ChatLogprobs(content=[ChatTokenLogprob(
-                token=(t := top(e.token_id, e.logprob)).token, logprob=t.logprob, bytes=t.bytes,
-                top_logprobs=[top(x.token_id, x.logprob) for x in e.top]) for e in entries])
+            return ChatLogprobs(
+                content=[
+                    ChatTokenLogprob(
+                        token=(t := top(e.token_id, e.logprob)).token,
+                        logprob=t.logprob,
+                        bytes=t.bytes,
+                        top_logprobs=[top(x.token_id, x.logprob) for x in e.top],
+                    )
+                    for e in entries
+                ]
+            )
 
         if not data.stream:
             out = await gen.final(first, agen)
-            choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                                  logprobs=logprobs(c.logprobs or []), finish_reason=c.finish_reason,
-                                  stop_reason=c.stop_reason) for c in out.outputs]
-            return Response(ChatCompletionResponse(id=gen.id, created=gen.created, model=gen.model,
-                                                   choices=choices, usage=_usage(out)))
+            choices = [
+                ChatChoice(
+                    index=c.index,
+                    message=AssistantMessage(content=c.text),
+                    logprobs=logprobs(c.logprobs or []),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                for c in out.outputs
+            ]
+            return Response(
+                ChatCompletionResponse(
+                    id=gen.id,
+                    created=gen.created,
+                    model=gen.model,
+                    choices=choices,
+                    usage=_usage(out),
+                )
+            )
 
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
         started: set[int] = set()
         reported: set[int] = set()
 
         def chunk(choice: ChatChunkChoice) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=gen.id, created=gen.created, model=gen.model, choices=[choice])
+            return ChatCompletionChunk(
+                id=gen.id, created=gen.created, model=gen.model, choices=[choice]
+            )
 
         def chunks(out: RequestOutput) -> list[ChatCompletionChunk]:
             result = []
             for c in out.outputs:
                 if c.index not in started:  # OpenAI opens each choice with the role
                     started.add(c.index)
-                    result.append(chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant",
-                                                                                           content=""))))
-                if c.index in reported or not (c.delta_text or c.delta_token_ids or c.finish_reason):
+                    result.append(
+                        chunk(
+                            ChatChunkChoice(
+                                index=c.index, delta=DeltaMessage(role="assistant", content="")
+                            )
+                        )
+                    )
+                if c.index in reported or not (
+                    c.delta_text or c.delta_token_ids or c.finish_reason
+                ):
                     continue
                 if c.finish_reason:
                     reported.add(c.index)
                 delta = DeltaMessage(content=c.delta_text) if c.delta_text else DeltaMessage()
-                result.append(chunk(ChatChunkChoice(index=c.index, delta=delta,
-                                                    logprobs=logprobs(c.delta_logprobs),
-                                                    finish_reason=c.finish_reason)))
+                result.append(
+                    chunk(
+                        ChatChunkChoice(
+                            index=c.index,
+                            delta=delta,
+                            logprobs=logprobs(c.delta_logprobs),
+                            finish_reason=c.finish_reason,
+                        )
+                    )
+                )
             return result
 
-        return gen.stream(first, agen, include_usage, chunks, lambda u: ChatCompletionChunk(
-            id=gen.id, created=gen.created, model=gen.model, choices=[], usage=u))
-
+        return gen.stream(
+            first,
+            agen,
+            include_usage,
+            chunks,
+            lambda u: ChatCompletionChunk(
+                id=gen.id, created=gen.created, model=gen.model, choices=[], usage=u
+            ),
+        )

@@ -28,7 +28,9 @@ class TokenizeController(Controller):
             ids = await chat_prompt_ids(state, data.messages, data.add_generation_prompt)
         else:
             ids = await text_prompt_ids(state, data.prompt, data.add_special_tokens)
-        return TokenizeResponse(count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids)
+        return TokenizeResponse(
+            count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids
+        )
 
     @post("/detokenize", operation_id="detokenize", status_code=200)
     async def detokenize(self, request: Request, data: DetokenizeRequest) -> DetokenizeResponse:

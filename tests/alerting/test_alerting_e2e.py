@@ -405,7 +405,9 @@ def test_queue_flood_fires_an_alert_that_reaches_the_webhook_as_an_incident(
         detected_at = time.time()
         # Prometheus fired it during the flood (a range query: on a busy machine the queue
         # may already have drained by the time the webhook finished its analysis)
-        firing = query(prometheus, f'max_over_time(ALERTS{{alertname="{ALERT}", alertstate="firing"}}[5m])')
+        firing = query(
+            prometheus, f'max_over_time(ALERTS{{alertname="{ALERT}", alertstate="firing"}}[5m])'
+        )
         assert [a["metric"]["severity"] for a in firing] == [SEVERITY], firing
         # Alertmanager is the only sender of alerts to the webhook in this test, so the
         # incident itself is the proof of delivery; its fingerprint is Alertmanager's

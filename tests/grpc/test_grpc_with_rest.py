@@ -72,8 +72,10 @@ def test_rest_and_grpc_requests_are_batched_together(model_path):
 
         with ThreadPoolExecutor(2) as pool:
             rest_bodies = list(pool.map(rest, range(2)))
-        grpc_tokens = [len(first.token_ids) + sum(len(c.token_ids) for c in stream)
-                       for first, stream in zip(firsts, streams)]
+        grpc_tokens = [
+            len(first.token_ids) + sum(len(c.token_ids) for c in stream)
+            for first, stream in zip(firsts, streams)
+        ]
         channel.close()
     finally:
         loop.call_soon_threadsafe(server.request_shutdown)

@@ -19,8 +19,10 @@ def hf_model(path):
 
 
 def hf_greedy(model, prompt: list[int], n: int = 32) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def prompts(vocab: int, lengths) -> list[list[int]]:
@@ -40,15 +42,22 @@ def check_logits_match(path) -> None:
         torch.testing.assert_close(model.logits(hidden), expected, atol=1e-4, rtol=1e-4)
         assert counts.sum().item() == engine.args.top_k * 20 * counts.shape[0]  # 0 for dense models
         for pos in range(20, 24):  # decode steps, one token each, reading the paged cache
-            meta = AttentionMetadata(torch.tensor([pos]), 1, torch.arange(pos + 1)[None],
-                                     torch.ones(1, 1, 1, pos + 1, dtype=torch.bool), [])
+            meta = AttentionMetadata(
+                torch.tensor([pos]),
+                1,
+                torch.arange(pos + 1)[None],
+                torch.ones(1, 1, 1, pos + 1, dtype=torch.bool),
+                [],
+            )
             hidden, _ = model(torch.tensor([tokens[pos]]), torch.tensor([pos]), meta, caches)
             expected = ref(torch.tensor([tokens[: pos + 1]])).logits[0, -1]
             torch.testing.assert_close(model.logits(hidden)[0], expected, atol=1e-4, rtol=1e-4)
 
 
 def check_greedy_alone_matches_generate(path, **options) -> None:
-    engine = LLMEngine.from_pretrained(path, device="cpu", dtype="float32", kv_cache_tokens=1024, **options)
+    engine = LLMEngine.from_pretrained(
+        path, device="cpu", dtype="float32", kv_cache_tokens=1024, **options
+    )
     ref = hf_model(path)
     for prompt in prompts(engine.args.vocab_size, [7, 40]):
         [out] = engine.generate([prompt], GREEDY_32)
@@ -59,8 +68,15 @@ def check_greedy_alone_matches_generate(path, **options) -> None:
 def check_continuous_batch_with_chunked_prefill_and_preemption(path, **options) -> None:
     """Mixed prompt lengths, a 24-token step budget (prefills are chunked) and a KV cache of
     12 blocks of 16 tokens, far below what the batch needs, so sequences get preempted."""
-    engine = LLMEngine.from_pretrained(path, device="cpu", dtype="float32", kv_cache_tokens=192,
-                                       max_num_batched_tokens=24, max_num_seqs=8, **options)
+    engine = LLMEngine.from_pretrained(
+        path,
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=192,
+        max_num_batched_tokens=24,
+        max_num_seqs=8,
+        **options,
+    )
     ref = hf_model(path)
     batch = prompts(engine.args.vocab_size, [5, 61, 17, 33, 9, 48])
     ids = [f"r{i}" for i in range(len(batch))]
@@ -70,7 +86,10 @@ def check_continuous_batch_with_chunked_prefill_and_preemption(path, **options) 
     while engine.has_unfinished:
         outputs, stats = engine.step()
         preemptions += stats.num_preemptions
-        chunked |= 0 < stats.num_prefill_tokens and stats.num_prefill_tokens + stats.num_decode_tokens == 24
+        chunked |= (
+            0 < stats.num_prefill_tokens
+            and stats.num_prefill_tokens + stats.num_decode_tokens == 24
+        )
         final.update({o.request_id: o for o in outputs if o.finished})
     assert preemptions > 0 and chunked
     for rid, prompt in zip(ids, batch):

@@ -17,12 +17,28 @@ from inference.attention import AttentionMetadata, PrefillChunk
 from inference.demo_model import ARCHS, PRESETS
 
 VARIANTS = {
-    "deepseek_v2_yarn_qlora": ("deepseek_v2", {
-        "q_lora_rank": 24, "topk_method": "greedy", "n_group": None, "topk_group": None,
-        "routed_scaling_factor": 2.5, "attention_bias": True, "max_position_embeddings": 2048,
-        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                            "original_max_position_embeddings": 512, "beta_fast": 32,
-                            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}}),
+    "deepseek_v2_yarn_qlora": (
+        "deepseek_v2",
+        {
+            "q_lora_rank": 24,
+            "topk_method": "greedy",
+            "n_group": None,
+            "topk_group": None,
+            "routed_scaling_factor": 2.5,
+            "attention_bias": True,
+            "max_position_embeddings": 2048,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 512,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+            },
+        },
+    ),
     "olmoe_clip_qkv": ("olmoe", {"clip_qkv": 0.5}),
     "qwen3_moe_bias_dense": ("qwen3_moe", {"attention_bias": True, "mlp_only_layers": [0]}),
 }
@@ -37,7 +53,9 @@ def variant_dir(model_dirs, tmp_path_factory):
             arch, overrides = VARIANTS[name]
             out = tmp_path_factory.mktemp(name)
             shutil.copytree(model_dirs(arch), out, dirs_exist_ok=True)  # tokenizer files
-            config = ARCHS[arch](PRESETS["tiny"], {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0})
+            config = ARCHS[arch](
+                PRESETS["tiny"], {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+            )
             for key, value in overrides.items():
                 setattr(config, key, value)
             with torch.random.fork_rng(devices=[]):
@@ -48,7 +66,7 @@ def variant_dir(model_dirs, tmp_path_factory):
                         if "norm" in pname or pname.endswith("bias"):
                             p.add_(torch.randn_like(p) * 0.1)
                     lm_head = model.get_output_embeddings().weight
-                    torch.nn.init.normal_(lm_head, std=2.0 / config.hidden_size ** 0.5)
+                    torch.nn.init.normal_(lm_head, std=2.0 / config.hidden_size**0.5)
             model.save_pretrained(out)
             made[name] = out
         return made[name]
@@ -67,7 +85,7 @@ def test_variant_logits_match(variant_dir, name):
     model, caches = engine.model, engine.kv_caches
 
     def check(hidden, upto):
-        expected = ref(torch.tensor([tokens[:upto]])).logits[0, -hidden.shape[0]:]
+        expected = ref(torch.tensor([tokens[:upto]])).logits[0, -hidden.shape[0] :]
         torch.testing.assert_close(model.logits(hidden), expected, atol=1e-4, rtol=1e-4)
 
     with torch.inference_mode():
@@ -77,6 +95,11 @@ def test_variant_logits_match(variant_dir, name):
         meta = AttentionMetadata(torch.arange(12, 20), 0, None, None, [chunk])
         check(model(torch.tensor(tokens[12:20]), torch.arange(12, 20), meta, caches)[0], 20)
         for pos in range(20, 24):
-            meta = AttentionMetadata(torch.tensor([pos]), 1, torch.arange(pos + 1)[None],
-                                     torch.ones(1, 1, 1, pos + 1, dtype=torch.bool), [])
+            meta = AttentionMetadata(
+                torch.tensor([pos]),
+                1,
+                torch.arange(pos + 1)[None],
+                torch.ones(1, 1, 1, pos + 1, dtype=torch.bool),
+                [],
+            )
             check(model(torch.tensor([tokens[pos]]), torch.tensor([pos]), meta, caches)[0], pos + 1)

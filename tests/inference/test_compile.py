@@ -26,7 +26,9 @@ def test_compiled_continuous_batch_with_chunked_prefill_and_preemption(model_dir
 
 
 def test_no_recompilation_after_warm_up(model_dirs):
-    engine = LLMEngine.from_pretrained(model_dirs("mixtral"), device="cpu", dtype="float32", compile=True)
+    engine = LLMEngine.from_pretrained(
+        model_dirs("mixtral"), device="cpu", dtype="float32", compile=True
+    )
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert graphs >= 2  # warm-up compiled the one-sequence and the batch graphs
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -34,5 +36,8 @@ def test_no_recompilation_after_warm_up(model_dirs):
     for batch in ([3], [40, 17], [5, 70, 33, 12, 9, 64]):
         outs = engine.generate(prompts(engine.args.vocab_size, batch), params)
         assert all(len(o.token_ids) == 20 for o in outs)
-    engine.generate(prompts(engine.args.vocab_size, [8, 30]), SamplingParams(max_tokens=5, temperature=0.9, seed=1))
+    engine.generate(
+        prompts(engine.args.vocab_size, [8, 30]),
+        SamplingParams(max_tokens=5, temperature=0.9, seed=1),
+    )
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

@@ -49,8 +49,15 @@ class Path:
 
 
 # Native paths best first (AMX, AVX512-BF16, AVX-512, AVX2), then the emulated builds.
-PATHS = [Path("avx512", amx=True), Path("avx512bf16"), Path("avx512"), Path("avx2"),
-         Path("avx512bf16", emulated=True), Path("avx512", emulated=True), Path("avx2", amx=True, emulated=True)]
+PATHS = [
+    Path("avx512", amx=True),
+    Path("avx512bf16"),
+    Path("avx512"),
+    Path("avx2"),
+    Path("avx512bf16", emulated=True),
+    Path("avx512", emulated=True),
+    Path("avx2", amx=True, emulated=True),
+]
 
 
 @pytest.fixture(params=PATHS, ids=str)
@@ -77,10 +84,11 @@ def randn(*shape, scale=1.0, seed=0):
 def close_to_bf16(out: torch.Tensor, exact: torch.Tensor, rounds: int = 1) -> None:
     """out (bf16) is exact (float32) up to `rounds` bf16 roundings of intermediate values."""
     scale = float(exact.abs().max()) + 1e-6
-    torch.testing.assert_close(out.float(), exact, rtol=rounds * 2 ** -8, atol=rounds * scale * 2 ** -9)
+    torch.testing.assert_close(out.float(), exact, rtol=rounds * 2**-8, atol=rounds * scale * 2**-9)
 
 
 # ---- choosing the instruction set ------------------------------------------------------
+
 
 def test_only_builds_the_cpu_reports_are_runnable(monkeypatch):
     avx2_only = frozenset({"avx", "avx2", "fma", "f16c", "sse4_2"})
@@ -91,8 +99,14 @@ def test_only_builds_the_cpu_reports_are_runnable(monkeypatch):
     assert cpu_kernels.runnable_isas() == ["avx512", "avx2"]
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: avx512 | {"avx512_bf16"})  # AMD Zen 4
     assert cpu_kernels.runnable_isas() == ["avx512bf16", "avx512", "avx2"]
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: avx512 | {"avx512_bf16", "amx_tile", "amx_bf16"})
-    assert cpu_kernels.runnable_isas() == ["avx512", "avx512bf16", "avx2"]  # a Xeon: AMX beside FMA tiles
+    monkeypatch.setattr(
+        cpu_kernels, "cpu_flags", lambda: avx512 | {"avx512_bf16", "amx_tile", "amx_bf16"}
+    )
+    assert cpu_kernels.runnable_isas() == [
+        "avx512",
+        "avx512bf16",
+        "avx2",
+    ]  # a Xeon: AMX beside FMA tiles
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"sse4_2", "avx"}))
     assert cpu_kernels.runnable_isas() == []
     try:
@@ -176,6 +190,7 @@ def test_kernels_off_by_environment_and_when_the_build_fails(monkeypatch, tmp_pa
 
 # ---- packing ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("shape", [(32, 64), (37, 17), (1, 2), (16, 1), (3, 40, 33), (2, 160, 64)])
 def test_pack_weight_round_trips(shape):
     w = randn(*shape)
@@ -188,15 +203,28 @@ def test_pack_weight_round_trips(shape):
 
 # ---- the kernels against float32 arithmetic, on every path -----------------------------
 
-@pytest.mark.parametrize("m,n,k", [(1, 32000, 512), (1, 300, 64), (5, 17, 1), (37, 100, 33), (40, 64, 64),
-                                   (300, 48, 96), (2, 1, 512)])
+
+@pytest.mark.parametrize(
+    "m,n,k",
+    [
+        (1, 32000, 512),
+        (1, 300, 64),
+        (5, 17, 1),
+        (37, 100, 33),
+        (40, 64, 64),
+        (300, 48, 96),
+        (2, 1, 512),
+    ],
+)
 def test_linear_matches_float32_arithmetic(path, m, n, k):
     w, x, b = randn(n, k), randn(m, k, seed=1), randn(n, seed=2)
     packed = cpu_kernels.pack_weight(w)
     exact = x.float() @ w.float().t()
     close_to_bf16(cpu_kernels.linear(x, packed), exact)
     close_to_bf16(cpu_kernels.linear(x, packed, b), exact + b.float())
-    assert torch.equal(linear(x, packed, b), cpu_kernels.linear(x, packed, b))  # layers.linear routes here
+    assert torch.equal(
+        linear(x, packed, b), cpu_kernels.linear(x, packed, b)
+    )  # layers.linear routes here
 
 
 def test_linear_reads_strided_rows_and_per_head_weights(path):
@@ -218,26 +246,45 @@ def expert_reference(x, w13, w2, ids, weights):
     return out
 
 
-@pytest.mark.parametrize("t,d,i,e,top_k", [(1, 512, 1024, 8, 2), (1, 33, 17, 8, 3), (3, 32, 64, 8, 3),
-                                           (32, 64, 64, 8, 2), (80, 64, 32, 8, 2), (40, 96, 64, 16, 1),
-                                           (300, 64, 64, 4, 2)])
+@pytest.mark.parametrize(
+    "t,d,i,e,top_k",
+    [
+        (1, 512, 1024, 8, 2),
+        (1, 33, 17, 8, 3),
+        (3, 32, 64, 8, 3),
+        (32, 64, 64, 8, 2),
+        (80, 64, 32, 8, 2),
+        (40, 96, 64, 16, 1),
+        (300, 64, 64, 4, 2),
+    ],
+)
 def test_moe_matches_float32_arithmetic(path, t, d, i, e, top_k):
-    w13, w2, x = randn(e, 2 * i, d, scale=0.1), randn(e, d, i, scale=0.1, seed=1), randn(t, d, seed=2)
+    w13, w2, x = (
+        randn(e, 2 * i, d, scale=0.1),
+        randn(e, d, i, scale=0.1, seed=1),
+        randn(t, d, seed=2),
+    )
     g = torch.Generator().manual_seed(t)
     weights, ids = select_experts(torch.rand(t, e, generator=g).softmax(-1), top_k, True)
-    out, counts = cpu_kernels.moe(x, cpu_kernels.pack_weight(w13), cpu_kernels.pack_weight(w2), ids, weights)
+    out, counts = cpu_kernels.moe(
+        x, cpu_kernels.pack_weight(w13), cpu_kernels.pack_weight(w2), ids, weights
+    )
     assert out.dtype == torch.bfloat16 and out.shape == (t, d)
     assert counts.tolist() == torch.bincount(ids.flatten(), minlength=e).tolist()
     for row in range(t):
         exact = expert_reference(x[row], w13, w2, ids[row], weights[row])
-        torch.testing.assert_close(out[row].float(), exact, rtol=2 ** -7, atol=float(exact.abs().max()) * 2 ** -8)
+        torch.testing.assert_close(
+            out[row].float(), exact, rtol=2**-7, atol=float(exact.abs().max()) * 2**-8
+        )
 
 
 def test_moe_rejects_an_expert_id_out_of_range(path):
     w13, w2, x = randn(4, 64, 32), randn(4, 32, 32), randn(2, 32)
     ids = torch.tensor([[0, 1], [2, 4]])
     with pytest.raises(ValueError, match="invalid input"):
-        cpu_kernels.moe(x, cpu_kernels.pack_weight(w13), cpu_kernels.pack_weight(w2), ids, torch.ones(2, 2))
+        cpu_kernels.moe(
+            x, cpu_kernels.pack_weight(w13), cpu_kernels.pack_weight(w2), ids, torch.ones(2, 2)
+        )
 
 
 def paged_cache(num_blocks, block_size, heads, width, seed=0):
@@ -254,20 +301,30 @@ def attention_reference(q, k_cache, v_cache, table, length, block_size, scale, v
     return F.scaled_dot_product_attention(q.float().unsqueeze(1), k, v, scale=scale).squeeze(1)
 
 
-@pytest.mark.parametrize("batch,heads,kv_heads,dim,lengths", [
-    (3, 8, 2, 64, [5, 40, 170]),  # grouped-query heads, several blocks each
-    (1, 4, 4, 32, [1]),  # one token of context
-    (1, 8, 2, 64, [1000]),  # one long sequence: split over the threads (flash-decoding)
-    (2, 6, 2, 20, [17, 33]),  # a head width that is no multiple of the vector width
-])
-def test_decode_attention_reads_the_paged_cache_in_place(path, batch, heads, kv_heads, dim, lengths):
+@pytest.mark.parametrize(
+    "batch,heads,kv_heads,dim,lengths",
+    [
+        (3, 8, 2, 64, [5, 40, 170]),  # grouped-query heads, several blocks each
+        (1, 4, 4, 32, [1]),  # one token of context
+        (1, 8, 2, 64, [1000]),  # one long sequence: split over the threads (flash-decoding)
+        (2, 6, 2, 20, [17, 33]),  # a head width that is no multiple of the vector width
+    ],
+)
+def test_decode_attention_reads_the_paged_cache_in_place(
+    path, batch, heads, kv_heads, dim, lengths
+):
     bs, nblocks = 16, 80
-    kc, vc = paged_cache(nblocks, bs, kv_heads, dim), paged_cache(nblocks, bs, kv_heads, dim, seed=1)
+    kc, vc = (
+        paged_cache(nblocks, bs, kv_heads, dim),
+        paged_cache(nblocks, bs, kv_heads, dim, seed=1),
+    )
     g = torch.Generator().manual_seed(2)
     width = max(lengths) // bs + 1
     tables = torch.stack([torch.randperm(nblocks, generator=g)[:width] for _ in range(batch)]).int()
     q = randn(batch, heads, dim, seed=3)
-    out = cpu_kernels.decode_attention(q, kc, vc, tables, torch.tensor(lengths, dtype=torch.int32), bs, 0.125)
+    out = cpu_kernels.decode_attention(
+        q, kc, vc, tables, torch.tensor(lengths, dtype=torch.int32), bs, 0.125
+    )
     for b, n in enumerate(lengths):
         close_to_bf16(out[b], attention_reference(q[b], kc, vc, tables[b], n, bs, 0.125))
 
@@ -281,7 +338,10 @@ def test_decode_attention_over_one_latent_cache_as_mla_reads_it(path):
     out = cpu_kernels.decode_attention(q, cache, cache, tables, lengths, bs, 0.1, v_dim=r)
     assert out.shape == (2, 16, r)
     for b in range(2):
-        close_to_bf16(out[b], attention_reference(q[b], cache, cache, tables[b], int(lengths[b]), bs, 0.1, v_dim=r))
+        close_to_bf16(
+            out[b],
+            attention_reference(q[b], cache, cache, tables[b], int(lengths[b]), bs, 0.1, v_dim=r),
+        )
 
 
 def test_rms_norm_and_residual_add_round_as_the_reference(path):
@@ -291,9 +351,11 @@ def test_rms_norm_and_residual_add_round_as_the_reference(path):
     res = residual.clone()
     out = cpu_kernels.rms_norm(x, w, 1e-5, res)
     assert torch.equal(res, ref_sum)  # the residual add, in place
-    torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=0)  # rsqrt vs 1/sqrt: at most one bf16 step
+    torch.testing.assert_close(
+        out, ref, rtol=2**-7, atol=0
+    )  # rsqrt vs 1/sqrt: at most one bf16 step
     plain = F.rms_norm(x.float(), (96,), eps=1e-5).to(torch.bfloat16) * w
-    torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-5), plain, rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-5), plain, rtol=2**-7, atol=0)
 
 
 def test_rope_and_cache_write_match_the_reference_ops_bit_for_bit(path):
@@ -303,21 +365,27 @@ def test_rope_and_cache_write_match_the_reference_ops_bit_for_bit(path):
     qkv = randn(t, h + 2 * g, d)
     cos, sin = randn(t, 1, d, seed=1), randn(t, 1, d, seed=2)
     slots = torch.tensor([9, 3, 0, 12, 5, 7, 1])
-    kc, vc = torch.zeros(16, g, d, dtype=torch.bfloat16), torch.zeros(16, g, d, dtype=torch.bfloat16)
+    kc, vc = (
+        torch.zeros(16, g, d, dtype=torch.bfloat16),
+        torch.zeros(16, g, d, dtype=torch.bfloat16),
+    )
     expected = apply_rope(qkv[:, : h + g], cos, sin)
     ours = qkv.clone()
     cpu_kernels.rope_and_cache(ours, cos, sin, h, g, slots, kc, vc)
     assert torch.equal(ours[:, : h + g], expected)
-    assert torch.equal(ours[:, h + g:], qkv[:, h + g:])
-    assert torch.equal(kc[slots], expected[:, h:]) and torch.equal(vc[slots], qkv[:, h + g:])
+    assert torch.equal(ours[:, h + g :], qkv[:, h + g :])
+    assert torch.equal(kc[slots], expected[:, h:]) and torch.equal(vc[slots], qkv[:, h + g :])
 
 
 # ---- the model on each path, against transformers --------------------------------------
 
+
 def decode_logits_error(path_dir) -> float:
     """Mean |logit - transformers' float32 logit| of a bf16 engine over a 20-token prompt
     and 4 decode steps that read the paged cache the way the runner's steps do."""
-    engine = LLMEngine.from_pretrained(path_dir, device="cpu", dtype="bfloat16", kv_cache_tokens=256)
+    engine = LLMEngine.from_pretrained(
+        path_dir, device="cpu", dtype="bfloat16", kv_cache_tokens=256
+    )
     ref = hf_model(path_dir)
     tokens = prompts(engine.args.vocab_size, [24])[0]
     model, caches, errors = engine.model, engine.kv_caches, []
@@ -327,11 +395,20 @@ def decode_logits_error(path_dir) -> float:
         model(torch.tensor(tokens[:20]), torch.arange(20), meta, caches)
         for pos in range(20, 24):
             if kernel:
-                meta = AttentionMetadata(torch.tensor([pos]), 1, None, None, [],
-                                         block_tables=torch.arange(16, dtype=torch.int32)[None],
-                                         context_lens=torch.tensor([pos + 1], dtype=torch.int32), block_size=16)
+                meta = AttentionMetadata(
+                    torch.tensor([pos]),
+                    1,
+                    None,
+                    None,
+                    [],
+                    block_tables=torch.arange(16, dtype=torch.int32)[None],
+                    context_lens=torch.tensor([pos + 1], dtype=torch.int32),
+                    block_size=16,
+                )
             else:
-                meta = AttentionMetadata(torch.tensor([pos]), 1, torch.arange(pos + 1)[None], None, [])
+                meta = AttentionMetadata(
+                    torch.tensor([pos]), 1, torch.arange(pos + 1)[None], None, []
+                )
             hidden, _ = model(torch.tensor([tokens[pos]]), torch.tensor([pos]), meta, caches)
             expected = ref(torch.tensor([tokens[: pos + 1]])).logits[0, -1]
             errors.append((model.logits(hidden)[0].float() - expected).abs().mean().item())
@@ -350,7 +427,9 @@ def arch_dirs(model_dirs, tmp_path_factory):
             return model_dirs(arch)
         path = tmp_path_factory.getbasetemp() / "kernels-llama"
         if not path.exists():
-            random_llama(model_dirs("mixtral"), seed=1, **CONFIGS["llama_tied_llama3_bias"]).save_pretrained(path)
+            random_llama(
+                model_dirs("mixtral"), seed=1, **CONFIGS["llama_tied_llama3_bias"]
+            ).save_pretrained(path)
             for f in TOKENIZER_FILES:
                 shutil.copy(model_dirs("mixtral") / f, path / f)
         return path
@@ -371,7 +450,9 @@ def aten_error(arch_dirs, arch) -> float:
     return ATEN_ERRORS[arch]
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "llama"])
+@pytest.mark.parametrize(
+    "arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "llama"]
+)
 def test_bf16_logits_on_each_path_are_as_close_to_transformers_as_atens(arch_dirs, path, arch):
     ours = decode_logits_error(arch_dirs(arch))
     aten = aten_error(arch_dirs, arch)
@@ -379,11 +460,15 @@ def test_bf16_logits_on_each_path_are_as_close_to_transformers_as_atens(arch_dir
     assert ours <= 1.25 * aten, (ours, aten)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "llama"])
+@pytest.mark.parametrize(
+    "arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "llama"]
+)
 def test_the_one_call_decode_step_computes_what_the_composed_layers_do(arch_dirs, path, arch):
     """A decode step of three sequences (contexts of 5, 20 and 37 tokens in scattered cache
     blocks) in one kernel call and through the layers composed op by op."""
-    engine = LLMEngine.from_pretrained(arch_dirs(arch), device="cpu", dtype="bfloat16", kv_cache_tokens=512)
+    engine = LLMEngine.from_pretrained(
+        arch_dirs(arch), device="cpu", dtype="bfloat16", kv_cache_tokens=512
+    )
     model, caches = engine.model, engine.kv_caches
     assert (model.decode_step is None) == (arch == "deepseek_v2")  # MLA keeps the composed layers
     lengths, tables = [5, 20, 37], [[7, 1, 30], [2, 9, 4], [12, 3, 25]]
@@ -391,17 +476,33 @@ def test_the_one_call_decode_step_computes_what_the_composed_layers_do(arch_dirs
     with torch.inference_mode():
         for seq, table, n in zip(seqs, tables, lengths):  # prefill each context into its blocks
             slots = torch.tensor([table[p // 16] * 16 + p % 16 for p in range(n)])
-            model(torch.tensor(seq[:n]), torch.arange(n), AttentionMetadata(slots, 0, None, None, [PrefillChunk(0, n, 0, None)]),
-                  caches)
-        meta = AttentionMetadata(torch.tensor([t[n // 16] * 16 + n % 16 for t, n in zip(tables, lengths)]), 3, None, None,
-                                 [], block_tables=torch.tensor(tables, dtype=torch.int32),
-                                 context_lens=torch.tensor(lengths, dtype=torch.int32) + 1, block_size=16)
-        step = (torch.tensor([s[n] for s, n in zip(seqs, lengths)]), torch.tensor(lengths), meta, caches)
+            model(
+                torch.tensor(seq[:n]),
+                torch.arange(n),
+                AttentionMetadata(slots, 0, None, None, [PrefillChunk(0, n, 0, None)]),
+                caches,
+            )
+        meta = AttentionMetadata(
+            torch.tensor([t[n // 16] * 16 + n % 16 for t, n in zip(tables, lengths)]),
+            3,
+            None,
+            None,
+            [],
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            context_lens=torch.tensor(lengths, dtype=torch.int32) + 1,
+            block_size=16,
+        )
+        step = (
+            torch.tensor([s[n] for s, n in zip(seqs, lengths)]),
+            torch.tensor(lengths),
+            meta,
+            caches,
+        )
         one_call, counts = model(*step)
         model.decode_step = None
         composed, composed_counts = model(*step)
     assert torch.equal(counts, composed_counts)
-    torch.testing.assert_close(one_call.float(), composed.float(), rtol=2 ** -6, atol=2 ** -6)
+    torch.testing.assert_close(one_call.float(), composed.float(), rtol=2**-6, atol=2**-6)
     assert torch.equal(model.logits(one_call).argmax(-1), model.logits(composed).argmax(-1))
 
 
@@ -411,11 +512,19 @@ def test_continuous_batch_on_the_kernels_picks_what_transformers_ranks_top(model
     greedy token is one transformers (float32, over the same prefix) ranks within bf16
     noise of its top logit."""
     mdir = model_dirs("mixtral")
-    engine = LLMEngine.from_pretrained(mdir, device="cpu", dtype="bfloat16", kv_cache_tokens=192,
-                                       max_num_batched_tokens=24, max_num_seqs=8)
+    engine = LLMEngine.from_pretrained(
+        mdir,
+        device="cpu",
+        dtype="bfloat16",
+        kv_cache_tokens=192,
+        max_num_batched_tokens=24,
+        max_num_seqs=8,
+    )
     assert engine.runner.paged_kernel
     shared = prompts(engine.args.vocab_size, [32])[0]
-    batch = [shared + p for p in prompts(engine.args.vocab_size, [5, 20, 9])] + prompts(engine.args.vocab_size, [61, 17])
+    batch = [shared + p for p in prompts(engine.args.vocab_size, [5, 20, 9])] + prompts(
+        engine.args.vocab_size, [61, 17]
+    )
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(batch):
         engine.add_request(f"r{i}", prompt, params)
@@ -432,7 +541,7 @@ def test_continuous_batch_on_the_kernels_picks_what_transformers_ranks_top(model
         for i, prompt in enumerate(batch):
             out = final[f"r{i}"].token_ids
             assert len(out) == 12
-            logits = ref(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+            logits = ref(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1]
             chosen = logits.gather(1, torch.tensor(out)[:, None])[:, 0]
             assert (logits.max(dim=-1).values - chosen).max() < 0.1, i
 
@@ -441,9 +550,15 @@ def test_the_engine_logs_the_path_of_each_layer_kind(model_dirs, path):
     from structlog.testing import capture_logs
 
     with capture_logs() as logs:
-        LLMEngine.from_pretrained(model_dirs("mixtral"), device="cpu", dtype="bfloat16", kv_cache_tokens=64)
+        LLMEngine.from_pretrained(
+            model_dirs("mixtral"), device="cpu", dtype="bfloat16", kv_cache_tokens=64
+        )
     [line] = [e for e in logs if e["event"] == "CPU kernels"]
-    assert line["isa"] == path.isa and line["linear"] == path.isa and line["decode_attention"] == path.isa
+    assert (
+        line["isa"] == path.isa
+        and line["linear"] == path.isa
+        and line["decode_attention"] == path.isa
+    )
     assert line["moe_batch"] == ("amx" if path.amx else path.isa)
 
 
@@ -451,8 +566,9 @@ def test_compile_is_ignored_on_the_kernels(model_dirs, path):
     from structlog.testing import capture_logs
 
     with capture_logs() as logs:
-        engine = LLMEngine.from_pretrained(model_dirs("mixtral"), device="cpu", dtype="bfloat16", kv_cache_tokens=64,
-                                           compile=True)
+        engine = LLMEngine.from_pretrained(
+            model_dirs("mixtral"), device="cpu", dtype="bfloat16", kv_cache_tokens=64, compile=True
+        )
     assert engine.runner.decode_model is engine.model
     assert any(e["event"] == "not compiling: decode steps run on the CPU kernels" for e in logs)
 
@@ -460,10 +576,14 @@ def test_compile_is_ignored_on_the_kernels(model_dirs, path):
 def test_all_kernels_off_runs_atens_kernels_on_row_major_weights(model_dirs):
     try:
         cpu_kernels.enable(None)
-        engine = LLMEngine.from_pretrained(model_dirs("mixtral"), device="cpu", dtype="bfloat16", kv_cache_tokens=64)
+        engine = LLMEngine.from_pretrained(
+            model_dirs("mixtral"), device="cpu", dtype="bfloat16", kv_cache_tokens=64
+        )
         assert engine.model.layers[0].attn.wqkv.weight.dim() == 2  # not packed
         assert not engine.runner.paged_kernel
-        [out] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        [out] = engine.generate(
+            [[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        )
         assert len(out.token_ids) == 4
     finally:
         cpu_kernels.enable()

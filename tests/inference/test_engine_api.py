@@ -22,19 +22,23 @@ from inference import (
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return LLMEngine.from_pretrained(tiny_model_dir, device="cpu", dtype="float32", kv_cache_tokens=1024,
-                                     max_model_len=256)
+    return LLMEngine.from_pretrained(
+        tiny_model_dir, device="cpu", dtype="float32", kv_cache_tokens=1024, max_model_len=256
+    )
 
 
-@pytest.mark.parametrize("prompt, params, param", [
-    ("", SamplingParams(), "prompt"),
-    ([], SamplingParams(), "prompt"),
-    ([1, 2, 10**9], SamplingParams(), "prompt"),
-    ("x " * 400, SamplingParams(), "prompt"),
-    ([5] * 200, SamplingParams(max_tokens=100), "max_tokens"),
-    (3.5, SamplingParams(), "prompt"),
-    ("hi", SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, param",
+    [
+        ("", SamplingParams(), "prompt"),
+        ([], SamplingParams(), "prompt"),
+        ([1, 2, 10**9], SamplingParams(), "prompt"),
+        ("x " * 400, SamplingParams(), "prompt"),
+        ([5] * 200, SamplingParams(max_tokens=100), "max_tokens"),
+        (3.5, SamplingParams(), "prompt"),
+        ("hi", SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
+    ],
+)
 def test_bad_inputs_raise_clear_errors(engine, prompt, params, param):
     with pytest.raises(InvalidParameterError) as info:
         engine.add_request("bad", prompt, params)
@@ -42,11 +46,19 @@ def test_bad_inputs_raise_clear_errors(engine, prompt, params, param):
     assert not engine.has_unfinished
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
-    ({"top_k": -5}, "top_k"), ({"n": 0}, "n"), ({"logprobs": 99}, "logprobs"),
-    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ({"stop": [""]}, "stop"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -5}, "top_k"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 99}, "logprobs"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
 def test_bad_sampling_params(kwargs, param):
     with pytest.raises(InvalidParameterError) as info:
         SamplingParams(**kwargs)
@@ -74,23 +86,34 @@ def test_abort_mid_generation_frees_every_block(engine):
 
 def test_stop_string_spanning_tokens(engine):
     prompt = [11, 12, 13, 14]
-    [free] = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    [free] = engine.generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    )
     tok = engine.tokenizer
     # a stop string made of the end of token 3 and the start of token 4's text
     t3, t4 = tok.decode(free.token_ids[3:4]), tok.decode(free.token_ids[4:5])
     head = tok.decode(free.token_ids[:3])
     stop = (t3[-1:] + t4[:1]) if t3 and t4 else t4
-    [cut] = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]))
+    [cut] = engine.generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
+    )
     assert cut.finish_reason == "stop" and cut.outputs[0].stop_reason == stop
     assert stop not in cut.text and free.text.startswith(cut.text) and len(cut.text) >= len(head)
     assert cut.text == free.text[: free.text.find(stop)]
 
 
 def test_eos_and_stop_token_ids_finish_with_stop(engine):
-    [free] = engine.generate([[20, 21, 22]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    [free] = engine.generate(
+        [[20, 21, 22]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    )
     target = free.token_ids[2]
-    [cut] = engine.generate([[20, 21, 22]], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[target]))
-    assert cut.finish_reason == "stop" and cut.token_ids == free.token_ids[: free.token_ids.index(target) + 1]
+    [cut] = engine.generate(
+        [[20, 21, 22]], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[target])
+    )
+    assert (
+        cut.finish_reason == "stop"
+        and cut.token_ids == free.token_ids[: free.token_ids.index(target) + 1]
+    )
 
 
 def test_n_samples_and_seed_reproducibility(engine):
@@ -103,7 +126,9 @@ def test_n_samples_and_seed_reproducibility(engine):
 
 
 def test_logprobs_in_outputs(engine):
-    [out] = engine.generate(["abc"], SamplingParams(max_tokens=4, temperature=0, logprobs=2, ignore_eos=True))
+    [out] = engine.generate(
+        ["abc"], SamplingParams(max_tokens=4, temperature=0, logprobs=2, ignore_eos=True)
+    )
     lps = out.outputs[0].logprobs
     assert len(lps) == 4 and all(len(lp.top) == 2 and lp.logprob <= 0 for lp in lps)
     assert [lp.token_id for lp in lps] == out.token_ids
@@ -134,7 +159,9 @@ def test_loader_errors(tiny_model_dir, tmp_path):
     weights = load_file(shaped / "model.safetensors")
     weights["model.norm.weight"] = torch.ones(3)
     save_file(weights, shaped / "model.safetensors")
-    with pytest.raises(ModelLoadError, match="'model.norm.weight' has shape \\(3,\\), expected \\(64,\\)"):
+    with pytest.raises(
+        ModelLoadError, match="'model.norm.weight' has shape \\(3,\\), expected \\(64,\\)"
+    ):
         LLMEngine.from_pretrained(shaped, device="cpu")
 
     no_tok = copy("notok")
@@ -149,21 +176,35 @@ def test_sharded_checkpoint_loads(tiny_model_dir, tmp_path):
     sharded = tmp_path / "sharded"
     shutil.copytree(tiny_model_dir, sharded)
     (sharded / "model.safetensors").unlink()
-    AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(sharded, max_shard_size="100KB")
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(
+        sharded, max_shard_size="100KB"
+    )
     assert (sharded / "model.safetensors.index.json").is_file()
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    a = LLMEngine.from_pretrained(sharded, device="cpu", dtype="float32", kv_cache_tokens=256).generate(["hi"], params)
-    b = LLMEngine.from_pretrained(tiny_model_dir, device="cpu", dtype="float32", kv_cache_tokens=256).generate(["hi"], params)
+    a = LLMEngine.from_pretrained(
+        sharded, device="cpu", dtype="float32", kv_cache_tokens=256
+    ).generate(["hi"], params)
+    b = LLMEngine.from_pretrained(
+        tiny_model_dir, device="cpu", dtype="float32", kv_cache_tokens=256
+    ).generate(["hi"], params)
     assert a[0].token_ids == b[0].token_ids
 
 
 async def test_async_stream_deltas_abort_and_back_pressure(tiny_model_dir):
-    engine = AsyncLLMEngine.from_pretrained(tiny_model_dir, device="cpu", dtype="float32", kv_cache_tokens=1024,
-                                            max_waiting=2, max_num_seqs=1)
+    engine = AsyncLLMEngine.from_pretrained(
+        tiny_model_dir,
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=1024,
+        max_waiting=2,
+        max_num_seqs=1,
+    )
     engine.start()
     try:
         pieces, last = [], None
-        async for out in engine.stream("streaming test", SamplingParams(max_tokens=10, ignore_eos=True, temperature=0)):
+        async for out in engine.stream(
+            "streaming test", SamplingParams(max_tokens=10, ignore_eos=True, temperature=0)
+        ):
             pieces.append(out.outputs[0].delta_text)
             last = out
         assert last.finished and "".join(pieces) == last.text and len(last.token_ids) == 10
@@ -182,9 +223,12 @@ async def test_async_stream_deltas_abort_and_back_pressure(tiny_model_dir):
         # max_num_seqs=1 and max_waiting=2: a burst sees some requests shed, none lost
         async def one(i):
             try:
-                return (await engine.generate(f"p{i}", SamplingParams(max_tokens=3, ignore_eos=True))).finish_reason
+                return (
+                    await engine.generate(f"p{i}", SamplingParams(max_tokens=3, ignore_eos=True))
+                ).finish_reason
             except QueueFullError:
                 return "rejected"
+
         results = await asyncio.gather(*[one(i) for i in range(8)])
         assert "rejected" in results and "length" in results
         assert set(results) <= {"rejected", "length"}

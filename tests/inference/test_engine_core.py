@@ -36,8 +36,9 @@ def _gone(pid: int, timeout: float) -> bool:
 
 def test_start_errors_in_the_core_come_back_as_engine_errors(tiny_model_dir, tmp_path):
     with pytest.raises(InvalidParameterError) as info:  # raised in the core (it sizes the KV cache)
-        AsyncLLMEngine.from_pretrained(tiny_model_dir, device="cpu", dtype="float32", kv_cache_tokens=64,
-                                       max_model_len=4096)
+        AsyncLLMEngine.from_pretrained(
+            tiny_model_dir, device="cpu", dtype="float32", kv_cache_tokens=64, max_model_len=4096
+        )
     assert info.value.param == "max_model_len" and "at most 64 tokens" in str(info.value)
 
     broken = tmp_path / "broken"
@@ -50,7 +51,9 @@ def test_start_errors_in_the_core_come_back_as_engine_errors(tiny_model_dir, tmp
 
 
 async def test_a_dead_core_fails_every_stream_and_refuses_new_ones(tiny_model_dir):
-    engine = AsyncLLMEngine.from_pretrained(tiny_model_dir, device="cpu", dtype="float32", kv_cache_tokens=1024)
+    engine = AsyncLLMEngine.from_pretrained(
+        tiny_model_dir, device="cpu", dtype="float32", kv_cache_tokens=1024
+    )
     engine.start()
     try:
         long = SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0)
@@ -76,8 +79,13 @@ def test_the_core_exits_when_the_api_process_dies(tiny_model_dir):
         "print(e._process.pid, file=sys.stderr, flush=True)\n"
         "sys.stdin.read()\n"
     )
-    api = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    api = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         core = int(api.stderr.readline())
         assert not _gone(core, 0.2)
@@ -92,7 +100,9 @@ def test_the_core_exits_when_the_api_process_dies(tiny_model_dir):
 def test_the_core_ignores_signals_sent_to_the_whole_group(tiny_model_dir):
     """SIGINT/SIGTERM to the process group reach the core too; only the API process acts on
     them (the drain decides when the core stops)."""
-    engine = AsyncLLMEngine.from_pretrained(tiny_model_dir, device="cpu", dtype="float32", kv_cache_tokens=256)
+    engine = AsyncLLMEngine.from_pretrained(
+        tiny_model_dir, device="cpu", dtype="float32", kv_cache_tokens=256
+    )
     try:
         os.kill(engine._process.pid, signal.SIGTERM)
         os.kill(engine._process.pid, signal.SIGINT)

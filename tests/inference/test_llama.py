@@ -27,11 +27,20 @@ CONFIGS = {
     # SmolLM2-like tied embeddings; Llama-3 rope scaling (original 64 positions, so most
     # frequencies are rescaled); q/k/v/o and MLP biases; one KV head; heads*dim != hidden.
     "llama_tied_llama3_bias": {
-        "tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True,
-        "num_key_value_heads": 1, "head_dim": 32,
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                            "original_max_position_embeddings": 64}},
+        "tie_word_embeddings": True,
+        "attention_bias": True,
+        "mlp_bias": True,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -82,5 +91,6 @@ def test_imported_gguf_generates_like_transformers(llama_dirs, model_dirs, tmp_p
         [out] = engine.generate([prompt], GREEDY_32)
         assert out.token_ids == hf_greedy(ref, prompt)
     messages = [{"role": "user", "content": "hello"}]
-    assert engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) \
-        .endswith("<|im_start|>assistant\n")
+    assert engine.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    ).endswith("<|im_start|>assistant\n")

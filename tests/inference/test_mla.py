@@ -15,20 +15,26 @@ from inference.moe import select_experts
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_bytes_per_token_is_latent_plus_rope_key(model_dirs, dtype):
-    engine = LLMEngine.from_pretrained(model_dirs("deepseek_v2"), device="cpu", dtype="float32",
-                                       kv_cache_tokens=256)
+    engine = LLMEngine.from_pretrained(
+        model_dirs("deepseek_v2"), device="cpu", dtype="float32", kv_cache_tokens=256
+    )
     cfg, args = engine.args.hf_config, engine.args
     elem = torch.empty((), dtype=dtype).element_size()
     latent = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * elem
     assert kv_bytes_per_token(args, dtype) == latent
-    expanded = (cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
-                * cfg.num_hidden_layers * elem)
+    expanded = (
+        cfg.num_attention_heads
+        * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+        * cfg.num_hidden_layers
+        * elem
+    )
     assert latent * 3 < expanded  # tiny config; real V2-Lite: 576 vs 8192 values per layer
 
 
 def test_allocated_cache_is_one_latent_tensor_per_layer(model_dirs):
-    engine = LLMEngine.from_pretrained(model_dirs("deepseek_v2"), device="cpu", dtype="float32",
-                                       kv_cache_tokens=256)
+    engine = LLMEngine.from_pretrained(
+        model_dirs("deepseek_v2"), device="cpu", dtype="float32", kv_cache_tokens=256
+    )
     cfg = engine.args.hf_config
     assert len(engine.kv_caches) == cfg.num_hidden_layers
     for layer in engine.kv_caches:
@@ -39,10 +45,13 @@ def test_allocated_cache_is_one_latent_tensor_per_layer(model_dirs):
 
 
 def test_standard_attention_cache_keeps_key_and_value(model_dirs):
-    engine = LLMEngine.from_pretrained(model_dirs("qwen3_moe"), device="cpu", dtype="float32",
-                                       kv_cache_tokens=64)
+    engine = LLMEngine.from_pretrained(
+        model_dirs("qwen3_moe"), device="cpu", dtype="float32", kv_cache_tokens=64
+    )
     a = engine.args
-    assert kv_bytes_per_token(a, torch.float32) == 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4
+    assert (
+        kv_bytes_per_token(a, torch.float32) == 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4
+    )
     assert all(len(layer) == 2 for layer in engine.kv_caches)
 
 
@@ -70,13 +79,22 @@ def test_routed_scaling_factor_and_renormalisation():
 
 
 def test_architectures_and_unknown_ones(model_dirs):
-    assert set(SUPPORTED_ARCHITECTURES) == {"MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                                            "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-                                            "DeepseekV2ForCausalLM", "LlamaForCausalLM"}
-    cfg = LLMEngine.from_pretrained(model_dirs("deepseek_v2"), device="cpu", dtype="float32",
-                                    kv_cache_tokens=64).args.hf_config
+    assert set(SUPPORTED_ARCHITECTURES) == {
+        "MixtralForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "OlmoeForCausalLM",
+        "DeepseekV2ForCausalLM",
+        "LlamaForCausalLM",
+    }
+    cfg = LLMEngine.from_pretrained(
+        model_dirs("deepseek_v2"), device="cpu", dtype="float32", kv_cache_tokens=64
+    ).args.hf_config
     args = ModelArgs.from_hf_config(cfg)
-    assert args.dense_layers == (0,) and args.shared_expert_intermediate_size == cfg.moe_intermediate_size
+    assert (
+        args.dense_layers == (0,)
+        and args.shared_expert_intermediate_size == cfg.moe_intermediate_size
+    )
     assert (args.num_groups, args.topk_group) == (2, 1) and not args.shared_expert_gated
     cfg.topk_method = "noaux_tc"
     with pytest.raises(ModelLoadError, match="noaux_tc"):

@@ -34,7 +34,9 @@ LOGITS = torch.tensor([0.0, 3.0, 2.9, 2.8, 1.0, 0.5, 0.2, 0.1])
 
 
 def test_greedy_takes_argmax():
-    assert Sampler(V, {0})(LOGITS.unsqueeze(0), seqs(SamplingParams(temperature=0))).token_ids == [1]
+    assert Sampler(V, {0})(LOGITS.unsqueeze(0), seqs(SamplingParams(temperature=0))).token_ids == [
+        1
+    ]
 
 
 def test_top_k_limits_support():
@@ -64,12 +66,18 @@ def test_penalties_change_the_choice():
     sampler = Sampler(V, {0})
     greedy = {"temperature": 0.0}
     # token 1 already generated twice: frequency/presence penalties push it below token 2
-    for p in (SamplingParams(frequency_penalty=0.2, **greedy), SamplingParams(presence_penalty=0.5, **greedy),
-              SamplingParams(repetition_penalty=1.5, **greedy)):
-        assert sampler(LOGITS.unsqueeze(0), seqs(p, prompt=(7,), outputs=(1, 1))).token_ids == [2], p
+    for p in (
+        SamplingParams(frequency_penalty=0.2, **greedy),
+        SamplingParams(presence_penalty=0.5, **greedy),
+        SamplingParams(repetition_penalty=1.5, **greedy),
+    ):
+        assert sampler(LOGITS.unsqueeze(0), seqs(p, prompt=(7,), outputs=(1, 1))).token_ids == [
+            2
+        ], p
     # the repetition penalty also covers prompt tokens
-    assert sampler(LOGITS.unsqueeze(0), seqs(SamplingParams(repetition_penalty=1.5, **greedy),
-                                             prompt=(1,))).token_ids == [2]
+    assert sampler(
+        LOGITS.unsqueeze(0), seqs(SamplingParams(repetition_penalty=1.5, **greedy), prompt=(1,))
+    ).token_ids == [2]
 
 
 def test_min_tokens_masks_eos_and_stop_ids():
@@ -87,7 +95,9 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
     run1 = [sampler(LOGITS.unsqueeze(0), [s1]).token_ids[0] for _ in range(20)]
     s2 = seqs(p)[0]
     others = seqs(SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, seed=3))
-    run2 = [sampler(LOGITS.repeat(3, 1), [others[0], s2, others[1]]).token_ids[1] for _ in range(20)]
+    run2 = [
+        sampler(LOGITS.repeat(3, 1), [others[0], s2, others[1]]).token_ids[1] for _ in range(20)
+    ]
     assert run1 == run2 and alone[0] == run1[0]
     assert len(set(run1)) > 1  # it really samples
 

@@ -18,17 +18,32 @@ def random_llama(tokenizer_dir: Path, seed: int = 0, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    cfg = LlamaConfig(**({
-        "vocab_size": len(vocab), "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0} | overrides))
+    cfg = LlamaConfig(
+        **(
+            {
+                "vocab_size": len(vocab),
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "max_position_embeddings": 512,
+                "rms_norm_eps": 1e-6,
+                "tie_word_embeddings": False,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                "bos_token_id": 0,
+                "eos_token_id": 0,
+                "pad_token_id": 0,
+            }
+            | overrides
+        )
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(cfg).eval()
         # logits of std ~2 (see demo_model._LOGIT_STD): clear greedy margins
-        torch.nn.init.normal_(model.lm_head.weight, std=2.0 / cfg.hidden_size ** 0.5)
+        torch.nn.init.normal_(model.lm_head.weight, std=2.0 / cfg.hidden_size**0.5)
         for name, p in model.named_parameters():  # HF zero-initialises biases: make them matter
             if name.endswith(".bias"):
                 torch.nn.init.normal_(p, std=0.1)
@@ -37,7 +52,11 @@ def random_llama(tokenizer_dir: Path, seed: int = 0, **overrides):
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.LlamaModel.permute: HF rotate-half rows -> GGML interleaved rows."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def write_gguf(model, tokenizer_dir: Path, path: Path, chat_template: str) -> dict[str, np.ndarray]:
@@ -67,21 +86,31 @@ def write_gguf(model, tokenizer_dir: Path, path: Path, chat_template: str) -> di
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL
-                       for t, _ in vocab])
+    w.add_token_types(
+        [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t, _ in vocab]
+    )
     w.add_token_merges(merges)
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
     w.add_add_bos_token(False)
     w.add_chat_template(chat_template)
 
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    per_layer = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
-                 "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
-                 "self_attn.o_proj.weight": "attn_output.weight",
-                 "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-                 "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    per_layer = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }
     for i in range(cfg.num_hidden_layers):
         names |= {f"model.layers.{i}.{k}": f"blk.{i}.{v}" for k, v in per_layer.items()}
     held = {}
@@ -93,7 +122,9 @@ def write_gguf(model, tokenizer_dir: Path, path: Path, chat_template: str) -> di
         # Matrices quantised, norms kept in float32 (as llama.cpp does). Q8_0 blocks run along
         # rows, so quantising commutes with the q/k row permutation below.
         quantise = arr.ndim == 2
-        held[hf_name] = gguf.quants.dequantize(gguf.quants.quantize(arr, qtype), qtype) if quantise else arr
+        held[hf_name] = (
+            gguf.quants.dequantize(gguf.quants.quantize(arr, qtype), qtype) if quantise else arr
+        )
         if hf_name.endswith("q_proj.weight"):
             arr = _permute(arr, cfg.num_attention_heads)
         elif hf_name.endswith("k_proj.weight"):

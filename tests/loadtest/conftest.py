@@ -48,13 +48,39 @@ def _start(model_dir: Path, timeout: float = 120.0) -> RunningServer:
     for name in list(env):  # the server reads MOESERVE_* flags: start from the defaults
         if name.startswith("MOESERVE_"):
             env.pop(name)
-    args = [sys.executable, "-m", "service.cli", "serve", "--model", str(model_dir),
-            "--served-model-name", "tiny-loadtest", "--host", "127.0.0.1", "--port", "0",
-            "--grpc-port", "0", "--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
-            "--max-num-seqs", "8", "--kv-cache-tokens", "8192", "--log-format", "json",
-            "--api-key", API_KEY]
-    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    args = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        "tiny-loadtest",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "8",
+        "--kv-cache-tokens",
+        "8192",
+        "--log-format",
+        "json",
+        "--api-key",
+        API_KEY,
+    ]
+    proc = subprocess.Popen(
+        args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines: queue.Queue[str] = queue.Queue()
     log: list[str] = []
 
@@ -77,8 +103,14 @@ def _start(model_dir: Path, timeout: float = 120.0) -> RunningServer:
         except ValueError:
             continue
         if isinstance(record, dict) and record.get("event") == "server started":
-            return RunningServer(proc, int(record["rest_port"]), int(record["grpc_port"]),
-                                 "tiny-loadtest", API_KEY, log)
+            return RunningServer(
+                proc,
+                int(record["rest_port"]),
+                int(record["grpc_port"]),
+                "tiny-loadtest",
+                API_KEY,
+                log,
+            )
     proc.kill()
     proc.wait(10)
     raise AssertionError("server did not log 'server started'; output:\n" + "".join(log))

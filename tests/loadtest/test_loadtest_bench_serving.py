@@ -24,13 +24,37 @@ ENV = {k: v for k, v in os.environ.items() if k not in ("MOESERVE_API_KEY", "OPE
 
 # every field the JSON result promises (metric fields for ttft, tpot, itl and e2el)
 FIELDS = {
-    "date", "base_url", "endpoint", "model", "num_prompts", "request_rate", "burstiness",
-    "max_concurrency", "slo", "warmup", "completed", "failed", "failures_by_status", "duration",
-    "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
-    "slo_attainment", "output_throughput", "total_token_throughput", "max_output_tokens_per_s",
-    "max_concurrent_requests", "slowest_requests", "server_metrics", "requests",
-} | {f"{stat}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
-     for stat in ("mean", "median", "std", "p50", "p90", "p99")}
+    "date",
+    "base_url",
+    "endpoint",
+    "model",
+    "num_prompts",
+    "request_rate",
+    "burstiness",
+    "max_concurrency",
+    "slo",
+    "warmup",
+    "completed",
+    "failed",
+    "failures_by_status",
+    "duration",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "request_goodput",
+    "slo_attainment",
+    "output_throughput",
+    "total_token_throughput",
+    "max_output_tokens_per_s",
+    "max_concurrent_requests",
+    "slowest_requests",
+    "server_metrics",
+    "requests",
+} | {
+    f"{stat}_{m}_ms"
+    for m in ("ttft", "tpot", "itl", "e2el")
+    for stat in ("mean", "median", "std", "p50", "p90", "p99")
+}
 
 
 # --- arithmetic -------------------------------------------------------------------------------
@@ -66,8 +90,9 @@ def test_gamma_arrivals(bench_serving):
 
 
 def test_goodput_needs_every_slo(bench_serving):
-    r = bench_serving.RequestResult(index=0, trace_id="t", request_id="r", ok=True, ttft=0.1,
-                                    e2el=1.1, completion_tokens=11)  # TPOT 100 ms
+    r = bench_serving.RequestResult(
+        index=0, trace_id="t", request_id="r", ok=True, ttft=0.1, e2el=1.1, completion_tokens=11
+    )  # TPOT 100 ms
     assert bench_serving.meets_slo(r, {"ttft": 100, "tpot": 100})
     assert not bench_serving.meets_slo(r, {"ttft": 99, "tpot": 100})
     assert not bench_serving.meets_slo(r, {"ttft": 100, "tpot": 99})
@@ -81,7 +106,10 @@ moeserve_prompt_tokens_total{model="m",api="grpc"} 3.0
 moeserve_prompt_tokens_created{model="m",api="rest"} 1.7e9
 vllm:generation_tokens_total{model_name="m"} 40
 """
-    assert bench_serving.parse_token_counters(text) == {"prompt_tokens": 15.0, "generation_tokens": 40.0}
+    assert bench_serving.parse_token_counters(text) == {
+        "prompt_tokens": 15.0,
+        "generation_tokens": 40.0,
+    }
 
 
 # --- real runs --------------------------------------------------------------------------------
@@ -96,16 +124,33 @@ def _rest_token_counters(url: str) -> dict[str, float] | None:
     for family in text_string_to_metric_families(r.text):
         for sample in family.samples:
             for key in out:
-                if sample.name == f"moeserve_{key}_tokens_total" and sample.labels.get("api") == "rest":
+                if (
+                    sample.name == f"moeserve_{key}_tokens_total"
+                    and sample.labels.get("api") == "rest"
+                ):
                     out[key] += sample.value
     return out
 
 
 def _bench(live_server, tmp_path: Path, *args: str) -> tuple[dict, str]:
     result = tmp_path / "result.json"
-    cmd = [sys.executable, str(SCRIPT), "--base-url", live_server.url, "--result-file", str(result),
-           "--api-key", live_server.api_key, "--save-detailed", "--progress", "on", *args]
-    proc = subprocess.run(cmd, check=False, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--base-url",
+        live_server.url,
+        "--result-file",
+        str(result),
+        "--api-key",
+        live_server.api_key,
+        "--save-detailed",
+        "--progress",
+        "on",
+        *args,
+    ]
+    proc = subprocess.run(
+        cmd, check=False, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     return json.loads(result.read_text()), output
@@ -115,10 +160,24 @@ def _bench(live_server, tmp_path: Path, *args: str) -> tuple[dict, str]:
 def test_fixed_concurrency_run_matches_server_counters(live_server, tmp_path):
     before = _rest_token_counters(live_server.url)
     n, in_len, out_len, warmups = 20, 24, 12, 2
-    data, output = _bench(live_server, tmp_path, "--num-prompts", str(n), "--input-len", str(in_len),
-                          "--output-len", str(out_len), "--ignore-eos", "--max-concurrency", "4",
-                          "--num-warmups", str(warmups), "--slo", "ttft:60000,tpot:60000",
-                          "--server-metrics")
+    data, output = _bench(
+        live_server,
+        tmp_path,
+        "--num-prompts",
+        str(n),
+        "--input-len",
+        str(in_len),
+        "--output-len",
+        str(out_len),
+        "--ignore-eos",
+        "--max-concurrency",
+        "4",
+        "--num-warmups",
+        str(warmups),
+        "--slo",
+        "ttft:60000,tpot:60000",
+        "--server-metrics",
+    )
     assert FIELDS <= set(data), sorted(FIELDS - set(data))
     assert data["completed"] == n and data["failed"] == 0 and data["failures_by_status"] == {}
     # token ids as the prompt: exact prompt lengths; ignore_eos: exact output lengths
@@ -149,19 +208,43 @@ def test_fixed_concurrency_run_matches_server_counters(live_server, tmp_path):
     if before is None or after is None:
         pytest.skip("the server has no /metrics yet: token counts not compared")
     # the server's counters moved by exactly the benchmark's tokens plus the warm-ups'
-    assert after["prompt"] - before["prompt"] == data["total_input_tokens"] + data["warmup"]["prompt_tokens"]
+    assert (
+        after["prompt"] - before["prompt"]
+        == data["total_input_tokens"] + data["warmup"]["prompt_tokens"]
+    )
     assert after["generation"] - before["generation"] == (
-        data["total_output_tokens"] + data["warmup"]["output_tokens"])
+        data["total_output_tokens"] + data["warmup"]["output_tokens"]
+    )
     assert data["server_metrics"]["match"] is True
 
 
 @pytest.mark.slow
 def test_poisson_chat_run(live_server, tmp_path):
-    data, _ = _bench(live_server, tmp_path, "--endpoint", "/v1/chat/completions",
-                     "--num-prompts", "8", "--input-len", "20", "--output-len", "8",
-                     "--range-ratio", "0.5", "--ignore-eos", "--request-rate", "8",
-                     "--burstiness", "0.5", "--num-warmups", "0", "--slo", "ttft:0.001",
-                     "--seed", "3")
+    data, _ = _bench(
+        live_server,
+        tmp_path,
+        "--endpoint",
+        "/v1/chat/completions",
+        "--num-prompts",
+        "8",
+        "--input-len",
+        "20",
+        "--output-len",
+        "8",
+        "--range-ratio",
+        "0.5",
+        "--ignore-eos",
+        "--request-rate",
+        "8",
+        "--burstiness",
+        "0.5",
+        "--num-warmups",
+        "0",
+        "--slo",
+        "ttft:0.001",
+        "--seed",
+        "3",
+    )
     assert data["completed"] == 8 and data["failed"] == 0
     assert data["request_rate"] == 8 and data["burstiness"] == 0.5
     assert data["prompt_format"] == "auto" and data["warmup"]["requests"] == 0
@@ -177,10 +260,33 @@ def test_failures_are_counted_by_status(live_server, tmp_path):
     """No API key: every request is a 401, counted as such, and the exit status is 1."""
     result = tmp_path / "result.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--base-url", live_server.url, "--model", live_server.model,
-         "--num-prompts", "3", "--input-len", "4", "--output-len", "2", "--num-warmups", "0",
-         "--result-file", str(result), "--progress", "off"],
-        check=False, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--base-url",
+            live_server.url,
+            "--model",
+            live_server.model,
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "4",
+            "--output-len",
+            "2",
+            "--num-warmups",
+            "0",
+            "--result-file",
+            str(result),
+            "--progress",
+            "off",
+        ],
+        check=False,
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     data = json.loads(result.read_text())
     assert data["completed"] == 0 and data["failed"] == 3

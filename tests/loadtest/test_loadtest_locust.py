@@ -18,17 +18,47 @@ LOADTEST = REPO / "loadtest"
 LOCUST = Path(sys.executable).with_name("locust")
 
 
-def _run_locust(live_server, tmp_path: Path, *extra: str, run_time: str = "5s",
-                users: int = 4) -> tuple[subprocess.CompletedProcess, Path]:
+def _run_locust(
+    live_server, tmp_path: Path, *extra: str, run_time: str = "5s", users: int = 4
+) -> tuple[subprocess.CompletedProcess, Path]:
     prefix = tmp_path / "locust"
-    env = dict(os.environ, MOESERVE_GRPC_TARGET=live_server.grpc_target,
-               MOESERVE_SERVED_MODEL_NAME=live_server.model, MOESERVE_API_KEY=live_server.api_key)
-    cmd = [str(LOCUST), "-f", str(LOADTEST / "locustfile.py"), "--headless", "-u", str(users),
-           "-r", str(users), "-t", run_time, "--host", live_server.url, "--csv", str(prefix),
-           "--html", str(tmp_path / "report.html"), "--only-summary", "--stop-timeout", "10",
-           "--prompt-tokens", "8-40", "--output-tokens", "6-12",
-           "--request-log", str(tmp_path / "requests.csv"), *extra]
-    proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    env = dict(
+        os.environ,
+        MOESERVE_GRPC_TARGET=live_server.grpc_target,
+        MOESERVE_SERVED_MODEL_NAME=live_server.model,
+        MOESERVE_API_KEY=live_server.api_key,
+    )
+    cmd = [
+        str(LOCUST),
+        "-f",
+        str(LOADTEST / "locustfile.py"),
+        "--headless",
+        "-u",
+        str(users),
+        "-r",
+        str(users),
+        "-t",
+        run_time,
+        "--host",
+        live_server.url,
+        "--csv",
+        str(prefix),
+        "--html",
+        str(tmp_path / "report.html"),
+        "--only-summary",
+        "--stop-timeout",
+        "10",
+        "--prompt-tokens",
+        "8-40",
+        "--output-tokens",
+        "6-12",
+        "--request-log",
+        str(tmp_path / "requests.csv"),
+        *extra,
+    ]
+    proc = subprocess.run(
+        cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
     return proc, prefix
 
 
@@ -65,8 +95,9 @@ def test_headless_run_records_ttft_and_tpot_without_failures(live_server, tmp_pa
     assert {r["api"] for r in rows} == {"REST", "gRPC"}
     assert all(1 <= int(r["output_tokens"]) <= 12 for r in rows)
     # the CSV holds the final numbers: one request entry per logged request
-    assert sum(int(row["Request Count"]) for (kind, _), row in stats.items()
-               if kind in ("POST", "gRPC")) == len(rows)
+    assert sum(
+        int(row["Request Count"]) for (kind, _), row in stats.items() if kind in ("POST", "gRPC")
+    ) == len(rows)
     with open(f"{prefix}_slowest.csv", newline="") as f:
         slowest = list(csv.DictReader(f))
     assert slowest and slowest[0]["trace_id"] in {r["trace_id"] for r in rows}

@@ -50,7 +50,10 @@ class InProcessServer:
             self._started.set()
             raise
         self.server.state.engine.add_stats_listener(
-            lambda stats: self.finished.extend((f.request_id, f.finish_reason) for f in stats.finished))
+            lambda stats: self.finished.extend(
+                (f.request_id, f.finish_reason) for f in stats.finished
+            )
+        )
         run = asyncio.ensure_future(self.server.run())
         while not self.server._uvicorn.started and not run.done():
             await asyncio.sleep(0.01)
@@ -84,9 +87,18 @@ class InProcessServer:
 
 
 def make_settings(model_dir: Path, **overrides) -> Settings:
-    base = {"model": str(model_dir), "port": 0, "grpc_port": -1, "max_model_len": MAX_MODEL_LEN,
-            "kv_cache_tokens": 8192, "max_num_seqs": 8, "max_body_bytes": MAX_BODY_BYTES,
-            "drain_timeout": 10.0, "device": "cpu", "dtype": "float32"}
+    base = {
+        "model": str(model_dir),
+        "port": 0,
+        "grpc_port": -1,
+        "max_model_len": MAX_MODEL_LEN,
+        "kv_cache_tokens": 8192,
+        "max_num_seqs": 8,
+        "max_body_bytes": MAX_BODY_BYTES,
+        "drain_timeout": 10.0,
+        "device": "cpu",
+        "dtype": "float32",
+    }
     return Settings(**{**base, **overrides})
 
 
@@ -141,8 +153,10 @@ def _wait_idle(server: InProcessServer, timeout: float) -> float:
         if engine.kv_blocks_used == 0 and engine.num_requests == 0 and server.state.in_flight == 0:
             return time.monotonic() - start
         time.sleep(0.01)
-    raise AssertionError(f"engine still busy after {timeout} s: {server.engine.kv_blocks_used} blocks, "
-                         f"{server.engine.num_requests} requests")
+    raise AssertionError(
+        f"engine still busy after {timeout} s: {server.engine.kv_blocks_used} blocks, "
+        f"{server.engine.num_requests} requests"
+    )
 
 
 class SubprocessServer:
@@ -150,8 +164,14 @@ class SubprocessServer:
 
     def __init__(self, args: list[str]) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", *args], cwd=REPO, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "serve", *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()

@@ -7,7 +7,10 @@ import asyncio
 import httpx
 import pytest
 
-MAX_MODEL_LEN, MAX_BODY_BYTES = 256, 64 * 1024  # the limits conftest.make_settings gives test servers
+MAX_MODEL_LEN, MAX_BODY_BYTES = (
+    256,
+    64 * 1024,
+)  # the limits conftest.make_settings gives test servers
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -19,7 +22,9 @@ def test_limits_match_the_test_server(server):
     assert server.settings.max_body_bytes == MAX_BODY_BYTES
 
 
-def assert_envelope(r: httpx.Response, status: int, param: str | None = "unset", code: str | None = "unset") -> dict:
+def assert_envelope(
+    r: httpx.Response, status: int, param: str | None = "unset", code: str | None = "unset"
+) -> dict:
     assert r.status_code == status, r.text
     assert r.headers.get("x-request-id")
     assert r.headers["content-type"].startswith("application/json")
@@ -37,9 +42,15 @@ def assert_envelope(r: httpx.Response, status: int, param: str | None = "unset",
 BAD_JSON_BODIES = [
     pytest.param(COMP, {"prompt": "hi", "max_tokens": 0}, "max_tokens", id="max_tokens-0"),
     pytest.param(COMP, {"prompt": "hi", "max_tokens": -5}, "max_tokens", id="max_tokens-negative"),
-    pytest.param(CHAT, {"messages": USER, "max_completion_tokens": 0}, "max_tokens", id="chat-max_tokens-0"),
-    pytest.param(COMP, {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens", id="over-max_model_len"),
-    pytest.param(COMP, {"prompt": "hi " * 400, "max_tokens": 1}, "prompt", id="prompt-over-max_model_len"),
+    pytest.param(
+        CHAT, {"messages": USER, "max_completion_tokens": 0}, "max_tokens", id="chat-max_tokens-0"
+    ),
+    pytest.param(
+        COMP, {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens", id="over-max_model_len"
+    ),
+    pytest.param(
+        COMP, {"prompt": "hi " * 400, "max_tokens": 1}, "prompt", id="prompt-over-max_model_len"
+    ),
     pytest.param(COMP, {"prompt": "hi", "n": 17}, "n", id="n-over-limit"),
     pytest.param(COMP, {"prompt": "hi", "n": 0}, "n", id="n-zero"),
     pytest.param(COMP, {"prompt": ""}, "prompt", id="empty-prompt"),
@@ -49,24 +60,48 @@ BAD_JSON_BODIES = [
     pytest.param(COMP, {"prompt": [5, 10**9]}, "prompt", id="token-id-out-of-vocab"),
     pytest.param(COMP, {"max_tokens": 3}, "prompt", id="missing-prompt"),
     pytest.param(CHAT, {"messages": []}, "messages", id="empty-messages"),
-    pytest.param(CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages", id="bad-role"),
+    pytest.param(
+        CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages", id="bad-role"
+    ),
     pytest.param(COMP, {"prompt": 5}, "prompt", id="prompt-wrong-type"),
-    pytest.param(COMP, {"prompt": "hi", "temperature": "hot"}, "temperature", id="temperature-wrong-type"),
-    pytest.param(COMP, {"prompt": "hi", "temperature": -1}, "temperature", id="temperature-negative"),
+    pytest.param(
+        COMP, {"prompt": "hi", "temperature": "hot"}, "temperature", id="temperature-wrong-type"
+    ),
+    pytest.param(
+        COMP, {"prompt": "hi", "temperature": -1}, "temperature", id="temperature-negative"
+    ),
     pytest.param(COMP, {"prompt": "hi", "top_p": 0}, "top_p", id="top_p-zero"),
     pytest.param(COMP, {"prompt": "hi", "max_tokens": True}, "max_tokens", id="bool-for-int"),
     pytest.param(COMP, {"prompt": "hi", "logprobs": 21}, "logprobs", id="logprobs-over-limit"),
     pytest.param(COMP, {"prompt": "hi", "seed": -1}, "seed", id="seed-negative"),
     pytest.param(COMP, {"prompt": "hi", "stop": [""]}, "stop", id="empty-stop"),
-    pytest.param(COMP, {"prompt": "hi", "stop_token_ids": [10**6]}, "stop_token_ids", id="stop-token-oov"),
+    pytest.param(
+        COMP, {"prompt": "hi", "stop_token_ids": [10**6]}, "stop_token_ids", id="stop-token-oov"
+    ),
     pytest.param(COMP, {"prompt": "hi", "max_tokens": 10**30}, "max_tokens", id="huge-int"),
     pytest.param(COMP, {"prompt": "hi", "frobnicate": 1}, "frobnicate", id="unknown-field"),
-    pytest.param(CHAT, {"messages": [{"role": "user", "content": "x", "extra": 1}]}, "extra", id="unknown-nested"),
+    pytest.param(
+        CHAT,
+        {"messages": [{"role": "user", "content": "x", "extra": 1}]},
+        "extra",
+        id="unknown-nested",
+    ),
     pytest.param(COMP, {"prompt": "hi", "echo": True}, "echo", id="unsupported-echo"),
-    pytest.param(CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools", id="unsupported-tools"),
-    pytest.param(CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs", id="top_logprobs-without-logprobs"),
-    pytest.param(CHAT, {"messages": USER, "stream_options": {"include_usage": 1, "x": 2}}, "x",
-                 id="unknown-stream-option"),
+    pytest.param(
+        CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools", id="unsupported-tools"
+    ),
+    pytest.param(
+        CHAT,
+        {"messages": USER, "top_logprobs": 2},
+        "top_logprobs",
+        id="top_logprobs-without-logprobs",
+    ),
+    pytest.param(
+        CHAT,
+        {"messages": USER, "stream_options": {"include_usage": 1, "x": 2}},
+        "x",
+        id="unknown-stream-option",
+    ),
     pytest.param(COMP, [1, 2], None, id="body-not-an-object"),
 ]
 
@@ -96,12 +131,16 @@ RAW_BODIES = [
 @pytest.mark.parametrize("path", [COMP, CHAT])
 @pytest.mark.parametrize("body", RAW_BODIES)
 def test_malformed_bodies_are_400(http, path, body):
-    error = assert_envelope(http.post(path, content=body, headers={"content-type": "application/json"}), 400)
+    error = assert_envelope(
+        http.post(path, content=body, headers={"content-type": "application/json"}), 400
+    )
     assert error["type"] == "invalid_request_error"
 
 
 def test_escaped_control_characters_are_valid_input(http, model_name):
-    r = http.post(COMP, json={"model": model_name, "prompt": "a\u0000b\u0007\u001b[0m", "max_tokens": 2})
+    r = http.post(
+        COMP, json={"model": model_name, "prompt": "a\u0000b\u0007\u001b[0m", "max_tokens": 2}
+    )
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 0
 
 
@@ -117,10 +156,16 @@ def test_huge_prompt_under_the_body_limit_is_400(http, model_name):
 
 
 def test_unknown_model_is_404(http):
-    error = assert_envelope(http.post(COMP, json={"model": "gpt-17", "prompt": "hi"}), 404, param="model",
-                            code="model_not_found")
+    error = assert_envelope(
+        http.post(COMP, json={"model": "gpt-17", "prompt": "hi"}),
+        404,
+        param="model",
+        code="model_not_found",
+    )
     assert "gpt-17" in error["message"]
-    assert_envelope(http.post(CHAT, json={"model": "gpt-17", "messages": USER}), 404, code="model_not_found")
+    assert_envelope(
+        http.post(CHAT, json={"model": "gpt-17", "messages": USER}), 404, code="model_not_found"
+    )
 
 
 def test_unknown_route_and_wrong_method(http):
@@ -135,12 +180,18 @@ def test_missing_chat_template_is_400(http, server, model_name):
     saved = tokenizer.chat_template
     tokenizer.chat_template = None
     try:
-        error = assert_envelope(http.post(CHAT, json={"model": model_name, "messages": USER}), 400,
-                                code="no_chat_template")
+        error = assert_envelope(
+            http.post(CHAT, json={"model": model_name, "messages": USER}),
+            400,
+            code="no_chat_template",
+        )
         assert "chat template" in error["message"]
     finally:
         tokenizer.chat_template = saved
-    assert http.post(CHAT, json={"model": model_name, "messages": USER, "max_tokens": 1}).status_code == 200
+    assert (
+        http.post(CHAT, json={"model": model_name, "messages": USER, "max_tokens": 1}).status_code
+        == 200
+    )
 
 
 def test_api_key_guards_v1_routes_only(http, api_key, model_name):
@@ -160,6 +211,7 @@ def test_api_key_guards_v1_routes_only(http, api_key, model_name):
 @pytest.mark.slow
 def test_overload_gets_429_with_retry_after_and_nothing_is_lost(start_server, wait_idle):
     with start_server(max_waiting=2, max_num_seqs=1) as srv:
+
         async def fire() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
                 body = {"prompt": "count to ten", "max_tokens": 64, "ignore_eos": True}

@@ -47,8 +47,10 @@ def test_non_streaming_disconnect_aborts_the_request(server, wait_idle):
     CI generated all 230 tokens in 0.27 s once)."""
     mark = len(server.finished)
     body = json.dumps(LONG).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
     with socket.create_connection(("127.0.0.1", server.server.rest_port), timeout=10) as sock:
         sock.sendall(head + body)
         deadline = time.monotonic() + 10
@@ -66,7 +68,9 @@ def test_disconnected_client_does_not_disturb_others(server, wait_idle):
 
     def other() -> None:
         with httpx.Client(base_url=server.url, timeout=60) as c:
-            result["r"] = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 20, "ignore_eos": True})
+            result["r"] = c.post(
+                "/v1/completions", json={"prompt": "abc", "max_tokens": 20, "ignore_eos": True}
+            )
 
     t = threading.Thread(target=other)
     with (
@@ -99,20 +103,40 @@ def _stream_until_done(url: str, out: dict, key: int, started: threading.Event, 
 
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_model_dir, subprocess_server):
-    srv = subprocess_server(["--model", str(tiny_model_dir), "--port", "0", "--grpc-port", "0",
-                             "--max-model-len", "2048", "--kv-cache-tokens", "8192", "--dtype", "float32",
-                             "--drain-timeout", "60"])
+    srv = subprocess_server(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--max-model-len",
+            "2048",
+            "--kv-cache-tokens",
+            "8192",
+            "--dtype",
+            "float32",
+            "--drain-timeout",
+            "60",
+        ]
+    )
     try:
         started = srv.wait_for_event("server started", 120)
         url = f"http://127.0.0.1:{started['rest_port']}"
         assert isinstance(started["grpc_port"], int) and started["grpc_port"] > 0
-        socket.create_connection(("127.0.0.1", started["grpc_port"]), timeout=5).close()  # gRPC listens too
+        socket.create_connection(
+            ("127.0.0.1", started["grpc_port"]), timeout=5
+        ).close()  # gRPC listens too
 
         # long enough (seconds even on a fast machine) that the drain window is always observable
         body = {**LONG, "max_tokens": 1500}
         out: dict = {}
         flags = [threading.Event(), threading.Event()]
-        threads = [threading.Thread(target=_stream_until_done, args=(url, out, i, flags[i], body)) for i in range(2)]
+        threads = [
+            threading.Thread(target=_stream_until_done, args=(url, out, i, flags[i], body))
+            for i in range(2)
+        ]
         for t in threads:
             t.start()
         assert all(f.wait(60) for f in flags), out
@@ -162,4 +186,7 @@ def test_engine_core_death_fails_streams_and_turns_ready_503(start_server):
         late = c.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
         assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
         health = c.get("/health")  # liveness fails: the orchestrator restarts the server
-        assert health.status_code == 503 and health.json() == {"status": "engine_dead", "engine_alive": False}
+        assert health.status_code == 503 and health.json() == {
+            "status": "engine_dead",
+            "engine_alive": False,
+        }

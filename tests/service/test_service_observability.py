@@ -34,8 +34,11 @@ def _requests_total(srv, **labels) -> float:
 
 def test_summary_line_has_no_text_without_log_prompts(server, http):
     with capture_logs() as logs:
-        r = http.post(COMP, json={"prompt": "secret prompt", "max_tokens": 3},
-                      headers={"x-request-id": "no-text-1"})
+        r = http.post(
+            COMP,
+            json={"prompt": "secret prompt", "max_tokens": 3},
+            headers={"x-request-id": "no-text-1"},
+        )
         assert r.status_code == 200
     (line,) = [s for s in _summaries(logs) if s["request_id"] == "no-text-1"]
     assert line["status"] == "ok" and line["completion_tokens"] == 3 and line["api"] == "rest"
@@ -46,30 +49,46 @@ def test_summary_line_has_no_text_without_log_prompts(server, http):
 def test_log_prompts_adds_prompt_and_output_text(start_server):
     with start_server(log_prompts=True) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
         with capture_logs() as logs:
-            r = http.post(COMP, json={"prompt": "tell me", "max_tokens": 3},
-                          headers={"x-request-id": "with-text-1"})
+            r = http.post(
+                COMP,
+                json={"prompt": "tell me", "max_tokens": 3},
+                headers={"x-request-id": "with-text-1"},
+            )
         (line,) = [s for s in _summaries(logs) if s["request_id"] == "with-text-1"]
         assert "tell me" in line["prompt"] and line["output"] == r.json()["choices"][0]["text"]
 
 
 def test_outcomes_are_counted_once_per_request(server, http):
-    before = {s: _requests_total(server, status=s, finish_reason=f)
-              for s, f in (("ok", "length"), ("client_error", "none"))}
+    before = {
+        s: _requests_total(server, status=s, finish_reason=f)
+        for s, f in (("ok", "length"), ("client_error", "none"))
+    }
     assert http.post(COMP, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
-    assert http.post(COMP, json={"prompt": "hi", "max_tokens": 0}).status_code == 400  # Litestar-side
-    assert http.post(COMP, json={"prompt": "hi", "max_tokens": 10_000}).status_code == 400  # engine-side
+    assert (
+        http.post(COMP, json={"prompt": "hi", "max_tokens": 0}).status_code == 400
+    )  # Litestar-side
+    assert (
+        http.post(COMP, json={"prompt": "hi", "max_tokens": 10_000}).status_code == 400
+    )  # engine-side
     assert http.post(COMP, json={"prompt": "hi", "model": "nope"}).status_code == 404
     assert _requests_total(server, status="ok", finish_reason="length") == before["ok"] + 1
-    assert _requests_total(server, status="client_error", finish_reason="none") == before["client_error"] + 3
+    assert (
+        _requests_total(server, status="client_error", finish_reason="none")
+        == before["client_error"] + 3
+    )
 
 
 @pytest.mark.slow
 def test_queue_full_counts_as_rejected(start_server):
     with start_server(max_waiting=1, max_num_seqs=1) as srv:
+
         async def fire() -> list[int]:
             async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
                 body = {"prompt": "count to ten", "max_tokens": 64, "ignore_eos": True}
-                return [r.status_code for r in await asyncio.gather(*(c.post(COMP, json=body) for _ in range(12)))]
+                return [
+                    r.status_code
+                    for r in await asyncio.gather(*(c.post(COMP, json=body) for _ in range(12)))
+                ]
 
         with capture_logs() as logs:
             statuses = asyncio.run(asyncio.wait_for(fire(), 90))
@@ -83,8 +102,11 @@ def test_queue_full_counts_as_rejected(start_server):
 def test_telemetry_off_serves_without_spans_metrics_or_request_logs(start_server):
     with start_server(telemetry=False) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
         with capture_logs() as logs:
-            r = http.post(COMP, json={"prompt": "hi", "max_tokens": 2},
-                          headers={"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"})
+            r = http.post(
+                COMP,
+                json={"prompt": "hi", "max_tokens": 2},
+                headers={"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"},
+            )
         assert r.status_code == 200 and "traceparent" not in r.headers
         assert not _summaries(logs)
         assert http.get("/metrics").status_code == 404
@@ -101,7 +123,9 @@ def test_generate_without_an_api_layer_owns_its_span(server):
 
     async def run() -> list:
         params = SamplingParams(max_tokens=3, n=2, ignore_eos=True)
-        return [out async for out in state.generate("openai.completions", [5, 6, 7], params, "direct-1")]
+        return [
+            out async for out in state.generate("openai.completions", [5, 6, 7], params, "direct-1")
+        ]
 
     with capture_logs() as logs:
         outputs = asyncio.run_coroutine_threadsafe(run(), server.loop).result(30)
@@ -112,20 +136,39 @@ def test_generate_without_an_api_layer_owns_its_span(server):
     assert spans["decode"].parent.span_id == request.context.span_id
     assert request.attributes["gen_ai.usage.output_tokens"] == 6  # n=2 samples of 3
     assert request.attributes["gen_ai.request.choice.count"] == 2
-    assert metrics.registry.get_sample_value(
-        "moeserve_requests_total", {"model": "m", "api": "rest", "status": "ok", "finish_reason": "length"}) == 1
+    assert (
+        metrics.registry.get_sample_value(
+            "moeserve_requests_total",
+            {"model": "m", "api": "rest", "status": "ok", "finish_reason": "length"},
+        )
+        == 1
+    )
     (line,) = [s for s in _summaries(logs) if s["request_id"] == "direct-1"]
-    assert line["completion_tokens"] == 6 and line["trace_id"] == format(request.context.trace_id, "032x")
+    assert line["completion_tokens"] == 6 and line["trace_id"] == format(
+        request.context.trace_id, "032x"
+    )
     assert not obs.live  # the step-link map forgets finished requests
 
 
 def _step(duration_s: float, prefill: int = 0, preemptions: int = 0):
     from inference.outputs import StepStats
 
-    return StepStats(started=0.0, started_unix_ns=1, duration_s=duration_s, num_running=1, num_waiting=0,
-                     batch_size=1, num_prefill_tokens=prefill, num_decode_tokens=1 - bool(prefill),
-                     num_generated_tokens=1, kv_usage=0.1, kv_blocks_used=1, num_requests=1,
-                     num_preemptions=preemptions, request_ids=["r"])
+    return StepStats(
+        started=0.0,
+        started_unix_ns=1,
+        duration_s=duration_s,
+        num_running=1,
+        num_waiting=0,
+        batch_size=1,
+        num_prefill_tokens=prefill,
+        num_decode_tokens=1 - bool(prefill),
+        num_generated_tokens=1,
+        kv_usage=0.1,
+        kv_blocks_used=1,
+        num_requests=1,
+        num_preemptions=preemptions,
+        request_ids=["r"],
+    )
 
 
 def test_step_spans_keep_unusual_steps_and_sample_routine_ones():

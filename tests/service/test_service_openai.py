@@ -10,16 +10,23 @@ PROMPT = "def fibonacci(n):"
 
 @pytest.fixture
 def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30) as c:
+    with openai.OpenAI(
+        base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30
+    ) as c:
         yield c
 
 
 def test_completion_returns_text_usage_and_finish_reason(client, model_name):
-    raw = client.completions.with_raw_response.create(model=model_name, prompt=PROMPT, max_tokens=6,
-                                                      temperature=0)
+    raw = client.completions.with_raw_response.create(
+        model=model_name, prompt=PROMPT, max_tokens=6, temperature=0
+    )
     assert raw.headers.get("x-request-id")
     resp = raw.parse()
-    assert resp.object == "text_completion" and resp.model == model_name and resp.id.startswith("cmpl-")
+    assert (
+        resp.object == "text_completion"
+        and resp.model == model_name
+        and resp.id.startswith("cmpl-")
+    )
     (choice,) = resp.choices
     assert choice.index == 0 and isinstance(choice.text, str)
     assert choice.finish_reason in ("stop", "length")
@@ -29,7 +36,9 @@ def test_completion_returns_text_usage_and_finish_reason(client, model_name):
 
 def test_completion_accepts_token_ids_as_prompt(client, model_name, http):
     ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
-    by_text = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=5, temperature=0)
+    by_text = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=5, temperature=0
+    )
     by_ids = client.completions.create(model=model_name, prompt=ids, max_tokens=5, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text
     assert by_ids.usage.prompt_tokens == len(ids)
@@ -37,41 +46,65 @@ def test_completion_accepts_token_ids_as_prompt(client, model_name, http):
 
 def test_seed_reproduces_sampled_output(client, model_name):
     def sample(seed):
-        return client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=1.0,
-                                         seed=seed).choices[0].text
+        return (
+            client.completions.create(
+                model=model_name, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=seed
+            )
+            .choices[0]
+            .text
+        )
 
     first = sample(1234)
     assert sample(1234) == first
-    assert any(sample(seed) != first for seed in (1, 2, 3)), "different seeds should change the sample"
+    assert any(sample(seed) != first for seed in (1, 2, 3)), (
+        "different seeds should change the sample"
+    )
 
 
 def test_n_returns_one_choice_per_index(client, model_name):
-    resp = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=1.0, n=2,
-                                     seed=7)
+    resp = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=4, temperature=1.0, n=2, seed=7
+    )
     assert sorted(c.index for c in resp.choices) == [0, 1]
     assert resp.usage.completion_tokens <= 8 and resp.usage.completion_tokens >= 2
-    chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=4, n=2, seed=7)
+    chat = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2, seed=7
+    )
     assert sorted(c.index for c in chat.choices) == [0, 1]
 
 
 def test_stop_string_cuts_the_output(client, model_name):
-    full = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    full = client.completions.create(
+        model=model_name,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     text = full.choices[0].text
     assert len(text) >= 6, text
     stop = text[3:5]
-    cut = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0,
-                                    stop=[stop], extra_body={"ignore_eos": True})
+    cut = client.completions.create(
+        model=model_name,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
     assert cut.choices[0].text == text[: text.find(stop)]
     assert cut.choices[0].finish_reason == "stop"
 
 
 def test_completion_logprobs(client, model_name):
-    resp = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
+    resp = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2
+    )
     lp = resp.choices[0].logprobs
     n = resp.usage.completion_tokens
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert (
+        len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    )
     assert all(x <= 0 for x in lp.token_logprobs)
     assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
@@ -82,8 +115,13 @@ def test_completion_logprobs(client, model_name):
 
 def test_chat_completion_and_logprobs(client, model_name):
     resp = client.chat.completions.create(
-        model=model_name, messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
-        max_completion_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+        model=model_name,
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        max_completion_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
     (choice,) = resp.choices
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
@@ -96,33 +134,65 @@ def test_chat_completion_and_logprobs(client, model_name):
 
 
 def test_chat_content_parts_equal_plain_content(client, model_name):
-    plain = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hello"}],
-                                           max_tokens=4, temperature=0)
+    plain = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=4,
+        temperature=0,
+    )
     parts = client.chat.completions.create(
-        model=model_name, messages=[{"role": "user", "content": [{"type": "text", "text": "hel"},
-                                                                  {"type": "text", "text": "lo"}]}],
-        max_tokens=4, temperature=0)
+        model=model_name,
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}],
+            }
+        ],
+        max_tokens=4,
+        temperature=0,
+    )
     assert parts.choices[0].message.content == plain.choices[0].message.content
     assert parts.usage.prompt_tokens == plain.usage.prompt_tokens
 
 
 def test_streamed_completion_matches_non_streamed(client, model_name):
     whole = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=0)
-    chunks = list(client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=model_name,
+            prompt=PROMPT,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finishes == [whole.choices[0].finish_reason]
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert (
+        chunks[-1].choices == []
+        and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    )
     assert all(c.usage is None for c in chunks[:-1])
 
 
 def test_streamed_chat_with_n_and_usage(client, model_name):
-    kwargs = {"model": model_name, "messages": [{"role": "user", "content": "tell me"}], "max_tokens": 6,
-              "temperature": 1.0, "seed": 11, "n": 2}
+    kwargs = {
+        "model": model_name,
+        "messages": [{"role": "user", "content": "tell me"}],
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 11,
+        "n": 2,
+    }
     whole = client.chat.completions.create(**kwargs)
-    stream = client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}
+    )
     texts, roles, finishes, usage = {0: "", 1: ""}, {}, {}, None
     for chunk in stream:
         assert chunk.object == "chat.completion.chunk"
@@ -141,8 +211,11 @@ def test_streamed_chat_with_n_and_usage(client, model_name):
 
 
 def test_streaming_without_usage_ends_with_done(http, model_name):
-    with http.stream("POST", "/v1/completions", json={"model": model_name, "prompt": PROMPT, "max_tokens": 3,
-                                                      "stream": True}) as r:
+    with http.stream(
+        "POST",
+        "/v1/completions",
+        json={"model": model_name, "prompt": PROMPT, "max_tokens": 3, "stream": True},
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         assert r.headers.get("x-request-id")
         events = [line for line in r.iter_lines() if line]
@@ -161,9 +234,16 @@ def test_tokenize_and_detokenize_round_trip(http, server):
     r = http.post("/tokenize", json={"prompt": "hello world"})
     assert r.status_code == 200
     body = r.json()
-    assert body["count"] == len(body["tokens"]) > 0 and body["max_model_len"] == server.engine.max_model_len
-    assert http.post("/detokenize", json={"tokens": body["tokens"]}).json() == {"prompt": "hello world"}
-    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hello world"}]}).json()
+    assert (
+        body["count"] == len(body["tokens"]) > 0
+        and body["max_model_len"] == server.engine.max_model_len
+    )
+    assert http.post("/detokenize", json={"tokens": body["tokens"]}).json() == {
+        "prompt": "hello world"
+    }
+    chat = http.post(
+        "/tokenize", json={"messages": [{"role": "user", "content": "hello world"}]}
+    ).json()
     assert chat["count"] > body["count"]  # the template adds role markers
 
 
@@ -175,8 +255,13 @@ def test_probes(http, server):
 
 
 def test_request_id_is_honoured_or_generated(http):
-    assert http.get("/health", headers={"x-request-id": "trace-1.2:3"}).headers["x-request-id"] == "trace-1.2:3"
-    generated = http.get("/health", headers={"x-request-id": "bad id with spaces"}).headers["x-request-id"]
+    assert (
+        http.get("/health", headers={"x-request-id": "trace-1.2:3"}).headers["x-request-id"]
+        == "trace-1.2:3"
+    )
+    generated = http.get("/health", headers={"x-request-id": "bad id with spaces"}).headers[
+        "x-request-id"
+    ]
     assert generated != "bad id with spaces" and len(generated) == 32
     a, b = http.get("/nope").headers["x-request-id"], http.get("/nope").headers["x-request-id"]
     assert a != b

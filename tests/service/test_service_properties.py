@@ -9,22 +9,37 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-_SETTINGS = settings(max_examples=100, deadline=None, derandomize=True,
-                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+_SETTINGS = settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 # Anything JSON can say, for fields given the wrong type.
 junk = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=12),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-    max_leaves=6)
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
 text = st.text(max_size=40)
 some_text = st.text(min_size=1, max_size=40)
 message = st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "system", "assistant"]),
-     "content": some_text | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}),
-                                     min_size=1, max_size=2)},
-    optional={"name": some_text})
+    {
+        "role": st.sampled_from(["user", "system", "assistant"]),
+        "content": some_text
+        | st.lists(
+            st.fixed_dictionaries({"type": st.just("text"), "text": text}), min_size=1, max_size=2
+        ),
+    },
+    optional={"name": some_text},
+)
 
 # Valid values (mostly small, so generation stays short), then a few fields made junk.
 common = {
@@ -47,16 +62,28 @@ common = {
     "user": text,
     "logit_bias": st.none(),
 }
-COMPLETION = {**common, "prompt": some_text | st.lists(st.integers(0, 1023), min_size=1, max_size=8),
-              "logprobs": st.integers(0, 5), "echo": st.just(False)}
-CHAT = {**common, "messages": st.lists(message, min_size=1, max_size=3), "max_completion_tokens": st.integers(1, 4),
-        "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5), "tools": st.none()}
+COMPLETION = {
+    **common,
+    "prompt": some_text | st.lists(st.integers(0, 1023), min_size=1, max_size=8),
+    "logprobs": st.integers(0, 5),
+    "echo": st.just(False),
+}
+CHAT = {
+    **common,
+    "messages": st.lists(message, min_size=1, max_size=3),
+    "max_completion_tokens": st.integers(1, 4),
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(0, 5),
+    "tools": st.none(),
+}
 
 
 @st.composite
 def bodies(draw, fields: dict, required: str) -> dict:
     always = {required: fields[required], "max_tokens": st.integers(1, 4), "stream": st.booleans()}
-    body = draw(st.fixed_dictionaries(always, optional={k: v for k, v in fields.items() if k not in always}))
+    body = draw(
+        st.fixed_dictionaries(always, optional={k: v for k, v in fields.items() if k not in always})
+    )
     for _ in range(draw(st.sampled_from([0, 0, 1, 2]))):  # mostly valid; sometimes break a field
         key = draw(st.sampled_from(sorted([*fields, "max_tokens", "unknown_field"])))
         body[key] = draw(junk | st.integers(-3, 0) | st.just(""))
@@ -89,7 +116,9 @@ def _post(http: httpx.Client, path: str, body: dict, model_name: str) -> None:
     if body.get("model") == "demo":
         body["model"] = model_name
     content = json.dumps(body, allow_nan=False)
-    with http.stream("POST", path, content=content, headers={"content-type": "application/json"}) as r:
+    with http.stream(
+        "POST", path, content=content, headers={"content-type": "application/json"}
+    ) as r:
         lines = None
         if r.headers.get("content-type", "").startswith("text/event-stream"):
             lines = [line for line in r.iter_lines() if line]
@@ -112,11 +141,19 @@ def test_chat_completions_never_5xx(http, model_name, body):
     _post(http, "/v1/chat/completions", body, model_name)
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(raw=st.binary(max_size=200) | st.text(max_size=80).map(lambda s: ('{"prompt": "' + s).encode(
-    "utf-8", "surrogatepass")))
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    raw=st.binary(max_size=200)
+    | st.text(max_size=80).map(lambda s: ('{"prompt": "' + s).encode("utf-8", "surrogatepass"))
+)
+@pytest.mark.parametrize(
+    "path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+)
 def test_raw_bytes_never_5xx(http, path, raw):
     r = http.post(path, content=raw, headers={"content-type": "application/json"})
     assert r.status_code < 500, (r.status_code, r.text)

@@ -23,16 +23,32 @@ def smollm2_dir():
 
 
 def test_smollm2_answers_a_greedy_chat_request_over_rest(smollm2_dir, subprocess_server):
-    server = subprocess_server(["--model", "smollm2", "--port", "0", "--grpc-port", "-1",
-                                "--max-model-len", "512", "--kv-cache-tokens", "4096"])
+    server = subprocess_server(
+        [
+            "--model",
+            "smollm2",
+            "--port",
+            "0",
+            "--grpc-port",
+            "-1",
+            "--max-model-len",
+            "512",
+            "--kv-cache-tokens",
+            "4096",
+        ]
+    )
     try:
         started = server.wait_for_event("server started", timeout=600)
         url = f"http://127.0.0.1:{started['rest_port']}"
         with httpx.Client(base_url=url, timeout=120) as http:
             [model] = http.get("/v1/models").json()["data"]
             assert model["id"] == "smollm2"
-            body = {"model": model["id"], "temperature": 0, "max_tokens": 16,
-                    "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+            body = {
+                "model": model["id"],
+                "temperature": 0,
+                "max_tokens": 16,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            }
             resp = http.post("/v1/chat/completions", json=body)
         assert resp.status_code == 200, resp.text
         choice = resp.json()["choices"][0]

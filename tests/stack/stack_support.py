@@ -151,8 +151,14 @@ with trace.use_span(tracer.start_span("req"), end_on_exit=True):
     get_logger("service.test").info("request finished", prompt_tokens=3)
 sys.stdout.write(buf.getvalue())
 """
-    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
-                          text=True, timeout=60, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().splitlines()[-1]
 

@@ -39,17 +39,41 @@ LOKI = load_yaml(LOKI_YML)
 # The compose specification's top-level and service keys used here.
 COMPOSE_TOP = {"name", "services", "volumes", "networks", "configs", "secrets", "include"}
 SERVICE_KEYS = {
-    "build", "image", "command", "entrypoint", "environment", "ports", "expose", "volumes",
-    "healthcheck", "depends_on", "logging", "restart", "user", "stop_grace_period",
-    "pull_policy", "deploy", "networks", "labels", "working_dir",
+    "build",
+    "image",
+    "command",
+    "entrypoint",
+    "environment",
+    "ports",
+    "expose",
+    "volumes",
+    "healthcheck",
+    "depends_on",
+    "logging",
+    "restart",
+    "user",
+    "stop_grace_period",
+    "pull_policy",
+    "deploy",
+    "networks",
+    "labels",
+    "working_dir",
 }
 # One container per component the issue names (init helpers aside).
-REQUIRED = {"moeserve", "otel-collector", "tempo", "loki", "prometheus", "alertmanager",
-            "anomaly-webhook", "grafana"}
+REQUIRED = {
+    "moeserve",
+    "otel-collector",
+    "tempo",
+    "loki",
+    "prometheus",
+    "alertmanager",
+    "anomaly-webhook",
+    "grafana",
+}
 # Services that cannot or need not carry a Docker health check, and why.
 NO_HEALTHCHECK = {
     "otel-collector": "scratch image without a shell or HTTP client (health_check extension "
-                      "on :13133, scraped by Prometheus)",
+    "on :13133, scraped by Prometheus)",
     "tempo-init": "one-shot volume ownership fix",
 }
 
@@ -62,14 +86,19 @@ def listen_port(service: str) -> set[int]:
     if service == "anomaly-webhook":
         return {serve_parser().parse_args(SERVICES[service]["command"]).port}
     if service == "otel-collector":
-        ports = {port_of(p["endpoint"]) for p in COLLECTOR["receivers"]["otlp"]["protocols"].values()}
+        ports = {
+            port_of(p["endpoint"]) for p in COLLECTOR["receivers"]["otlp"]["protocols"].values()
+        }
         ports.add(port_of(COLLECTOR["extensions"]["health_check"]["endpoint"]))
         reader = COLLECTOR["service"]["telemetry"]["metrics"]["readers"][0]
         ports.add(reader["pull"]["exporter"]["prometheus"]["port"])
         return ports
     if service == "tempo":
         otlp = TEMPO["distributor"]["receivers"]["otlp"]["protocols"]
-        return {TEMPO["server"]["http_listen_port"], *(port_of(p["endpoint"]) for p in otlp.values())}
+        return {
+            TEMPO["server"]["http_listen_port"],
+            *(port_of(p["endpoint"]) for p in otlp.values()),
+        }
     if service == "loki":
         return {LOKI["server"]["http_listen_port"]}
     # Upstream defaults (no flag changes them in the compose file).
@@ -121,11 +150,20 @@ def test_compose_model():
 
 def test_docker_compose_config_if_available():
     docker = shutil.which("docker")
-    if docker is None or subprocess.run([docker, "compose", "version"], check=False,
-                                              capture_output=True).returncode:
+    if (
+        docker is None
+        or subprocess.run(
+            [docker, "compose", "version"], check=False, capture_output=True
+        ).returncode
+    ):
         pytest.skip("docker compose not installed here; the compose model is checked above")
-    proc = subprocess.run([docker, "compose", "-f", str(COMPOSE_YML), "config", "--quiet"],
-                          check=False, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [docker, "compose", "-f", str(COMPOSE_YML), "config", "--quiet"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -140,7 +178,9 @@ def test_images_are_pinned():
 def test_only_grafana_and_the_api_ports_are_published():
     published = {name: svc["ports"] for name, svc in SERVICES.items() if svc.get("ports")}
     assert set(published) == {"grafana", "moeserve"}
-    container_ports = {n: {int(str(p).rsplit(":", 1)[1]) for p in ports} for n, ports in published.items()}
+    container_ports = {
+        n: {int(str(p).rsplit(":", 1)[1]) for p in ports} for n, ports in published.items()
+    }
     assert container_ports["grafana"] == {3000}
     ns = serve_parser().parse_args(SERVICES["moeserve"]["command"])
     assert container_ports["moeserve"] == {ns.port, ns.grpc_port} == {8000, 50051}
@@ -168,9 +208,16 @@ def test_volumes_consistent():
         assert len(targets) == len(set(targets)), name
     assert used == declared, f"declared but unused volumes: {declared - used}"
     # Every stateful component keeps its data in a named volume.
-    for name, path in (("prometheus", "/prometheus"), ("loki", "/loki"), ("tempo", "/var/tempo"),
-                       ("grafana", "/var/lib/grafana"), ("alertmanager", "/alertmanager")):
-        assert any(split_volume(v)[1] == path and not v.startswith(".") for v in SERVICES[name]["volumes"])
+    for name, path in (
+        ("prometheus", "/prometheus"),
+        ("loki", "/loki"),
+        ("tempo", "/var/tempo"),
+        ("grafana", "/var/lib/grafana"),
+        ("alertmanager", "/alertmanager"),
+    ):
+        assert any(
+            split_volume(v)[1] == path and not v.startswith(".") for v in SERVICES[name]["volumes"]
+        )
 
 
 def mounted_file(service: str, container_path: str) -> Path:
@@ -182,7 +229,7 @@ def mounted_file(service: str, container_path: str) -> Path:
         if container_path == target:
             return (DEPLOY / source).resolve()
         if container_path.startswith(target.rstrip("/") + "/"):
-            return (DEPLOY / source / container_path[len(target.rstrip("/")) + 1:]).resolve()
+            return (DEPLOY / source / container_path[len(target.rstrip("/")) + 1 :]).resolve()
     raise AssertionError(f"{service}: {container_path} is not mounted from the repository")
 
 
@@ -208,7 +255,10 @@ def test_every_service_has_its_config_file():
     for rule_file in load_yaml(PROMETHEUS_YML)["rule_files"]:
         assert (PROMETHEUS_YML.parent / rule_file).is_file()
     # Grafana's provisioning and dashboards.
-    assert mounted_file("grafana", "/etc/grafana/provisioning/datasources/datasources.yml") == DATASOURCES_YML
+    assert (
+        mounted_file("grafana", "/etc/grafana/provisioning/datasources/datasources.yml")
+        == DATASOURCES_YML
+    )
 
 
 def test_healthchecks():
@@ -249,7 +299,8 @@ def test_moeserve_service():
     assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
     assert_reaches(env["OTEL_EXPORTER_OTLP_ENDPOINT"], "moeserve OTLP endpoint")
     assert port_of(env["OTEL_EXPORTER_OTLP_ENDPOINT"]) == port_of(
-        COLLECTOR["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"])
+        COLLECTOR["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
+    )
     assert env["MOESERVE_LOG_FORMAT"] == "json"
     # SIGTERM drain fits in the stop grace period.
     grace = int(svc["stop_grace_period"].rstrip("s"))
@@ -274,7 +325,12 @@ def test_prometheus_in_compose():
                     assert job["job_name"] == "prometheus" and port in listen_port("prometheus")
                 else:
                     assert_reaches(target, f"scrape job {job['job_name']}")
-    scraped = {host_port(t)[0] for j in cfg["scrape_configs"] for s in j["static_configs"] for t in s["targets"]}
+    scraped = {
+        host_port(t)[0]
+        for j in cfg["scrape_configs"]
+        for s in j["static_configs"]
+        for t in s["targets"]
+    }
     assert {"moeserve", "anomaly-webhook", "otel-collector"} <= scraped
     for am in cfg["alerting"]["alertmanagers"]:
         for static in am["static_configs"]:
@@ -298,11 +354,16 @@ def test_grafana_datasources_reach_their_services():
 def test_logging_options_feed_the_collector():
     """The services whose logs the Collector keeps label their lines with the compose
     service name; the Collector's router selects exactly those."""
-    router = next(op for op in COLLECTOR["receivers"]["filelog/docker"]["operators"] if op["type"] == "router")
+    router = next(
+        op for op in COLLECTOR["receivers"]["filelog/docker"]["operators"] if op["type"] == "router"
+    )
     expr = router["routes"][0]["expr"]
     selected = set(json.loads(re.search(r"in (\[.*\])", expr).group(1)))
-    labelled = {n for n, s in SERVICES.items()
-                if "com.docker.compose.service" in s.get("logging", {}).get("options", {}).get("labels", "")}
+    labelled = {
+        n
+        for n, s in SERVICES.items()
+        if "com.docker.compose.service" in s.get("logging", {}).get("options", {}).get("labels", "")
+    }
     assert selected == labelled == {"moeserve", "anomaly-webhook"}
     for name in labelled:
         assert SERVICES[name]["logging"]["driver"] == "json-file"
@@ -332,8 +393,16 @@ def test_cuda_override():
 # collector's and collector-contrib's READMEs).
 COLLECTOR_COMPONENTS = {
     "receivers": {"otlp", "filelog", "prometheus", "hostmetrics", "docker_stats"},
-    "processors": {"batch", "memory_limiter", "resource", "attributes", "transform", "filter",
-                   "resourcedetection", "k8sattributes"},
+    "processors": {
+        "batch",
+        "memory_limiter",
+        "resource",
+        "attributes",
+        "transform",
+        "filter",
+        "resourcedetection",
+        "k8sattributes",
+    },
     "exporters": {"otlp", "otlphttp", "debug", "prometheus", "prometheusremotewrite", "file"},
     "extensions": {"health_check", "file_storage", "pprof", "zpages"},
     "connectors": {"spanmetrics", "servicegraph", "forward"},
@@ -341,11 +410,28 @@ COLLECTOR_COMPONENTS = {
 PIPELINE_TYPES = {"traces", "metrics", "logs", "profiles"}
 # stanza operators (pkg/stanza/docs/operators) and the keys each accepts.
 OPERATOR_KEYS = {
-    "container": {"format", "add_metadata_from_filepath", "max_log_size", "parse_from", "parse_to",
-                  "on_error", "if", "severity"},
+    "container": {
+        "format",
+        "add_metadata_from_filepath",
+        "max_log_size",
+        "parse_from",
+        "parse_to",
+        "on_error",
+        "if",
+        "severity",
+    },
     "router": {"routes", "default"},
-    "json_parser": {"parse_from", "parse_to", "on_error", "if", "timestamp", "severity", "body",
-                    "scope_name", "parse_ints"},
+    "json_parser": {
+        "parse_from",
+        "parse_to",
+        "on_error",
+        "if",
+        "timestamp",
+        "severity",
+        "body",
+        "scope_name",
+        "parse_ints",
+    },
     "regex_parser": {"regex", "parse_from", "parse_to", "on_error", "if", "timestamp", "severity"},
     "trace_parser": {"trace_id", "span_id", "trace_flags", "on_error", "if"},
     "severity_parser": {"parse_from", "mapping", "preset", "on_error", "if", "overwrite_text"},
@@ -356,9 +442,20 @@ OPERATOR_KEYS = {
     "add": {"field", "value", "on_error", "if"},
     "retain": {"fields", "on_error", "if"},
     "filter": {"expr", "drop_ratio", "on_error", "if"},
-    "recombine": {"combine_field", "is_first_entry", "is_last_entry", "combine_with", "source_identifier",
-                  "max_log_size", "max_batch_size", "max_sources", "force_flush_period", "max_unmatched_batch_size",
-                  "on_error", "if"},
+    "recombine": {
+        "combine_field",
+        "is_first_entry",
+        "is_last_entry",
+        "combine_with",
+        "source_identifier",
+        "max_log_size",
+        "max_batch_size",
+        "max_sources",
+        "force_flush_period",
+        "max_unmatched_batch_size",
+        "on_error",
+        "if",
+    },
 }
 FIELD = re.compile(r'^(body|attributes|resource)((\.\w+)|(\["[^"]+"\]))*$')
 
@@ -368,7 +465,14 @@ def component_type(name: str) -> str:
 
 
 def test_collector_top_level_and_components():
-    assert set(COLLECTOR) <= {"receivers", "processors", "exporters", "extensions", "connectors", "service"}
+    assert set(COLLECTOR) <= {
+        "receivers",
+        "processors",
+        "exporters",
+        "extensions",
+        "connectors",
+        "service",
+    }
     for kind, allowed in COLLECTOR_COMPONENTS.items():
         for name in COLLECTOR.get(kind, {}) or {}:
             assert component_type(name) in allowed, f"unknown {kind[:-1]} type: {name}"
@@ -392,7 +496,9 @@ def test_collector_pipelines_reference_defined_components():
         if "batch" in processors:
             assert processors[-1] == "batch", "batch belongs at the end"
     for kind, names in used.items():
-        assert names == set(COLLECTOR[kind]), f"{kind} defined but unused: {set(COLLECTOR[kind]) - names}"
+        assert names == set(COLLECTOR[kind]), (
+            f"{kind} defined but unused: {set(COLLECTOR[kind]) - names}"
+        )
     for ext in service["extensions"]:
         assert ext in COLLECTOR["extensions"]
     assert set(service["extensions"]) == set(COLLECTOR["extensions"])
@@ -406,7 +512,9 @@ def test_collector_routes_traces_to_tempo_and_logs_to_loki():
     assert component_type(tempo) == "otlp"
     endpoint = COLLECTOR["exporters"][tempo]["endpoint"]
     assert_reaches(endpoint, "Collector -> Tempo")
-    assert port_of(endpoint) == port_of(TEMPO["distributor"]["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"])
+    assert port_of(endpoint) == port_of(
+        TEMPO["distributor"]["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
+    )
     assert "filelog/docker" in pipelines["logs"]["receivers"]
     (loki,) = pipelines["logs"]["exporters"]
     assert component_type(loki) == "otlphttp"
@@ -415,8 +523,11 @@ def test_collector_routes_traces_to_tempo_and_logs_to_loki():
     assert urlsplit(endpoint).path == "/otlp"  # Loki's native OTLP ingestion
     # The Collector's storage directory is a volume.
     directory = COLLECTOR["extensions"]["file_storage/filelog"]["directory"]
-    assert any(directory.startswith(split_volume(v)[1]) for v in SERVICES["otel-collector"]["volumes"]
-               if not v.startswith((".", "$")))
+    assert any(
+        directory.startswith(split_volume(v)[1])
+        for v in SERVICES["otel-collector"]["volumes"]
+        if not v.startswith((".", "$"))
+    )
 
 
 def test_collector_filelog_operators():
@@ -447,13 +558,15 @@ def test_collector_parses_the_fields_of_real_log_lines():
     written by telemetry.logging inside a span."""
     line = real_log_line()
     record = json.loads(line)
-    operators = {op.get("id", op["type"]): op for op in COLLECTOR["receivers"]["filelog/docker"]["operators"]}
+    operators = {
+        op.get("id", op["type"]): op for op in COLLECTOR["receivers"]["filelog/docker"]["operators"]
+    }
     parse = operators["parse_json"]
     prefix = parse["parse_to"] + "."
 
     def key(field: str) -> str:
         assert field.startswith(prefix), field
-        return field[len(prefix):]
+        return field[len(prefix) :]
 
     trace = operators["trace_context"]
     assert re.fullmatch(r"[0-9a-f]{32}", record[key(trace["trace_id"]["parse_from"])])
@@ -465,28 +578,74 @@ def test_collector_parses_the_fields_of_real_log_lines():
     stamp = record[key(parse["timestamp"]["parse_from"])]
     # gotime layout 2006-01-02T15:04:05.999999999Z07:00 = RFC 3339 with optional fraction.
     assert parse["timestamp"]["layout_type"] == "gotime"
-    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{1,9})?(Z|[+-]\d\d:\d\d)", stamp), stamp
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{1,9})?(Z|[+-]\d\d:\d\d)", stamp), (
+        stamp
+    )
     assert re.match(r"^\s*\{", line)  # the json_parser's `if`
 
 
 # --------------------------------------------------------------------------- Tempo and Loki
 
 # Top-level blocks of the Tempo configuration reference (docs/sources/tempo/configuration).
-TEMPO_TOP = {"target", "http_api_prefix", "server", "distributor", "ingester", "metrics_generator",
-             "query_frontend", "querier", "compactor", "storage", "memberlist", "overrides",
-             "usage_report", "cache", "stream_over_http_enabled", "multitenancy_enabled",
-             "backend_scheduler", "backend_worker", "ingest"}
+TEMPO_TOP = {
+    "target",
+    "http_api_prefix",
+    "server",
+    "distributor",
+    "ingester",
+    "metrics_generator",
+    "query_frontend",
+    "querier",
+    "compactor",
+    "storage",
+    "memberlist",
+    "overrides",
+    "usage_report",
+    "cache",
+    "stream_over_http_enabled",
+    "multitenancy_enabled",
+    "backend_scheduler",
+    "backend_worker",
+    "ingest",
+}
 # Top-level blocks of the Loki configuration reference (docs/sources/shared/configuration.md).
-LOKI_TOP = {"target", "auth_enabled", "server", "common", "schema_config", "storage_config",
-            "limits_config", "compactor", "ingester", "querier", "query_range", "frontend",
-            "frontend_worker", "query_scheduler", "ruler", "distributor", "memberlist",
-            "pattern_ingester", "analytics", "table_manager", "runtime_config", "tracing",
-            "bloom_build", "bloom_gateway", "index_gateway", "chunk_store_config", "ingester_client",
-            "operational_config", "tenant_limits"}
+LOKI_TOP = {
+    "target",
+    "auth_enabled",
+    "server",
+    "common",
+    "schema_config",
+    "storage_config",
+    "limits_config",
+    "compactor",
+    "ingester",
+    "querier",
+    "query_range",
+    "frontend",
+    "frontend_worker",
+    "query_scheduler",
+    "ruler",
+    "distributor",
+    "memberlist",
+    "pattern_ingester",
+    "analytics",
+    "table_manager",
+    "runtime_config",
+    "tracing",
+    "bloom_build",
+    "bloom_gateway",
+    "index_gateway",
+    "chunk_store_config",
+    "ingester_client",
+    "operational_config",
+    "tenant_limits",
+}
 
 
 def volume_paths(service: str) -> list[str]:
-    return [split_volume(v)[1] for v in SERVICES[service]["volumes"] if not v.startswith((".", "$"))]
+    return [
+        split_volume(v)[1] for v in SERVICES[service]["volumes"] if not v.startswith((".", "$"))
+    ]
 
 
 def test_tempo_config():
@@ -511,8 +670,10 @@ def test_loki_config():
     assert schema["store"] == "tsdb" and schema["schema"] == "v13"
     assert LOKI["limits_config"]["allow_structured_metadata"] is True
     data = volume_paths("loki")
-    assert any(LOKI["common"]["path_prefix"] == d or LOKI["common"]["path_prefix"].startswith(d + "/")
-               for d in data)
+    assert any(
+        LOKI["common"]["path_prefix"] == d or LOKI["common"]["path_prefix"].startswith(d + "/")
+        for d in data
+    )
     fs = LOKI["common"]["storage"]["filesystem"]
     for path in fs.values():
         assert path.startswith(LOKI["common"]["path_prefix"] + "/")
@@ -533,8 +694,15 @@ def test_yaml_files_are_plain_yaml():
         return yaml.SafeLoader.construct_mapping(loader, node, deep)
 
     Strict.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
-    for path in (COMPOSE_YML, COMPOSE_CUDA_YML, COLLECTOR_YML, TEMPO_YML, LOKI_YML, PROMETHEUS_YML,
-                 DATASOURCES_YML):
+    for path in (
+        COMPOSE_YML,
+        COMPOSE_CUDA_YML,
+        COLLECTOR_YML,
+        TEMPO_YML,
+        LOKI_YML,
+        PROMETHEUS_YML,
+        DATASOURCES_YML,
+    ):
         yaml.load(path.read_text(), Loader=Strict)
 
 

@@ -41,17 +41,26 @@ _DATASOURCE_REF = {
 _LINK = {
     "type": "object",
     "required": ["title", "url"],
-    "properties": {"title": {"type": "string"}, "url": {"type": "string"},
-                   "targetBlank": {"type": "boolean"}},
+    "properties": {
+        "title": {"type": "string"},
+        "url": {"type": "string"},
+        "targetBlank": {"type": "boolean"},
+    },
 }
 _THRESHOLDS = {
     "type": "object",
     "required": ["mode", "steps"],
     "properties": {
         "mode": {"enum": ["absolute", "percentage"]},
-        "steps": {"type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["color", "value"],
-            "properties": {"color": {"type": "string"}, "value": {"type": ["number", "null"]}}}},
+        "steps": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["color", "value"],
+                "properties": {"color": {"type": "string"}, "value": {"type": ["number", "null"]}},
+            },
+        },
     },
 }
 _GRID_POS = {
@@ -80,11 +89,34 @@ _TARGET = {
 }
 _PANEL = {
     "type": "object",
-    "required": ["id", "type", "title", "gridPos", "datasource", "targets", "fieldConfig", "options"],
+    "required": [
+        "id",
+        "type",
+        "title",
+        "gridPos",
+        "datasource",
+        "targets",
+        "fieldConfig",
+        "options",
+    ],
     "properties": {
         "id": {"type": "integer", "minimum": 1, "maximum": 4294967295},
-        "type": {"enum": ["timeseries", "stat", "gauge", "bargauge", "table", "heatmap", "logs",
-                          "text", "barchart", "piechart", "state-timeline", "traces"]},
+        "type": {
+            "enum": [
+                "timeseries",
+                "stat",
+                "gauge",
+                "bargauge",
+                "table",
+                "heatmap",
+                "logs",
+                "text",
+                "barchart",
+                "piechart",
+                "state-timeline",
+                "traces",
+            ]
+        },
         "title": {"type": "string", "minLength": 1},
         "description": {"type": "string"},
         "gridPos": _GRID_POS,
@@ -94,21 +126,36 @@ _PANEL = {
             "type": "object",
             "required": ["defaults", "overrides"],
             "properties": {
-                "defaults": {"type": "object", "properties": {
-                    "unit": {"type": "string"}, "decimals": {"type": "integer"},
-                    "min": {"type": "number"}, "max": {"type": "number"},
-                    "thresholds": _THRESHOLDS, "links": {"type": "array", "items": _LINK},
-                    "custom": {"type": "object"}, "color": {"type": "object"},
-                    "mappings": {"type": "array"}}},
-                "overrides": {"type": "array", "items": {
-                    "type": "object", "required": ["matcher", "properties"]}},
+                "defaults": {
+                    "type": "object",
+                    "properties": {
+                        "unit": {"type": "string"},
+                        "decimals": {"type": "integer"},
+                        "min": {"type": "number"},
+                        "max": {"type": "number"},
+                        "thresholds": _THRESHOLDS,
+                        "links": {"type": "array", "items": _LINK},
+                        "custom": {"type": "object"},
+                        "color": {"type": "object"},
+                        "mappings": {"type": "array"},
+                    },
+                },
+                "overrides": {
+                    "type": "array",
+                    "items": {"type": "object", "required": ["matcher", "properties"]},
+                },
             },
         },
         "options": {"type": "object"},
         "links": {"type": "array", "items": _LINK},
-        "transformations": {"type": "array", "items": {
-            "type": "object", "required": ["id", "options"],
-            "properties": {"id": {"type": "string"}, "options": {"type": "object"}}}},
+        "transformations": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["id", "options"],
+                "properties": {"id": {"type": "string"}, "options": {"type": "object"}},
+            },
+        },
         "repeat": {"type": "string"},
         "repeatDirection": {"enum": ["h", "v"]},
         "maxPerRow": {"type": "integer", "minimum": 1},
@@ -131,8 +178,20 @@ _VARIABLE = {
     "required": ["name", "type", "hide"],
     "properties": {
         "name": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
-        "type": {"enum": ["query", "adhoc", "groupby", "constant", "datasource", "interval",
-                          "textbox", "custom", "system", "snapshot"]},
+        "type": {
+            "enum": [
+                "query",
+                "adhoc",
+                "groupby",
+                "constant",
+                "datasource",
+                "interval",
+                "textbox",
+                "custom",
+                "system",
+                "snapshot",
+            ]
+        },
         "hide": {"enum": [0, 1, 2]},
         "label": {"type": "string"},
         "refresh": {"enum": [0, 1, 2]},
@@ -142,18 +201,33 @@ _VARIABLE = {
         "allValue": {"type": "string"},
     },
     "allOf": [
-        {"if": {"properties": {"type": {"const": "query"}}},
-         "then": {"required": ["datasource", "query", "refresh"]}},
-        {"if": {"properties": {"type": {"const": "datasource"}}},
-         "then": {"required": ["query"], "properties": {"query": {"type": "string"}}}},
+        {
+            "if": {"properties": {"type": {"const": "query"}}},
+            "then": {"required": ["datasource", "query", "refresh"]},
+        },
+        {
+            "if": {"properties": {"type": {"const": "datasource"}}},
+            "then": {"required": ["query"], "properties": {"query": {"type": "string"}}},
+        },
     ],
 }
 DASHBOARD_SCHEMAS = {
     39: {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "type": "object",
-        "required": ["uid", "title", "schemaVersion", "panels", "templating", "time", "editable",
-                     "graphTooltip", "annotations", "links", "tags"],
+        "required": [
+            "uid",
+            "title",
+            "schemaVersion",
+            "panels",
+            "templating",
+            "time",
+            "editable",
+            "graphTooltip",
+            "annotations",
+            "links",
+            "tags",
+        ],
         "properties": {
             "uid": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,40}$"},
             "title": {"type": "string", "minLength": 1},
@@ -165,20 +239,45 @@ DASHBOARD_SCHEMAS = {
             "tags": _STR_LIST,
             "timezone": {"type": "string"},
             "refresh": {"type": "string"},
-            "time": {"type": "object", "required": ["from", "to"],
-                     "properties": {"from": {"type": "string"}, "to": {"type": "string"}}},
+            "time": {
+                "type": "object",
+                "required": ["from", "to"],
+                "properties": {"from": {"type": "string"}, "to": {"type": "string"}},
+            },
             "timepicker": {"type": "object"},
-            "templating": {"type": "object", "required": ["list"],
-                           "properties": {"list": {"type": "array", "items": _VARIABLE}}},
-            "annotations": {"type": "object", "required": ["list"],
-                            "properties": {"list": {"type": "array"}}},
-            "links": {"type": "array", "items": {
-                "type": "object", "required": ["title", "type"],
-                "properties": {"type": {"enum": ["link", "dashboards"]}, "title": {"type": "string"},
-                               "url": {"type": "string"}, "includeVars": {"type": "boolean"},
-                               "keepTime": {"type": "boolean"}}}},
-            "panels": {"type": "array", "minItems": 1, "items": {
-                "if": {"properties": {"type": {"const": "row"}}}, "then": _ROW, "else": _PANEL}},
+            "templating": {
+                "type": "object",
+                "required": ["list"],
+                "properties": {"list": {"type": "array", "items": _VARIABLE}},
+            },
+            "annotations": {
+                "type": "object",
+                "required": ["list"],
+                "properties": {"list": {"type": "array"}},
+            },
+            "links": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["title", "type"],
+                    "properties": {
+                        "type": {"enum": ["link", "dashboards"]},
+                        "title": {"type": "string"},
+                        "url": {"type": "string"},
+                        "includeVars": {"type": "boolean"},
+                        "keepTime": {"type": "boolean"},
+                    },
+                },
+            },
+            "panels": {
+                "type": "array",
+                "minItems": 1,
+                "items": {
+                    "if": {"properties": {"type": {"const": "row"}}},
+                    "then": _ROW,
+                    "else": _PANEL,
+                },
+            },
         },
     }
 }
@@ -196,8 +295,13 @@ def test_dashboards_present():
 
 
 def test_dashboards_match_their_generator():
-    proc = subprocess.run([sys.executable, str(GRAFANA / "generate_dashboards.py"), "--check"],
-                          check=False, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(GRAFANA / "generate_dashboards.py"), "--check"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -257,7 +361,9 @@ def datasource_refs(dashboard: dict):
         for target in panel.get("targets", []):
             if target.get("datasource"):
                 yield panel["title"], target["datasource"]
-        links = panel.get("links", []) + panel.get("fieldConfig", {}).get("defaults", {}).get("links", [])
+        links = panel.get("links", []) + panel.get("fieldConfig", {}).get("defaults", {}).get(
+            "links", []
+        )
         for link in links:
             for pane in explore_panes(link["url"]):
                 yield f"{panel['title']} link {link['title']}", {"uid": pane["datasource"]}
@@ -353,7 +459,9 @@ def test_template_variables(name):
     for panel, target in prometheus_targets(dashboard):
         for selector in re.findall(r"moeserve_\w+\{([^}]*)\}", target["expr"]):
             assert 'model=~"$model"' in selector and 'instance=~"$instance"' in selector, (
-                panel["title"], target["expr"])
+                panel["title"],
+                target["expr"],
+            )
         assert re.findall(r"moeserve_\w+", target["expr"]), panel["title"]
         # Runnable once Grafana's variables are substituted.
         substitute(target["expr"], {"model": "m", "instance": ".*", "layer": ".*"})
@@ -381,9 +489,11 @@ def test_overview_panels():
     d = by_title("moeserve / Overview")
     rate = panel(d, "Request rate by API and status")
     assert "sum by (api, status)" in exprs_of(rate) and "moeserve_requests_total" in exprs_of(rate)
-    for title, metric in (("Time to first token (TTFT)", "moeserve_time_to_first_token_seconds"),
-                          ("Time per output token (TPOT)", "moeserve_time_per_output_token_seconds"),
-                          ("End-to-end request latency", "moeserve_e2e_request_latency_seconds")):
+    for title, metric in (
+        ("Time to first token (TTFT)", "moeserve_time_to_first_token_seconds"),
+        ("Time per output token (TPOT)", "moeserve_time_per_output_token_seconds"),
+        ("End-to-end request latency", "moeserve_e2e_request_latency_seconds"),
+    ):
         p = panel(d, title)
         assert [t["legendFormat"] for t in p["targets"]] == ["p50", "p95", "p99"]
         assert all(f"{metric}_bucket" in t["expr"] for t in p["targets"])
@@ -401,7 +511,9 @@ def test_overview_panels():
     assert logs["type"] == "logs" and logs["datasource"]["type"] == "loki"
     assert re.search(r'\| model=~"\$\{model:pipe\}"', logs["targets"][0]["expr"])
     traces = panel(d, "Recent traces of $model")
-    assert traces["datasource"]["type"] == "tempo" and "${model:pipe}" in traces["targets"][0]["query"]
+    assert (
+        traces["datasource"]["type"] == "tempo" and "${model:pipe}" in traces["targets"][0]["query"]
+    )
 
 
 def test_moe_panels():
@@ -413,7 +525,9 @@ def test_moe_panels():
     assert "sum by (expert)" in exprs_of(heatmap)
     matrix = panel(d, "Expert-load share: layer x expert")
     assert matrix["transformations"][0]["id"] == "groupingToMatrix"
-    assert "moeserve_moe_expert_imbalance" in exprs_of(panel(d, "Imbalance over time (max/mean expert load)"))
+    assert "moeserve_moe_expert_imbalance" in exprs_of(
+        panel(d, "Imbalance over time (max/mean expert load)")
+    )
     assert "sum by (expert)" in exprs_of(panel(d, "Tokens per expert (time range)"))
 
 

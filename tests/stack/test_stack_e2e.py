@@ -57,11 +57,15 @@ MODEL = "tiny-demo"
 SCRAPE_INTERVAL_S = 1
 # Panels whose queries are about events this load does not cause: valid + metric exists.
 EVENT_DEPENDENT = re.compile(
-    r'moeserve_preemptions_total|status="rejected"|status="server_error"|status!="ok"')
+    r'moeserve_preemptions_total|status="rejected"|status="server_error"|status!="ok"'
+)
 # Instantaneous state that is legitimately back to 0 once the load is over; every other
 # query must show the load (a non-zero value).
-STATE_GAUGES = {"moeserve_num_requests_running", "moeserve_num_requests_waiting",
-                "moeserve_kv_cache_usage_ratio"}
+STATE_GAUGES = {
+    "moeserve_num_requests_running",
+    "moeserve_num_requests_waiting",
+    "moeserve_kv_cache_usage_ratio",
+}
 
 
 def probe_paths() -> set[str]:
@@ -103,23 +107,51 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
         except (httpx.HTTPError, KeyError, ValueError, IndexError) as exc:
             last_error = exc
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last_error})")
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what} (last error: {last_error})"
+    )
 
 
 class Service:
     """`moeserve serve` in a subprocess; its stdout (JSON log lines) is collected."""
 
     def __init__(self, model_dir: Path, log_path: Path, rest_port: int) -> None:
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(model_dir),
-               "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(rest_port),
-               "--grpc-port", "0", "--device", "cpu", "--log-format", "json",
-               "--max-num-seqs", "8", "--drain-timeout", "5"]
-        env = {**os.environ, "OTEL_TRACES_EXPORTER": "none", "OTEL_SERVICE_NAME": "moeserve",
-               "TOKENIZERS_PARALLELISM": "false", "MOESERVE_CACHE_DIR": str(log_path.parent / "cache")}
+        cmd = [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            MODEL,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(rest_port),
+            "--grpc-port",
+            "0",
+            "--device",
+            "cpu",
+            "--log-format",
+            "json",
+            "--max-num-seqs",
+            "8",
+            "--drain-timeout",
+            "5",
+        ]
+        env = {
+            **os.environ,
+            "OTEL_TRACES_EXPORTER": "none",
+            "OTEL_SERVICE_NAME": "moeserve",
+            "TOKENIZERS_PARALLELISM": "false",
+            "MOESERVE_CACHE_DIR": str(log_path.parent / "cache"),
+        }
         env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
         self.stderr = log_path.open("w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                     stderr=self.stderr, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1
+        )
         self.lines: list[str] = []
         self._started: queue.Queue[dict] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -149,7 +181,9 @@ class Service:
     def tail(self, n: int = 15) -> str:
         self.stderr.flush()
         err = self.log_path.read_text().splitlines()[-n:]
-        return "\n".join(["-- stdout --", *[ln.rstrip() for ln in self.lines[-n:]], "-- stderr --", *err])
+        return "\n".join(
+            ["-- stdout --", *[ln.rstrip() for ln in self.lines[-n:]], "-- stderr --", *err]
+        )
 
     def records(self) -> list[dict]:
         out = []
@@ -180,22 +214,41 @@ class Prometheus:
     def __init__(self, binary: str, workdir: Path, target: str) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         config = workdir / "prometheus.yml"
-        config.write_text(json.dumps({  # JSON is YAML
-            "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s",
-                       "scrape_timeout": f"{SCRAPE_INTERVAL_S}s",
-                       "evaluation_interval": f"{SCRAPE_INTERVAL_S}s"},
-            "storage": {"exemplars": {"max_exemplars": 100000}},
-            "scrape_configs": [{"job_name": "moeserve", "metrics_path": "/metrics",
-                                "static_configs": [{"targets": [target]}]}],
-        }))
+        config.write_text(
+            json.dumps(
+                {  # JSON is YAML
+                    "global": {
+                        "scrape_interval": f"{SCRAPE_INTERVAL_S}s",
+                        "scrape_timeout": f"{SCRAPE_INTERVAL_S}s",
+                        "evaluation_interval": f"{SCRAPE_INTERVAL_S}s",
+                    },
+                    "storage": {"exemplars": {"max_exemplars": 100000}},
+                    "scrape_configs": [
+                        {
+                            "job_name": "moeserve",
+                            "metrics_path": "/metrics",
+                            "static_configs": [{"targets": [target]}],
+                        }
+                    ],
+                }
+            )
+        )
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = (workdir / "prometheus.log").open("w")
         self.proc = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--enable-feature=exemplar-storage",
-             "--log.level=warn"],
-            cwd=workdir, stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--enable-feature=exemplar-storage",
+                "--log.level=warn",
+            ],
+            cwd=workdir,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         self.http = httpx.Client(base_url=self.url, timeout=10)
         self.workdir = workdir
 
@@ -203,6 +256,7 @@ class Prometheus:
         def ready():
             assert self.proc.poll() is None, (self.workdir / "prometheus.log").read_text()
             return self.http.get("/-/ready").status_code == 200
+
         wait_for(ready, 30, "prometheus /-/ready")
 
     def api(self, path: str, **params) -> dict:
@@ -243,21 +297,48 @@ def drive_load(rest: str, grpc_port: int | None) -> dict:
 
     def completion(i: int) -> None:
         with httpx.Client(base_url=rest, timeout=60) as c:
-            note(c.post("/v1/completions", json={"model": MODEL, "prompt": f"Count to {i}:",
-                                                 "max_tokens": 6 + i % 5, "temperature": 0}), 200)
+            note(
+                c.post(
+                    "/v1/completions",
+                    json={
+                        "model": MODEL,
+                        "prompt": f"Count to {i}:",
+                        "max_tokens": 6 + i % 5,
+                        "temperature": 0,
+                    },
+                ),
+                200,
+            )
 
     def chat(i: int) -> None:
         with httpx.Client(base_url=rest, timeout=60) as c:
-            note(c.post("/v1/chat/completions", json={
-                "model": MODEL, "messages": [{"role": "user", "content": f"Say something {i}"}],
-                "max_tokens": 8, "temperature": 0.7, "seed": i}), 200)
+            note(
+                c.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": MODEL,
+                        "messages": [{"role": "user", "content": f"Say something {i}"}],
+                        "max_tokens": 8,
+                        "temperature": 0.7,
+                        "seed": i,
+                    },
+                ),
+                200,
+            )
 
     def stream(i: int) -> None:
         path = "/v1/chat/completions" if i % 2 else "/v1/completions"
-        body = {"model": MODEL, "max_tokens": 10, "stream": True,
-                "stream_options": {"include_usage": True}}
-        body.update({"messages": [{"role": "user", "content": f"Stream {i}"}]} if i % 2
-                    else {"prompt": f"Stream {i}"})
+        body = {
+            "model": MODEL,
+            "max_tokens": 10,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        body.update(
+            {"messages": [{"role": "user", "content": f"Stream {i}"}]}
+            if i % 2
+            else {"prompt": f"Stream {i}"}
+        )
         with httpx.Client(base_url=rest, timeout=60) as c, c.stream("POST", path, json=body) as r:
             lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
             note(r, 200)
@@ -265,10 +346,17 @@ def drive_load(rest: str, grpc_port: int | None) -> dict:
 
     def invalid(i: int) -> None:
         with httpx.Client(base_url=rest, timeout=60) as c:
-            note(c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 0}), 400)
+            note(
+                c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 0}),
+                400,
+            )
 
-    jobs = ([(completion, i) for i in range(16)] + [(chat, i) for i in range(8)]
-            + [(stream, i) for i in range(10)] + [(invalid, i) for i in range(2)])
+    jobs = (
+        [(completion, i) for i in range(16)]
+        + [(chat, i) for i in range(8)]
+        + [(stream, i) for i in range(10)]
+        + [(invalid, i) for i in range(2)]
+    )
     with ThreadPoolExecutor(8) as pool:
         for future in [pool.submit(fn, i) for fn, i in jobs]:
             future.result()
@@ -282,11 +370,16 @@ def drive_load(rest: str, grpc_port: int | None) -> dict:
             stub = inference_pb2_grpc.InferenceStub(channel)
             params = inference_pb2.SamplingParams(max_tokens=8, temperature=0)
             for i in range(3):
-                reply = stub.Generate(inference_pb2.GenerateRequest(prompt=f"gRPC {i}", params=params),
-                                      timeout=60)
+                reply = stub.Generate(
+                    inference_pb2.GenerateRequest(prompt=f"gRPC {i}", params=params), timeout=60
+                )
                 assert reply.finish_reason
-                chunks = list(stub.GenerateStream(
-                    inference_pb2.GenerateRequest(prompt=f"gRPC stream {i}", params=params), timeout=60))
+                chunks = list(
+                    stub.GenerateStream(
+                        inference_pb2.GenerateRequest(prompt=f"gRPC stream {i}", params=params),
+                        timeout=60,
+                    )
+                )
                 assert chunks and chunks[-1].finish_reason
                 seen["ok"] += 2
     return seen
@@ -330,8 +423,11 @@ def test_every_panel_query_returns_data(tiny_model_dir, tmp_path):
 
         # Scrape before the load too, so that rates see it (the first scrape of a new
         # target comes a few seconds after Prometheus starts).
-        wait_for(lambda: prometheus.api("query", query='up{job="moeserve"} == 1')["result"], 30,
-                 "the first successful scrape of moeserve")
+        wait_for(
+            lambda: prometheus.api("query", query='up{job="moeserve"} == 1')["result"],
+            30,
+            "the first successful scrape of moeserve",
+        )
         t0 = time.time()
         seen = drive_load(rest, started.get("grpc_port"))
         load_end = time.time()
@@ -340,8 +436,12 @@ def test_every_panel_query_returns_data(tiny_model_dir, tmp_path):
         def scraped():
             data = prometheus.api("query", query='count_over_time(up{job="moeserve"}[5m])')
             last = prometheus.api("query", query='timestamp(up{job="moeserve"})')
-            return (data["result"] and float(data["result"][0]["value"][1]) >= 3
-                    and float(last["result"][0]["value"][1]) > load_end + 0.1)
+            return (
+                data["result"]
+                and float(data["result"][0]["value"][1]) >= 3
+                and float(last["result"][0]["value"][1]) > load_end + 0.1
+            )
+
         wait_for(scraped, 30, "3 scrapes of moeserve, one after the load")
         up = prometheus.api("query", query='up{job="moeserve"}')["result"]
         assert up and up[0]["value"][1] == "1", f"scrape failing: {prometheus.api('targets')}"
@@ -367,17 +467,25 @@ def test_every_panel_query_returns_data(tiny_model_dir, tmp_path):
                 if not result["data"]["result"]:
                     failures.append(f"{where}: no data\n    {expr}")
                 elif not finite_values(result):
-                    failures.append(f"{where}: only NaN/Inf\n    {expr}\n    {result['data']['result'][:3]}")
+                    failures.append(
+                        f"{where}: only NaN/Inf\n    {expr}\n    {result['data']['result'][:3]}"
+                    )
                 elif not any(finite_values(result)) and not only_state(expr):
                     failures.append(f"{where}: only zeros, the load does not show\n    {expr}")
                 if target.get("exemplar"):
-                    exemplars = prometheus.api("query_exemplars", query=expr, start=t0 - 60, end=time.time() + 1)
-                    ids = {e["labels"].get("trace_id", "") for s in exemplars for e in s["exemplars"]}
+                    exemplars = prometheus.api(
+                        "query_exemplars", query=expr, start=t0 - 60, end=time.time() + 1
+                    )
+                    ids = {
+                        e["labels"].get("trace_id", "") for s in exemplars for e in s["exemplars"]
+                    }
                     if not ids:
                         failures.append(f"{where}: exemplars requested, none stored\n    {expr}")
                     bad = {i for i in ids if not re.fullmatch(r"[0-9a-f]{32}", i)}
                     if bad:
-                        failures.append(f"{where}: exemplar trace ids not 32-hex: {sorted(bad)[:3]}")
+                        failures.append(
+                            f"{where}: exemplar trace ids not 32-hex: {sorted(bad)[:3]}"
+                        )
                     exemplar_trace_ids |= ids - bad
         assert checked >= 40, checked
 
@@ -398,14 +506,22 @@ def test_every_panel_query_returns_data(tiny_model_dir, tmp_path):
         logged = {r.get("trace_id") for r in service.records()}
         missing_in_logs = exemplar_trace_ids - logged
         if exemplar_trace_ids and missing_in_logs:
-            failures.append(f"exemplar trace ids absent from the service's log lines: {sorted(missing_in_logs)[:5]}")
+            failures.append(
+                f"exemplar trace ids absent from the service's log lines: {sorted(missing_in_logs)[:5]}"
+            )
         if seen["trace_ids"] and exemplar_trace_ids and not exemplar_trace_ids & seen["trace_ids"]:
             failures.append("no exemplar trace id matches a traceparent returned to a client")
 
         # Every metric family the service exports appears in a panel.
-        families = {f: k for f, k in metric_families_from_text(metrics.text).items() if f.startswith("moeserve_")}
+        families = {
+            f: k
+            for f, k in metric_families_from_text(metrics.text).items()
+            if f.startswith("moeserve_")
+        }
         exprs = [t["expr"] for d in dashboards().values() for _, t in prometheus_targets(d)]
-        uncovered = sorted(f for f, k in families.items() if not any(uses_family(e, f, k) for e in exprs))
+        uncovered = sorted(
+            f for f, k in families.items() if not any(uses_family(e, f, k) for e in exprs)
+        )
         if uncovered:
             failures.append(f"exported metrics in no panel: {uncovered}")
         assert len(families) >= 15, sorted(families)

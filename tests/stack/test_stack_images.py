@@ -80,7 +80,7 @@ def test_copy_sources_exist_in_the_build_context(dockerfile):
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_entrypoint_is_moeserve_serve_with_valid_flags(dockerfile):
     instrs = instructions(dockerfile)
-    final_stage = instrs[max(i for i, (kw, _) in enumerate(instrs) if kw == "FROM"):]
+    final_stage = instrs[max(i for i, (kw, _) in enumerate(instrs) if kw == "FROM") :]
     entrypoint = exec_form(next(a for kw, a in reversed(final_stage) if kw == "ENTRYPOINT"))
     cmd = exec_form(next(a for kw, a in reversed(final_stage) if kw == "CMD"))
     assert entrypoint == ["moeserve"]
@@ -92,7 +92,7 @@ def test_entrypoint_is_moeserve_serve_with_valid_flags(dockerfile):
     written = re.search(r"moeserve demo-model (\S+)", run)
     assert ns.model == written.group(1)
     args = build_args(instrs)
-    demo_cmd = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], run[written.start():])
+    demo_cmd = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], run[written.start() :])
     demo = serve_parser().parse_args(shlex.split(demo_cmd)[1:])
     assert demo.command == "demo-model" and demo.preset in ("tiny", "small")
     env = " ".join(a for kw, a in final_stage if kw == "ENV")
@@ -124,4 +124,6 @@ def test_base_images_and_torch_are_pinned(dockerfile):
     else:
         assert re.search(r"/cu\d+$", index) and args["CUDA_IMAGE"].startswith("nvidia/cuda:")
         cuda = re.search(r"nvidia/cuda:(\d+)\.(\d+)", args["CUDA_IMAGE"])
-        assert index.endswith(f"/cu{cuda.group(1)}{cuda.group(2)}"), "CUDA base and torch wheels differ"
+        assert index.endswith(f"/cu{cuda.group(1)}{cuda.group(2)}"), (
+            "CUDA base and torch wheels differ"
+        )

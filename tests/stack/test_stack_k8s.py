@@ -15,12 +15,16 @@ from stack_support import K8S_DIR, load_yaml_all, serve_parser, service_metric_f
 MANIFESTS = {p.name: load_yaml_all(p) for p in sorted(K8S_DIR.glob("*.yaml"))}
 OBJECTS = [obj for docs in MANIFESTS.values() for obj in docs]
 # Kinds the kubernetes-validate schemas do not cover (CRDs, kustomize): checked below.
-CUSTOM_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"),
-                ("kustomize.config.k8s.io/v1beta1", "Kustomization")}
+CUSTOM_KINDS = {
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+    ("kustomize.config.k8s.io/v1beta1", "Kustomization"),
+}
 
 
 def obj(kind: str, name: str | None = None) -> dict:
-    found = [o for o in OBJECTS if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    found = [
+        o for o in OBJECTS if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)
+    ]
     assert len(found) == 1, (kind, name)
     return found[0]
 
@@ -35,11 +39,17 @@ def test_manifests_present():
 
 
 @pytest.mark.parametrize(
-    "name", [n for n, docs in MANIFESTS.items()
-             if any((d["apiVersion"], d["kind"]) not in CUSTOM_KINDS for d in docs)])
+    "name",
+    [
+        n
+        for n, docs in MANIFESTS.items()
+        if any((d["apiVersion"], d["kind"]) not in CUSTOM_KINDS for d in docs)
+    ],
+)
 def test_builtin_kinds_validate_against_the_kubernetes_schema(name):
     kubernetes_validate = pytest.importorskip(
-        "kubernetes_validate", reason="pip install kubernetes-validate for the schema check")
+        "kubernetes_validate", reason="pip install kubernetes-validate for the schema check"
+    )
     for doc in MANIFESTS[name]:
         if (doc["apiVersion"], doc["kind"]) in CUSTOM_KINDS:
             continue
@@ -99,7 +109,9 @@ def test_probes_point_at_real_routes():
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"http": ns.port, "grpc": ns.grpc_port}
     routes = app_routes()
-    probes = {kind: c[kind]["httpGet"] for kind in ("readinessProbe", "livenessProbe", "startupProbe")}
+    probes = {
+        kind: c[kind]["httpGet"] for kind in ("readinessProbe", "livenessProbe", "startupProbe")
+    }
     assert probes["readinessProbe"]["path"] == "/ready"
     assert probes["livenessProbe"]["path"] == "/health"
     for kind, probe in probes.items():
@@ -118,7 +130,9 @@ def test_termination_grace_covers_the_drain():
     # The grace period runs from the preStop hook: sleep, then SIGTERM and the drain, then
     # a margin to stop the servers and the engine before SIGKILL.
     assert pod["terminationGracePeriodSeconds"] >= sleep + drain + 5
-    assert serve_parser().parse_args(["serve", "--drain-timeout", str(drain)]).drain_timeout == drain
+    assert (
+        serve_parser().parse_args(["serve", "--drain-timeout", str(drain)]).drain_timeout == drain
+    )
 
 
 def test_hpa_scales_on_waiting_requests_through_the_adapter():
@@ -136,7 +150,9 @@ def test_hpa_scales_on_waiting_requests_through_the_adapter():
     assert rule["name"]["as"] == name
     assert re.fullmatch(rule["name"]["matches"], series)
     overrides = rule["resources"]["overrides"]
-    assert overrides["pod"]["resource"] == "pod" and overrides["namespace"]["resource"] == "namespace"
+    assert (
+        overrides["pod"]["resource"] == "pod" and overrides["namespace"]["resource"] == "namespace"
+    )
     for placeholder in ("<<.Series>>", "<<.LabelMatchers>>", "<<.GroupBy>>"):
         assert placeholder in rule["metricsQuery"]
     # Keep the target below the queue bound where requests start getting 429.
@@ -152,8 +168,16 @@ def test_pod_monitor_scrapes_the_metrics_route():
     (endpoint,) = pm["spec"]["podMetricsEndpoints"]
     assert endpoint["port"] in {p["name"] for p in container()["ports"]}
     assert endpoint["path"] == "/metrics" and endpoint["path"] in app_routes()
-    assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "scheme", "honorLabels",
-                             "relabelings", "metricRelabelings"}
+    assert set(endpoint) <= {
+        "port",
+        "path",
+        "interval",
+        "scrapeTimeout",
+        "scheme",
+        "honorLabels",
+        "relabelings",
+        "metricRelabelings",
+    }
     to_s = lambda d: float(d.rstrip("s"))
     assert to_s(endpoint["scrapeTimeout"]) <= to_s(endpoint["interval"])
 

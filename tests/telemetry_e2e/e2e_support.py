@@ -26,11 +26,32 @@ class Service:
     """`python -m service.cli serve` on free ports; `records` are its JSON log lines."""
 
     def __init__(self, model_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
-        self.argv = [sys.executable, "-m", "service.cli", "serve", "--model", str(model_dir),
-                     "--port", "0", "--grpc-port", "0", "--device", "cpu", "--dtype", "float32",
-                     "--log-format", "json", *args]
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-                    "OTEL_BSP_SCHEDULE_DELAY": "50", **(env or {})}
+        self.argv = [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--log-format",
+            "json",
+            *args,
+        ]
+        self.env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "OTEL_BSP_SCHEDULE_DELAY": "50",
+            **(env or {}),
+        }
         self.records: list[dict[str, Any]] = []
         self.raw: list[str] = []
         self._cond = threading.Condition()
@@ -38,8 +59,14 @@ class Service:
         self.channel: grpc.Channel | None = None
 
     def __enter__(self) -> Self:
-        self.proc = subprocess.Popen(self.argv, cwd=REPO, env=self.env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            self.argv,
+            cwd=REPO,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         threading.Thread(target=self._pump, daemon=True).start()
         try:
             started = self.wait_for(lambda r: r.get("event") == "server started", timeout=180)[0]
@@ -86,13 +113,17 @@ class Service:
                 if len(found) >= count:
                     return found
                 if time.monotonic() > deadline or (self.proc.poll() is not None and not found):
-                    raise AssertionError(f"{len(found)}/{count} matching log lines; output:\n"
-                                         + "".join(self.raw[-60:]))
+                    raise AssertionError(
+                        f"{len(found)}/{count} matching log lines; output:\n"
+                        + "".join(self.raw[-60:])
+                    )
                 self._cond.wait(0.2)
 
     def summary(self, request_id: str, timeout: float = 10.0) -> dict[str, Any]:
         """The one "request finished" line of `request_id`."""
-        lines = self.wait_for(lambda r: r.get("event") == "request finished"
-                              and r.get("request_id") == request_id, timeout=timeout)
+        lines = self.wait_for(
+            lambda r: r.get("event") == "request finished" and r.get("request_id") == request_id,
+            timeout=timeout,
+        )
         assert len(lines) == 1, lines
         return lines[0]

@@ -52,10 +52,17 @@ def _start_prometheus(tmp_path: Path, target: str) -> tuple[subprocess.Popen, st
     )
     log = (tmp_path / "prometheus.log").open("w")
     proc = subprocess.Popen(
-        [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--enable-feature=exemplar-storage",
-         "--log.level=warn"],
-        stdout=log, stderr=subprocess.STDOUT)
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--enable-feature=exemplar-storage",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -86,8 +93,12 @@ def _load(service: Service) -> None:
     for t in threads:
         t.start()
     for i in range(NUM_GRPC):
-        resp = service.stub.Generate(pb.GenerateRequest(prompt=f"grpc {i}", params=pb.SamplingParams(
-            max_tokens=8, ignore_eos=True)), timeout=60)
+        resp = service.stub.Generate(
+            pb.GenerateRequest(
+                prompt=f"grpc {i}", params=pb.SamplingParams(max_tokens=8, ignore_eos=True)
+            ),
+            timeout=60,
+        )
         assert resp.finish_reason == "length"
     for t in threads:
         t.join(60)
@@ -99,33 +110,58 @@ def test_prometheus_scrapes_every_metric_with_ttft_exemplars(tiny_model_dir, tmp
         with Service(tiny_model_dir, "--kv-cache-tokens", "2048", env=env) as service:
             proc, prom = _start_prometheus(tmp_path, service.url.removeprefix("http://"))
             try:
-                _wait(lambda: httpx.get(f"{prom}/-/ready", timeout=2).status_code == 200, 60,
-                      "prometheus ready")
+                _wait(
+                    lambda: httpx.get(f"{prom}/-/ready", timeout=2).status_code == 200,
+                    60,
+                    "prometheus ready",
+                )
                 _wait(lambda: _query(prom, "up == 1"), 30, "the first scrape")
                 start = time.time()
                 _load(service)
                 total = NUM_REST + NUM_GRPC
-                _wait(lambda: sum(float(s["value"][1]) for s in _query(
-                    prom, 'moeserve_requests_total{status="ok"}')) >= total, 30, "scrapes after load")
+                _wait(
+                    lambda: (
+                        sum(
+                            float(s["value"][1])
+                            for s in _query(prom, 'moeserve_requests_total{status="ok"}')
+                        )
+                        >= total
+                    ),
+                    30,
+                    "scrapes after load",
+                )
 
                 for name in SPEC_SERIES:
                     assert _query(prom, name), f"{name} not in Prometheus"
-                by_api = {s["metric"]["api"]: float(s["value"][1]) for s in _query(
-                    prom, "sum by (api) (moeserve_time_to_first_token_seconds_count)")}
+                by_api = {
+                    s["metric"]["api"]: float(s["value"][1])
+                    for s in _query(
+                        prom, "sum by (api) (moeserve_time_to_first_token_seconds_count)"
+                    )
+                }
                 assert by_api == {"rest": NUM_REST, "grpc": NUM_GRPC}
                 experts = _query(prom, "moeserve_moe_expert_tokens_total")
-                assert all(set(s["metric"]) <= {"__name__", "instance", "job", "model", "layer", "expert"}
-                           for s in experts)
+                assert all(
+                    set(s["metric"]) <= {"__name__", "instance", "job", "model", "layer", "expert"}
+                    for s in experts
+                )
 
-                r = httpx.get(f"{prom}/api/v1/query_exemplars", timeout=10, params={
-                    "query": "moeserve_time_to_first_token_seconds_bucket",
-                    "start": start - 5, "end": time.time() + 5})
+                r = httpx.get(
+                    f"{prom}/api/v1/query_exemplars",
+                    timeout=10,
+                    params={
+                        "query": "moeserve_time_to_first_token_seconds_bucket",
+                        "start": start - 5,
+                        "end": time.time() + 5,
+                    },
+                )
                 r.raise_for_status()
                 exemplars = [e for series in r.json()["data"] for e in series["exemplars"]]
                 trace_ids = {e["labels"]["trace_id"] for e in exemplars}
                 assert trace_ids, r.json()
-                receiver.wait_for_spans(lambda s: s.trace_id in trace_ids and s.kind == 2,
-                                        count=len(trace_ids))
+                receiver.wait_for_spans(
+                    lambda s: s.trace_id in trace_ids and s.kind == 2, count=len(trace_ids)
+                )
                 seen = {s.trace_id for s in receiver.spans}
                 assert trace_ids <= seen
             finally:

@@ -31,7 +31,9 @@ def _closed_port() -> int:
 
 
 @pytest.mark.parametrize("collector", ["dead", "slow"])
-def test_requests_succeed_without_delay_when_the_collector_is_down_or_slow(tiny_model_dir, collector):
+def test_requests_succeed_without_delay_when_the_collector_is_down_or_slow(
+    tiny_model_dir, collector
+):
     slow = None
     if collector == "slow":
         slow = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -40,23 +42,37 @@ def test_requests_succeed_without_delay_when_the_collector_is_down_or_slow(tiny_
         slow.start()
     else:
         port = _closed_port()
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_TRACES_EXPORTER": "otlp"}
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_TRACES_EXPORTER": "otlp",
+    }
     try:
-        with Service(tiny_model_dir, "--kv-cache-tokens", "2048", env=env) as srv, \
-                httpx.Client(base_url=srv.url, timeout=30) as http:
+        with (
+            Service(tiny_model_dir, "--kv-cache-tokens", "2048", env=env) as srv,
+            httpx.Client(base_url=srv.url, timeout=30) as http,
+        ):
             body = {"prompt": "hello", "max_tokens": 8, "ignore_eos": True}
             assert http.post("/v1/completions", json=body).status_code == 200  # warm-up
             latencies = []
             for i in range(12):
                 start = time.perf_counter()
-                r = http.post("/v1/completions", json=body,
-                              headers={"traceparent": f"00-{i + 1:032x}-{i + 1:016x}-01"})
+                r = http.post(
+                    "/v1/completions",
+                    json=body,
+                    headers={"traceparent": f"00-{i + 1:032x}-{i + 1:016x}-01"},
+                )
                 latencies.append(time.perf_counter() - start)
-                assert r.status_code == 200 and r.headers["traceparent"].startswith(f"00-{i + 1:032x}-")
+                assert r.status_code == 200 and r.headers["traceparent"].startswith(
+                    f"00-{i + 1:032x}-"
+                )
             for _ in range(3):
                 start = time.perf_counter()
-                resp = srv.stub.Generate(pb.GenerateRequest(prompt="hello", params=pb.SamplingParams(
-                    max_tokens=8, ignore_eos=True)), timeout=30)
+                resp = srv.stub.Generate(
+                    pb.GenerateRequest(
+                        prompt="hello", params=pb.SamplingParams(max_tokens=8, ignore_eos=True)
+                    ),
+                    timeout=30,
+                )
                 latencies.append(time.perf_counter() - start)
                 assert resp.finish_reason == "length"
             # a tiny model on CPU: tens of ms per request; an exporter in the way would add seconds

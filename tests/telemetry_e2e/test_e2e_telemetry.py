@@ -30,8 +30,13 @@ SPEC_METRICS = (
     "moeserve_preemptions_total", "moeserve_moe_expert_tokens_total",
     "moeserve_moe_expert_imbalance",
 )  # fmt: skip
-DEPRECATED = ("gen_ai.system", "gen_ai.usage.prompt_tokens", "gen_ai.usage.completion_tokens",
-              "gen_ai.prompt", "gen_ai.completion")
+DEPRECATED = (
+    "gen_ai.system",
+    "gen_ai.usage.prompt_tokens",
+    "gen_ai.usage.completion_tokens",
+    "gen_ai.prompt",
+    "gen_ai.completion",
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +66,9 @@ def _returned(traceparent: str) -> tuple[str, str]:
     return trace_id, span_id
 
 
-def _check_request_trace(receiver: OtlpReceiver, span_id: str, trace_id: str, parent_id: str,
-                         operation: str, model: str) -> ReceivedSpan:
+def _check_request_trace(
+    receiver: OtlpReceiver, span_id: str, trace_id: str, parent_id: str, operation: str, model: str
+) -> ReceivedSpan:
     """The request's server span, its phase children and a step span linking to it."""
     server = receiver.wait_for_spans(lambda s: s.span_id == span_id)[0]
     assert server.trace_id == trace_id and server.parent_span_id == parent_id
@@ -81,17 +87,29 @@ def _check_request_trace(receiver: OtlpReceiver, span_id: str, trace_id: str, pa
     assert prefill.end_unix_ns <= decode.start_unix_ns <= decode.end_unix_ns <= server.end_unix_ns
     first_token_ns = next(e[1] for e in server.events if e[0] == "first_token")
     assert first_token_ns == decode.start_unix_ns
-    steps = receiver.wait_for_spans(lambda s: s.name == "engine_step" and (trace_id, span_id) in s.links)
+    steps = receiver.wait_for_spans(
+        lambda s: s.name == "engine_step" and (trace_id, span_id) in s.links
+    )
     assert all(s.trace_id != trace_id and s.parent_span_id == "" for s in steps)  # steps are roots
     return server
 
 
 def test_rest_request_continues_the_traceparent_with_phases_and_step_links(service, receiver):
     traceparent, trace_id, parent_id = _traceparent()
-    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "temperature": 0.5,
-            "top_p": 0.9, "seed": 3, "ignore_eos": True}
-    r = httpx.post(f"{service.url}/v1/chat/completions", json=body, timeout=30,
-                   headers={"traceparent": traceparent, "x-request-id": "rest-trace-1"})
+    body = {
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 6,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "seed": 3,
+        "ignore_eos": True,
+    }
+    r = httpx.post(
+        f"{service.url}/v1/chat/completions",
+        json=body,
+        timeout=30,
+        headers={"traceparent": traceparent, "x-request-id": "rest-trace-1"},
+    )
     assert r.status_code == 200
     returned_trace, span_id = _returned(r.headers["traceparent"])
     assert returned_trace == trace_id and span_id != parent_id
@@ -105,21 +123,30 @@ def test_rest_request_continues_the_traceparent_with_phases_and_step_links(servi
     assert attrs["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == 6
     assert attrs["gen_ai.response.finish_reasons"] == ["length"]
     assert attrs["gen_ai.response.id"] == r.json()["id"]
-    assert attrs["http.response.status_code"] == 200 and attrs["http.route"] == "/v1/chat/completions"
+    assert (
+        attrs["http.response.status_code"] == 200 and attrs["http.route"] == "/v1/chat/completions"
+    )
 
     summary = service.summary("rest-trace-1")
     assert summary["trace_id"] == trace_id and summary["span_id"] == span_id
     assert summary["api"] == "rest" and summary["model"] == service.model
     assert summary["prompt_tokens"] == usage["prompt_tokens"] and summary["completion_tokens"] == 6
     assert summary["finish_reason"] == "length" and summary["status"] == "ok"
-    assert summary["ttft_ms"] > 0 and summary["tpot_ms"] > 0 and summary["e2e_ms"] >= summary["ttft_ms"]
+    assert (
+        summary["ttft_ms"] > 0
+        and summary["tpot_ms"] > 0
+        and summary["e2e_ms"] >= summary["ttft_ms"]
+    )
     assert "prompt" not in summary and "output" not in summary  # no --log-prompts
 
 
 def test_grpc_request_continues_the_traceparent_with_phases_and_step_links(service, receiver):
     traceparent, trace_id, parent_id = _traceparent()
-    request = pb.GenerateRequest(prompt="hello there", request_id="grpc-trace-1",
-                                 params=pb.SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.7))
+    request = pb.GenerateRequest(
+        prompt="hello there",
+        request_id="grpc-trace-1",
+        params=pb.SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.7),
+    )
     call = service.stub.GenerateStream(request, metadata=[("traceparent", traceparent)], timeout=30)
     chunks = list(call)
     assert chunks[-1].finish_reason == "length"
@@ -127,13 +154,16 @@ def test_grpc_request_continues_the_traceparent_with_phases_and_step_links(servi
     returned_trace, span_id = _returned(trailing["traceparent"])
     assert returned_trace == trace_id
 
-    server = _check_request_trace(receiver, span_id, trace_id, parent_id, "text_completion",
-                                  service.model)
+    server = _check_request_trace(
+        receiver, span_id, trace_id, parent_id, "text_completion", service.model
+    )
     attrs = server.attributes
     assert attrs["rpc.system"] == "grpc" and attrs["rpc.method"] == "GenerateStream"
     assert attrs["gen_ai.request.stream"] is True
     assert attrs["gen_ai.request.temperature"] == pytest.approx(0.7)
-    assert attrs["gen_ai.usage.output_tokens"] == 5 and attrs["gen_ai.response.id"] == "grpc-trace-1"
+    assert (
+        attrs["gen_ai.usage.output_tokens"] == 5 and attrs["gen_ai.response.id"] == "grpc-trace-1"
+    )
     assert server.status_code != ERROR
 
     summary = service.summary("grpc-trace-1")
@@ -143,8 +173,12 @@ def test_grpc_request_continues_the_traceparent_with_phases_and_step_links(servi
 
 def test_bad_traceparent_starts_a_new_trace_and_the_request_succeeds(service, receiver):
     for bad in ("00-zzzz-bad-01", "garbage", "00-" + "0" * 32 + "-" + "0" * 16 + "-01"):
-        r = httpx.post(f"{service.url}/v1/completions", timeout=30, headers={"traceparent": bad},
-                       json={"prompt": "hi", "max_tokens": 2})
+        r = httpx.post(
+            f"{service.url}/v1/completions",
+            timeout=30,
+            headers={"traceparent": bad},
+            json={"prompt": "hi", "max_tokens": 2},
+        )
         assert r.status_code == 200, r.text
         trace_id, span_id = _returned(r.headers["traceparent"])
         assert trace_id != "0" * 32
@@ -152,15 +186,20 @@ def test_bad_traceparent_starts_a_new_trace_and_the_request_succeeds(service, re
         assert server.parent_span_id == "" and server.trace_id == trace_id
     call = service.stub.Generate.with_call(
         pb.GenerateRequest(prompt="hi", params=pb.SamplingParams(max_tokens=2)),
-        metadata=[("traceparent", "not-a-traceparent")], timeout=30)
+        metadata=[("traceparent", "not-a-traceparent")],
+        timeout=30,
+    )
     assert call[0].finish_reason and _returned(dict(call[1].trailing_metadata())["traceparent"])
 
 
 def test_failed_requests_get_an_error_status_with_the_exception(service, receiver):
     traceparent, trace_id, _ = _traceparent()
-    r = httpx.post(f"{service.url}/v1/completions", timeout=30,
-                   headers={"traceparent": traceparent, "x-request-id": "bad-request-1"},
-                   json={"prompt": "hi", "max_tokens": 1000})  # over max_model_len
+    r = httpx.post(
+        f"{service.url}/v1/completions",
+        timeout=30,
+        headers={"traceparent": traceparent, "x-request-id": "bad-request-1"},
+        json={"prompt": "hi", "max_tokens": 1000},
+    )  # over max_model_len
     assert r.status_code == 400
     _, span_id = _returned(r.headers["traceparent"])
     span = receiver.wait_for_spans(lambda s: s.span_id == span_id)[0]
@@ -172,9 +211,13 @@ def test_failed_requests_get_an_error_status_with_the_exception(service, receive
 
     traceparent, trace_id, _ = _traceparent()
     with pytest.raises(Exception) as info:
-        service.stub.Generate(pb.GenerateRequest(prompt="hi", request_id="bad-grpc-1",
-                                                 params=pb.SamplingParams(max_tokens=1000)),
-                              metadata=[("traceparent", traceparent)], timeout=30)
+        service.stub.Generate(
+            pb.GenerateRequest(
+                prompt="hi", request_id="bad-grpc-1", params=pb.SamplingParams(max_tokens=1000)
+            ),
+            metadata=[("traceparent", traceparent)],
+            timeout=30,
+        )
     assert info.value.code().name == "INVALID_ARGUMENT"
     span = receiver.wait_for_spans(lambda s: s.trace_id == trace_id and s.kind == SERVER)[0]
     assert span.status_code == ERROR and any(e[0] == "exception" for e in span.events)
@@ -183,14 +226,24 @@ def test_failed_requests_get_an_error_status_with_the_exception(service, receive
 
 
 def _chat(url: str, request_id: str, traceparent: str, out: dict, **body) -> None:
-    payload = {"messages": [{"role": "user", "content": "tell me a story"}], "ignore_eos": True,
-               "temperature": 0, **body}
-    r = httpx.post(f"{url}/v1/chat/completions", json=payload, timeout=120,
-                   headers={"traceparent": traceparent, "x-request-id": request_id})
+    payload = {
+        "messages": [{"role": "user", "content": "tell me a story"}],
+        "ignore_eos": True,
+        "temperature": 0,
+        **body,
+    }
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        json=payload,
+        timeout=120,
+        headers={"traceparent": traceparent, "x-request-id": request_id},
+    )
     out[request_id] = r
 
 
-def test_every_log_line_of_a_request_carries_its_trace_ids_across_the_engine_thread(service, receiver):
+def test_every_log_line_of_a_request_carries_its_trace_ids_across_the_engine_thread(
+    service, receiver
+):
     """Two long requests at once overflow the 128-token KV cache (one is preempted: an
     engine-thread line); a third is dropped mid-stream (the engine logs the abort)."""
     expected: dict[str, str] = {}
@@ -200,18 +253,30 @@ def test_every_log_line_of_a_request_carries_its_trace_ids_across_the_engine_thr
         traceparent, trace_id, _ = _traceparent()
         rid = f"preempt-{i}"
         expected[rid] = trace_id
-        threads.append(threading.Thread(target=_chat, args=(service.url, rid, traceparent, results),
-                                        kwargs={"max_tokens": 100}))
+        threads.append(
+            threading.Thread(
+                target=_chat,
+                args=(service.url, rid, traceparent, results),
+                kwargs={"max_tokens": 100},
+            )
+        )
     for t in threads:
         t.start()
     traceparent, trace_id, _ = _traceparent()
     expected["aborted-1"] = trace_id
     with (
         httpx.Client(timeout=30) as client,
-        client.stream("POST", f"{service.url}/v1/completions",
-                      headers={"traceparent": traceparent, "x-request-id": "aborted-1"},
-                      json={"prompt": "once upon a time", "max_tokens": 100, "ignore_eos": True,
-                            "stream": True}) as stream,
+        client.stream(
+            "POST",
+            f"{service.url}/v1/completions",
+            headers={"traceparent": traceparent, "x-request-id": "aborted-1"},
+            json={
+                "prompt": "once upon a time",
+                "max_tokens": 100,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as stream,
     ):
         lines = stream.iter_lines()
         assert json.loads(next(line for line in lines if line).removeprefix("data: "))["id"]
@@ -222,7 +287,9 @@ def test_every_log_line_of_a_request_carries_its_trace_ids_across_the_engine_thr
 
     for rid in expected:
         service.summary(rid, timeout=30)  # the summary line is the request's last
-    service.wait_for(lambda r: r.get("event") == "request aborted" and r.get("request_id") == "aborted-1")
+    service.wait_for(
+        lambda r: r.get("event") == "request aborted" and r.get("request_id") == "aborted-1"
+    )
     by_request: dict[str, list[dict]] = {rid: [] for rid in expected}
     for record in list(service.records):
         rid = record.get("request_id")
@@ -238,15 +305,23 @@ def test_every_log_line_of_a_request_carries_its_trace_ids_across_the_engine_thr
             assert {r["span_id"] for r in records} == {span_ids[rid]}
         assert sum(r["event"] == "request finished" for r in records) == 1
 
-    engine_lines = [r for records in by_request.values() for r in records
-                    if r.get("logger", "").startswith("inference.")]
+    engine_lines = [
+        r
+        for records in by_request.values()
+        for r in records
+        if r.get("logger", "").startswith("inference.")
+    ]
     events = {r["event"] for r in engine_lines}
     assert {"sequence preempted", "request aborted"} <= events, events
     aborted = service.summary("aborted-1")
     assert aborted["finish_reason"] == "abort" and aborted["status"] == "client_error"
     preempted = {r["request_id"] for r in engine_lines if r["event"] == "sequence preempted"}
-    preemptions = [receiver.wait_for_spans(lambda s, sid=span_ids[rid]: s.span_id == sid)[0]
-                   .attributes["moeserve.request.num_preemptions"] for rid in preempted]
+    preemptions = [
+        receiver.wait_for_spans(lambda s, sid=span_ids[rid]: s.span_id == sid)[0].attributes[
+            "moeserve.request.num_preemptions"
+        ]
+        for rid in preempted
+    ]
     assert all(n >= 1 for n in preemptions)
 
 
@@ -255,8 +330,11 @@ def test_metrics_endpoint_negotiates_openmetrics_with_exemplars(service):
     plain = httpx.get(f"{service.url}/metrics", timeout=10)
     assert plain.status_code == 200 and plain.headers["content-type"].startswith("text/plain")
     assert "# {trace_id=" not in plain.text and "traceparent" not in plain.headers
-    om = httpx.get(f"{service.url}/metrics", timeout=10,
-                   headers={"accept": "application/openmetrics-text; version=1.0.0"})
+    om = httpx.get(
+        f"{service.url}/metrics",
+        timeout=10,
+        headers={"accept": "application/openmetrics-text; version=1.0.0"},
+    )
     assert om.headers["content-type"].startswith("application/openmetrics-text")
     assert om.text.rstrip().endswith("# EOF")
     exemplar_lines = [line for line in om.text.splitlines() if "# {trace_id=" in line]
@@ -265,7 +343,10 @@ def test_metrics_endpoint_negotiates_openmetrics_with_exemplars(service):
     for name in SPEC_METRICS:
         assert f"\n{name}" in plain.text or plain.text.startswith(name), name
     # Bounded labels: one series per (layer, expert) of the model, request ids nowhere.
-    expert_series = [line for line in plain.text.splitlines()
-                     if line.startswith("moeserve_moe_expert_tokens_total{")]
+    expert_series = [
+        line
+        for line in plain.text.splitlines()
+        if line.startswith("moeserve_moe_expert_tokens_total{")
+    ]
     assert expert_series and len(expert_series) == len(set(expert_series))
     assert "rest-trace-1" not in plain.text and "cmpl-" not in plain.text
