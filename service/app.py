@@ -11,17 +11,17 @@ from litestar.datastructures import State
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
+from opentelemetry import trace
 
-from service.controllers.common import REQUEST_ID_HEADER, request_id
+from service.controllers.common import REQUEST_ID_HEADER, bind_request_id, record_error, request_id
 from service.controllers.health import HealthController
 from service.controllers.metrics import MetricsController
 from service.controllers.openai import OpenAIController
 from service.controllers.tokenize import TokenizeController
 from service.errors import Overloaded, ServiceError
-from service.observability import record_error, rest_request_context, traceparent_header
 from service.schemas import ErrorBody, ErrorResponse
 from service.state import ServingState
-from telemetry.metrics import status_from_http
+from telemetry.tracing import inject_traceparent
 
 log = structlog.get_logger("service.app")
 
@@ -78,7 +78,7 @@ def error_response(request: Request, exc: Exception) -> Response[ErrorResponse]:
             "unhandled error", path=request.url.path, request_id=request_id(request.scope)
         )
         status, body = 500, ErrorBody(message="internal server error", type="server_error")
-    record_error(exc, status_from_http(status))
+    record_error(request.scope, exc)
     return Response(ErrorResponse(error=body), status_code=status, headers=headers)
 
 
@@ -89,9 +89,9 @@ async def _add_request_id(message: Message, scope: Scope) -> None:
         headers = list(message.get("headers") or [])
         if not any(k.lower() == b"x-request-id" for k, _ in headers):
             headers.append((REQUEST_ID_HEADER.encode(), request_id(scope).encode()))
-        traceparent = traceparent_header()
+        traceparent = inject_traceparent(trace.get_current_span())
         if traceparent is not None:
-            headers.append(traceparent)
+            headers.append((b"traceparent", traceparent.encode()))
         message["headers"] = headers
 
 
@@ -113,12 +113,12 @@ def _span_details(scope: Scope) -> tuple[str, dict[str, str]]:
 def _telemetry_config(state: ServingState) -> dict:
     """Litestar's OpenTelemetryPlugin opens each request's SERVER span (continuing an incoming
     `traceparent`; current while the request is handled); generation requests name it after
-    their GenAI operation and add their attributes and phases (service/observability.py).
+    their GenAI operation and add their attributes and phases (service/generation.py).
     Every request binds its request_id for the log lines written while it is served."""
     obs = state.observability
     if not obs.enabled:
         return {}
-    middleware = [rest_request_context]
+    middleware = [bind_request_id]
     try:
         from litestar.plugins.opentelemetry import OpenTelemetryConfig, OpenTelemetryPlugin
     except ImportError as exc:  # opentelemetry-instrumentation-asgi missing: serve untraced

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from inference import EngineDeadError, InvalidParameterError, QueueFullError
+from telemetry.metrics import status_from_http
 
 
 class ServiceError(Exception):
@@ -70,3 +73,12 @@ def from_engine_error(exc: Exception) -> ServiceError:
 
 
 ENGINE_ERRORS = (InvalidParameterError, QueueFullError, EngineDeadError)
+
+
+def status_of(exc: BaseException) -> str:
+    """The requests_total status of an exception a request ends with."""
+    if isinstance(exc, ServiceError):
+        return status_from_http(exc.status_code)
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return "client_error"  # the caller went away (disconnect, cancel, deadline)
+    return "server_error"

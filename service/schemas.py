@@ -23,6 +23,7 @@ class _Body(msgspec.Struct, kw_only=True):
 
 class StreamOptions(_Request, kw_only=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: the usage so far on every chunk too
 
 
 class _SamplingFields(_Request, kw_only=True):
@@ -69,6 +70,22 @@ class ChatMessage(_Request, kw_only=True):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+
+
+def chat_message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the chat template takes them (text parts joined)."""
+    out = []
+    for m in messages:
+        content = (
+            m.content
+            if isinstance(m.content, str) or m.content is None
+            else "".join(part.text for part in m.content)
+        )
+        d = {"role": m.role, "content": content}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):

@@ -21,7 +21,8 @@ from prometheus_client import CollectorRegistry
 
 from inference import AsyncLLMEngine, InvalidParameterError, ModelLoadError
 from service.app import create_app
-from service.observability import GrpcTelemetryInterceptor, Observability
+from service.grpc_telemetry import GrpcTelemetryInterceptor
+from service.observability import Observability
 from service.settings import Settings
 from service.state import ServingState
 from telemetry.logging import configure_logging, get_logger

@@ -4,6 +4,7 @@ exemplar, and the one summary log line (SPEC section 8)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from opentelemetry.trace import Span, Tracer
@@ -12,7 +13,7 @@ from telemetry.logging import get_logger
 from telemetry.metrics import RequestLatencies, ServiceMetrics, request_latencies
 from telemetry.tracing import genai_response_attributes, record_request_phases
 
-__all__ = ["finish_request"]
+__all__ = ["finish_request", "merged_times"]
 
 _log = get_logger("moeserve.request")
 
@@ -73,3 +74,25 @@ def finish_request(
         **log_fields,
     )
     return latencies
+
+
+def merged_times(outputs: list[Any]) -> Any:
+    """One RequestTimes for the request: the sample's own, or for n > 1 the envelope of
+    all samples (earliest start and first token, latest finish, preemptions summed)."""
+    times = [c.times for c in outputs if c.times is not None]
+    if len(times) <= 1:
+        return times[0] if times else None
+
+    def first(name: str) -> float | None:
+        values = [getattr(t, name) for t in times if getattr(t, name) is not None]
+        return min(values) if values else None
+
+    finished = [t.finished for t in times]
+    return SimpleNamespace(
+        arrival=min(t.arrival for t in times),
+        first_scheduled=first("first_scheduled"),
+        first_token=first("first_token"),
+        last_token=max((t.last_token for t in times if t.last_token is not None), default=None),
+        finished=None if None in finished else max(finished),
+        num_preemptions=sum(t.num_preemptions for t in times),
+    )

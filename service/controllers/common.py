@@ -1,29 +1,30 @@
-"""What every controller needs: the request id, the serving state, model-name checks,
-prompt preparation off the event loop, and cancellation on client disconnect."""
+"""What the REST routes share: the request id, the serving state, each generation request's
+service.generation.Generation (opened before the body is read, finished with the HTTP status
+as the last body message goes out), and cancellation on client disconnect."""
 
 from __future__ import annotations
 
 import asyncio
-import re
 import uuid
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import grpc
 from litestar import Request
-from litestar.types import Scope
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from opentelemetry import trace
 
-from inference import InvalidParameterError, SamplingParams
-from service import prompts
-from service.errors import BadRequest, NotFound, ServiceError
-from service.sampling import build_sampling_params
-from service.schemas import ChatMessage
+from service import validation
+from service.errors import BadRequest, ServiceError
+from service.generation import Generation
 from service.state import ServingState
+from telemetry.logging import bind_request_context
+from telemetry.metrics import status_from_http
 
 T = TypeVar("T")
 REQUEST_ID_HEADER = "x-request-id"
 _REQUEST_ID_KEY = "moeserve.request_id"
-_VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_GENERATION_KEY = "moeserve.generation"
 
 
 class ClientClosedRequest(ServiceError):
@@ -32,69 +33,100 @@ class ClientClosedRequest(ServiceError):
     status_code, grpc_code, error_type = 499, grpc.StatusCode.CANCELLED, "client_closed_request"
 
 
+def _header(scope: Scope, name: bytes) -> str | None:
+    value = next((v for k, v in scope.get("headers", ()) if k == name), None)
+    return None if value is None else value.decode("latin-1")
+
+
 def request_id(scope: Scope) -> str:
-    """The request's id: the caller's `x-request-id` when well-formed, else a fresh one.
-    Computed once per request and cached in the ASGI scope."""
+    """The request's id for logs and the `x-request-id` response header: the caller's when
+    well-formed (validation.request_id), else a fresh one (generation requests refuse a
+    malformed one, see generation_lifecycle). Computed once and kept in the ASGI scope."""
     rid = scope.get(_REQUEST_ID_KEY)
     if rid is None:
-        incoming = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), b"")
-        text = incoming.decode("latin-1")
-        rid = text if _VALID_REQUEST_ID.fullmatch(text) else uuid.uuid4().hex
+        try:
+            rid = validation.request_id(_header(scope, b"x-request-id"))
+        except BadRequest:
+            rid = uuid.uuid4().hex
         scope[_REQUEST_ID_KEY] = rid  # type: ignore[literal-required]
     return rid
 
 
+def bind_request_id(app: ASGIApp) -> ASGIApp:
+    """App middleware: every line logged while a request is served carries its request_id
+    (trace ids come from the current span, see telemetry.logging)."""
+
+    async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            bind_request_context(request_id(scope))
+        await app(scope, receive, send)
+
+    return middleware
+
+
+def generation_lifecycle(prefix: str):
+    """Route middleware of a generation route: opens the request's Generation (`prefix` of its
+    response id) before the body is parsed, so that a refused body counts as the request's
+    outcome too, and finishes it with the HTTP status just before the last body message
+    goes out (the OTel ASGI middleware ends the server span on that message)."""
+
+    def wrap(app: ASGIApp) -> ASGIApp:
+        async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+            state: ServingState = scope["app"].state.serving
+            gen = Generation(
+                state,
+                "rest",
+                request_id(scope),
+                trace.get_current_span(),
+                response_id=f"{prefix}-{uuid.uuid4().hex}",
+            )
+            scope[_GENERATION_KEY] = gen  # type: ignore[literal-required]
+            status_code = 500
+
+            async def send_and_finish(message: Message) -> None:
+                nonlocal status_code
+                if message["type"] == "http.response.start":
+                    status_code = message["status"]
+                elif message["type"] == "http.response.body" and not message.get("more_body"):
+                    gen.finish(status_from_http(status_code))
+                await send(message)
+
+            try:
+                validation.request_id(_header(scope, b"x-request-id"))  # malformed: 400, as on gRPC
+                await app(scope, receive, send_and_finish)
+            except ServiceError as exc:
+                gen.fail(exc)
+                raise
+            except asyncio.CancelledError:
+                status_code = 499
+                raise
+            finally:
+                gen.finish(status_from_http(status_code))
+
+        return middleware
+
+    return wrap
+
+
+def generation(request: Request) -> Generation:
+    return request.scope[_GENERATION_KEY]  # type: ignore[literal-required]
+
+
+def record_error(scope: Scope, exc: BaseException) -> None:
+    """An error a request is answered with: on its Generation, or on the server span for
+    the other routes."""
+    gen = scope.get(_GENERATION_KEY)
+    if gen is not None:
+        gen.fail(exc)
+        return
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.record_exception(exc)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+
+
 def serving_state(request: Request) -> ServingState:
     return request.app.state.serving
-
-
-def check_model(state: ServingState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise NotFound(
-            f"The model `{model}` does not exist. Served: `{state.model_name}`.",
-            param="model",
-            code="model_not_found",
-        )
-
-
-def sampling_params(**fields: Any) -> SamplingParams:
-    try:
-        return build_sampling_params(**fields)
-    except InvalidParameterError as exc:
-        raise BadRequest(str(exc), param=exc.param) from None
-
-
-def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    out = []
-    for m in messages:
-        content = (
-            m.content
-            if isinstance(m.content, str) or m.content is None
-            else "".join(part.text for part in m.content)
-        )
-        d = {"role": m.role, "content": content}
-        if m.name is not None:
-            d["name"] = m.name
-        out.append(d)
-    return out
-
-
-async def chat_prompt_ids(
-    state: ServingState, messages: list[ChatMessage], add_generation_prompt: bool = True
-) -> list[int]:
-    if not messages:
-        raise BadRequest("messages must not be empty", param="messages")
-    return await prompts.chat_prompt_ids(
-        state.engine.tokenizer, _message_dicts(messages), add_generation_prompt
-    )
-
-
-async def text_prompt_ids(
-    state: ServingState, prompt: str, add_special_tokens: bool = True
-) -> list[int]:
-    if not prompt:
-        raise BadRequest("prompt must not be empty", param="prompt")
-    return await prompts.text_prompt_ids(state.engine.tokenizer, prompt, add_special_tokens)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -108,7 +140,7 @@ async def _wait_for_disconnect(request: Request) -> None:
 async def cancel_on_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
     """Runs `awaitable` but cancels it when the client disconnects first (vLLM's
     @with_cancellation): the generation it drives is then aborted in the engine."""
-    work = asyncio.ensure_future(awaitable)
+    work: asyncio.Future[Any] = asyncio.ensure_future(awaitable)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)

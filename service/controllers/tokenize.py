@@ -6,10 +6,17 @@ import asyncio
 
 from litestar import Controller, Request, post
 
+from service import validation
 from service.auth import reject_while_draining, require_api_key
-from service.controllers.common import chat_prompt_ids, check_model, serving_state, text_prompt_ids
+from service.controllers.common import serving_state
 from service.errors import BadRequest
-from service.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from service.schemas import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    chat_message_dicts,
+)
 
 
 class TokenizeController(Controller):
@@ -21,13 +28,17 @@ class TokenizeController(Controller):
     async def tokenize(self, request: Request, data: TokenizeRequest) -> TokenizeResponse:
         """Token ids of a prompt, or of chat messages rendered through the chat template."""
         state = serving_state(request)
-        check_model(state, data.model)
-        if (data.prompt is None) == (data.messages is None):
-            raise BadRequest("give exactly one of prompt or messages", param="prompt")
+        validation.check_model(state.model_name, data.model)
+        validation.one_of(
+            ("prompt", data.prompt is not None), ("messages", data.messages is not None)
+        )
+        tokenizer = state.engine.tokenizer
         if data.messages is not None:
-            ids = await chat_prompt_ids(state, data.messages, data.add_generation_prompt)
+            ids = await validation.chat_ids(
+                tokenizer, chat_message_dicts(data.messages), data.add_generation_prompt
+            )
         else:
-            ids = await text_prompt_ids(state, data.prompt, data.add_special_tokens)
+            ids = await validation.text_ids(tokenizer, data.prompt, data.add_special_tokens)
         return TokenizeResponse(
             count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids
         )
@@ -36,7 +47,7 @@ class TokenizeController(Controller):
     async def detokenize(self, request: Request, data: DetokenizeRequest) -> DetokenizeResponse:
         """Text of a list of token ids."""
         state = serving_state(request)
-        check_model(state, data.model)
+        validation.check_model(state.model_name, data.model)
         tokenizer = state.engine.tokenizer
         vocab = max(len(tokenizer), state.engine.args.vocab_size)
         if any(t < 0 or t >= vocab for t in data.tokens):

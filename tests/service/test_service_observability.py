@@ -1,6 +1,6 @@
 """Request telemetry inside the service (in-process servers): outcomes in requests_total,
-the summary line with and without --log-prompts, telemetry switched off, and
-ServingState.generate called without an API layer (it then owns the request's span)."""
+the summary line with and without --log-prompts, telemetry switched off, and a Generation
+run without an API layer (it then owns the request's span)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
 from inference import SamplingParams
+from service.generation import Generation
 from service.observability import Observability
 from service.state import ServingState
+from service.validation import GenerationInput
 from telemetry.metrics import ServiceMetrics
 
 COMP = "/v1/completions"
@@ -123,9 +125,11 @@ def test_generate_without_an_api_layer_owns_its_span(server):
 
     async def run() -> list:
         params = SamplingParams(max_tokens=3, n=2, ignore_eos=True)
-        return [
-            out async for out in state.generate("openai.completions", [5, 6, 7], params, "direct-1")
-        ]
+        gen = Generation(state, "rest", "direct-1")
+        spec = GenerationInput([5, 6, 7], params, "text_completion", stream=False)
+        updates = [u.output async for u in gen.updates(spec)]
+        gen.finish()
+        return updates
 
     with capture_logs() as logs:
         outputs = asyncio.run_coroutine_threadsafe(run(), server.loop).result(30)

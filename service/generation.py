@@ -1,0 +1,144 @@
+"""One generation request from either API, from admission to its one summary line.
+
+The REST controllers and the gRPC servicer parse their wire format into a GenerationInput
+(service/validation.py), run it through a `Generation` and render the updates it yields; all
+the rest happens here, once for both:
+- admission: refused while draining (503 / UNAVAILABLE); the engine's own refusals (a full
+  queue: 429 / RESOURCE_EXHAUSTED; limits: 400 / INVALID_ARGUMENT) as service errors;
+- the request's telemetry (service/observability.py): server span attributes, the engine's
+  log context, metrics and the summary line, finished exactly once with the status computed
+  from the outcome;
+- the engine's outputs as updates: per choice what is new since the last update (a finished
+  choice reported once), and the usage so far;
+- in-flight accounting for the graceful drain, and aborting the request in the engine when
+  the caller stops reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from opentelemetry.trace import Span
+
+from inference import CompletionOutput, RequestOutput
+from service.errors import ENGINE_ERRORS, Unavailable, from_engine_error, status_of
+from service.state import ServingState
+from service.validation import GenerationInput
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """One engine output as the APIs render it."""
+
+    output: RequestOutput  # everything so far (non-streamed responses read its whole texts)
+    choices: list[CompletionOutput]  # the choices with something new: delta_* fields, finish
+    usage: Usage
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finished
+
+
+class Generation:
+    """One request's life. `api` is "rest" or "grpc"; `request_id` the caller's
+    (validation.request_id) or a fresh one; `span` the server span the transport opened
+    (None: the request opens and ends one of its own, for direct callers)."""
+
+    def __init__(
+        self,
+        state: ServingState,
+        api: str,
+        request_id: str,
+        span: Span | None = None,
+        response_id: str | None = None,
+    ) -> None:
+        self.state, self.request_id = state, request_id
+        # what the API answers with as the response's id, and the engine's id of the request:
+        # OpenAI's `id` ("cmpl-..."); gRPC has none, so there it is the request id
+        self.response_id = response_id or request_id
+        self.telemetry = state.observability.request(api, request_id, span)
+        self._done_choices: set[int] = set()
+        self._finished = False
+
+    def identify(self, request_id: str, response_id: str | None = None) -> None:
+        """The caller's request id, once the transport has parsed it (before admission)."""
+        self.request_id = self.telemetry.request_id = request_id
+        self.response_id = response_id or self.response_id
+
+    async def updates(self, spec: GenerationInput) -> AsyncIterator[Update]:
+        """The engine's outputs for `spec`. The first one comes after admission, so a refusal
+        raises before the transport has sent anything. Closing the iterator early aborts the
+        request in the engine and frees its blocks before the next step."""
+        state = self.state
+        try:
+            if state.draining:
+                raise Unavailable("server is shutting down", code="draining")
+            context = self.telemetry.admit(
+                self.response_id, spec, {"response_id": self.response_id}
+            )
+            state.enter()
+            outputs = state.engine.stream(
+                spec.prompt_ids, spec.params, request_id=self.response_id, log_context=context
+            )
+            try:
+                async for out in outputs:
+                    self.telemetry.observe(out)
+                    self._finished = out.finished
+                    yield Update(out, self._new(out), _usage(out))
+            except ENGINE_ERRORS as exc:
+                raise from_engine_error(exc) from exc
+            finally:
+                await outputs.aclose()
+                state.leave()
+        except BaseException as exc:
+            if not (self._finished and isinstance(exc, (GeneratorExit, asyncio.CancelledError))):
+                self.fail(exc)
+            raise
+        finally:
+            if not self._finished:
+                self.telemetry.fail(None, "client_error")  # the caller left before the end
+
+    async def final(self, spec: GenerationInput) -> Update:
+        """The last update, for non-streamed responses."""
+        update = None
+        async for update in self.updates(spec):
+            pass
+        return update
+
+    def _new(self, out: RequestOutput) -> list[CompletionOutput]:
+        """Choices with new text or tokens or that just finished; a finished choice once."""
+        new = []
+        for c in out.outputs:
+            if c.index in self._done_choices or not (
+                c.delta_text or c.delta_token_ids or c.finish_reason
+            ):
+                continue
+            if c.finish_reason:
+                self._done_choices.add(c.index)
+            new.append(c)
+        return new
+
+    def fail(self, exc: BaseException) -> None:
+        """An error the request ends with (the first one counts)."""
+        self.telemetry.fail(exc, status_of(exc))
+
+    def finish(self, status: str = "ok") -> None:
+        """Once, when the transport has answered; `status` its view (requests_total label) of
+        the answer, unless a failure recorded before decides."""
+        self.telemetry.finish(status)
+
+
+def _usage(out: RequestOutput) -> Usage:
+    return Usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))

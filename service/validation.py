@@ -1,0 +1,120 @@
+"""What a request must satisfy before the engine sees it, written once for both APIs: the
+request id, the model name, the prompt or messages (tokenized off the event loop), the
+sampling fields. A broken rule is a BadRequest naming the field (HTTP 400 with `param`,
+gRPC INVALID_ARGUMENT); length and vocabulary limits stay with the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from dataclasses import dataclass
+
+import jinja2
+import msgspec
+
+from inference import InvalidParameterError, SamplingParams
+from service.errors import BadRequest, NotFound
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_FIELD_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationInput:
+    """A generation request as both APIs parse it: the prompt as token ids and how to sample."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    operation: str  # the GenAI operation: "chat" or "text_completion"
+    stream: bool
+
+
+def request_id(given: str | None, fresh_prefix: str = "") -> str:
+    """The caller's request id (header `x-request-id`, field `request_id`) when it has one, a
+    fresh one otherwise; an id that is not 1-128 of [A-Za-z0-9._:-] is refused, on both APIs."""
+    if not given:
+        return fresh_prefix + uuid.uuid4().hex
+    if not _REQUEST_ID.fullmatch(given):
+        raise BadRequest(
+            "request_id must be 1-128 characters of A-Z a-z 0-9 . _ : -", param="request_id"
+        )
+    return given
+
+
+def check_model(served: str, model: str | None) -> None:
+    if model is not None and model != served:
+        raise NotFound(
+            f"The model `{model}` does not exist. Served: `{served}`.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def sampling_params(**fields) -> SamplingParams:
+    """API fields -> SamplingParams; None takes the engine's default. Type and range errors
+    name the field."""
+    values = {k: v for k, v in fields.items() if v is not None}
+    try:
+        return msgspec.convert(values, SamplingParams)
+    except msgspec.ValidationError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, InvalidParameterError):
+            raise BadRequest(str(cause), param=cause.param) from None
+        m = _FIELD_PATH.search(str(exc))
+        raise BadRequest(str(exc).split(" - at ")[0], param=m.group(1) if m else "params") from None
+
+
+async def text_ids(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    if not text:
+        raise BadRequest("prompt must not be empty", param="prompt")
+    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+
+def token_ids(prompt: list, vocab_size: int | None = None) -> list[int]:
+    """A prompt given as token ids."""
+    if not prompt:
+        raise BadRequest("prompt must not be empty", param="prompt")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise BadRequest("prompt must be a string or a list of token ids", param="prompt")
+    return prompt
+
+
+async def chat_ids(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True
+) -> list[int]:
+    """messages ({role, content, name?}) through the model's chat template -> token ids."""
+    if not messages:
+        raise BadRequest("messages must not be empty", param="messages")
+    for i, m in enumerate(messages):
+        if not m.get("role"):
+            raise BadRequest(f"messages[{i}].role must not be empty", param=f"messages[{i}].role")
+    if not getattr(tokenizer, "chat_template", None):
+        raise BadRequest(
+            "this model has no chat template; send a plain prompt instead",
+            param="messages",
+            code="no_chat_template",
+        )
+    return await asyncio.to_thread(_render_chat, tokenizer, messages, add_generation_prompt)
+
+
+def _render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+    except (jinja2.TemplateError, TypeError, ValueError) as exc:  # raise_exception() too
+        raise BadRequest(
+            f"the chat template rejected the messages: {exc}", param="messages"
+        ) from None
+    # The template already wrote any special tokens it wants (vLLM does the same).
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def one_of(first: tuple[str, object], second: tuple[str, object]) -> None:
+    """Exactly one of two alternatives (prompt / messages) must be given."""
+    (a, va), (b, vb) = first, second
+    if bool(va) == bool(vb):
+        both = "both are" if va else "neither is"
+        raise BadRequest(f"give exactly one of {a} and {b} ({both} set)", param=a)
