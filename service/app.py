@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import time
 from functools import lru_cache
+from typing import Any
 
 import structlog
 from litestar import Litestar, Request, Response
 from litestar.datastructures import State
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 from opentelemetry import trace
 
+from service import validation
 from service.controllers.common import REQUEST_ID_HEADER, bind_request_id, record_error, request_id
 from service.controllers.health import HealthController
 from service.controllers.metrics import MetricsController
@@ -37,20 +39,14 @@ _TYPES = {
 _CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
-def _validation_message(exc: ValidationException) -> tuple[str, str | None]:
-    """One readable sentence and the offending field from Litestar's validation error."""
-    extra = exc.extra if isinstance(exc.extra, list) else []
-    for item in extra:
-        if not isinstance(item, dict):
-            continue
-        key, message = item.get("key"), str(item.get("message", ""))
-        if key == "data":  # the whole body: missing, not an object, or an unknown field
-            if message == "'data'":
-                return "request body is required (a JSON object)", None
-            field = message.partition("unknown field `")[2].rstrip("`")
-            return (f"unknown field `{field}`" if field else message), field or None
-        return f"{key}: {message}", key
-    return exc.detail, None
+class _Request(Request):
+    async def json(self) -> Any:
+        """The body decoded once, strictly, into the route's schema (validation.decode_body);
+        Litestar's own decoding coerces ("5" -> 5) and lets deep nesting crash."""
+        field = self.route_handler.parsed_data_field
+        if field is None or not isinstance(field.annotation, type):
+            return await super().json()
+        return validation.decode_body(await self.body(), field.annotation)
 
 
 def error_response(request: Request, exc: Exception) -> Response[ErrorResponse]:
@@ -61,9 +57,6 @@ def error_response(request: Request, exc: Exception) -> Response[ErrorResponse]:
         body = ErrorBody(message=exc.message, type=exc.error_type, param=exc.param, code=exc.code)
         if isinstance(exc, Overloaded):
             headers["retry-after"] = str(exc.retry_after_s)
-    elif isinstance(exc, ValidationException):
-        message, param = _validation_message(exc)
-        status, body = 400, ErrorBody(message=message, type="invalid_request_error", param=param)
     elif isinstance(exc, HTTPException):
         status = exc.status_code
         message = exc.detail
@@ -141,6 +134,7 @@ def create_app(state: ServingState) -> Litestar:
     return Litestar(
         route_handlers=[OpenAIController, TokenizeController, HealthController, MetricsController],
         state=State({"serving": state, "started_at": int(time.time()), "token_text": token_text}),
+        request_class=_Request,
         exception_handlers={Exception: error_response},
         before_send=[_add_request_id],
         request_max_body_size=state.settings.max_body_bytes,

@@ -19,6 +19,7 @@ from service.errors import BadRequest, NotFound
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _FIELD_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
+_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,26 @@ def request_id(given: str | None, fresh_prefix: str = "") -> str:
             "request_id must be 1-128 characters of A-Z a-z 0-9 . _ : -", param="request_id"
         )
     return given
+
+
+def decode_body(body: bytes, schema: type[msgspec.Struct]) -> msgspec.Struct:
+    """A JSON body as the route's schema says, strictly (a JSON "5" is not the integer 5, as
+    the OpenAPI document promises); malformed, mistyped or too deeply nested: BadRequest."""
+    try:
+        return msgspec.json.decode(body or b"null", type=schema)
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        if text == "Expected `object`, got `null`":
+            raise BadRequest("request body is required (a JSON object)") from None
+        unknown = _UNKNOWN_FIELD.search(text)
+        field = _FIELD_PATH.search(text)
+        param = unknown.group(1) if unknown else field.group(1) if field else None
+        missing = text.partition("missing required field `")[2].rstrip("`")
+        raise BadRequest(text, param=param or missing or None) from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
 
 
 def check_model(served: str, model: str | None) -> None:

@@ -125,6 +125,15 @@ RAW_BODIES = [
     pytest.param(b'{"prompt": "\\ud800"}', id="lone-surrogate"),
     pytest.param(b'{"prompt": "hi", "max_tokens": 1e999}', id="number-out-of-range"),
     pytest.param(b'{"prompt": "hi", "temperature": NaN}', id="nan"),
+    # nested far past the decoder's recursion limit, yet under the body limit
+    pytest.param(b"[" * 20_000 + b"]" * 20_000, id="deeply-nested-list"),
+    pytest.param(b'{"a":' * 10_000 + b"1" + b"}" * 10_000, id="deeply-nested-object"),
+    pytest.param(b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", id="deeply-nested-prompt"),
+    pytest.param(b'{"prompt": "hi", "max_tokens": "5"}', id="number-as-string"),
+    pytest.param(b'{"prompt": "hi", "stream": "true"}', id="bool-as-string"),
+    pytest.param(b'"hello"', id="body-a-string"),
+    pytest.param(b"null", id="body-null"),
+    pytest.param(b'{"prompt": "hi"} trailing', id="trailing-garbage"),
 ]
 
 
