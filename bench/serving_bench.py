@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from bench.rest_load import closed_loop, start_server, streaming_body
+from bench.harness import ServerProcess
+from bench.rest_load import closed_loop, streaming_body
 from inference import LLMEngine, SamplingParams
 from inference.demo_model import ensure_demo_model
 
@@ -79,31 +80,32 @@ def main(argv: list[str] | None = None) -> int:
         str(args.concurrency),
     ]
     rounds = []
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start_server(model, flags, {}, Path(tmp) / "server.log")
-        try:
-            warm = prompts(1000)  # other prompts, same shapes: oneDNN builds kernels per shape
-            offline_round(engine, warm, 4)
-            rest_round(url, warm, 4, args.concurrency)
-            for r in range(args.rounds):
-                batch = prompts(r)  # fresh each round: no prefix-cache hits from an earlier round
-                order = ("offline", "rest") if r % 2 == 0 else ("rest", "offline")
-                rates = {}
-                for side in order:
-                    rates[side] = (
-                        offline_round(engine, batch, args.output_len)
-                        if side == "offline"
-                        else rest_round(url, batch, args.output_len, args.concurrency)
-                    )
-                rounds.append({**rates, "ratio": rates["rest"] / rates["offline"]})
-                print(
-                    f"round {r}: REST {rates['rest']:.1f} tok/s, offline {rates['offline']:.1f} tok/s, "
-                    f"ratio {rounds[-1]['ratio']:.3f}",
-                    flush=True,
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        ServerProcess(
+            model, *flags, log_path=Path(tmp) / "server.log", start_timeout=300, stop_timeout=60
+        ) as server,
+    ):
+        url = server.url
+        warm = prompts(1000)  # other prompts, same shapes: oneDNN builds kernels per shape
+        offline_round(engine, warm, 4)
+        rest_round(url, warm, 4, args.concurrency)
+        for r in range(args.rounds):
+            batch = prompts(r)  # fresh each round: no prefix-cache hits from an earlier round
+            order = ("offline", "rest") if r % 2 == 0 else ("rest", "offline")
+            rates = {}
+            for side in order:
+                rates[side] = (
+                    offline_round(engine, batch, args.output_len)
+                    if side == "offline"
+                    else rest_round(url, batch, args.output_len, args.concurrency)
                 )
-        finally:
-            proc.terminate()
-            proc.wait(60)
+            rounds.append({**rates, "ratio": rates["rest"] / rates["offline"]})
+            print(
+                f"round {r}: REST {rates['rest']:.1f} tok/s, offline {rates['offline']:.1f} tok/s, "
+                f"ratio {rounds[-1]['ratio']:.3f}",
+                flush=True,
+            )
     ratio = statistics.median(r["ratio"] for r in rounds)
     rest_tps = statistics.median(r["rest"] for r in rounds)
     engine_tps = statistics.median(r["offline"] for r in rounds)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -30,7 +31,8 @@ import grpc
 import httpx
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from bench.rest_load import closed_loop, start_server, streaming_body
+from bench.harness import ServerProcess
+from bench.rest_load import closed_loop, streaming_body
 from inference.demo_model import ensure_demo_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -61,7 +63,10 @@ def _scrape(url: str, stop: threading.Event) -> None:
             )
 
 
-def start(model: Path, args: argparse.Namespace, telemetry: bool, sink_port: int, tmp: Path):
+def server_for(
+    model: Path, args: argparse.Namespace, telemetry: bool, sink_port: int, tmp: Path
+) -> ServerProcess:
+    """The server with telemetry on or off (not started yet), logging to a file in `tmp`."""
     if telemetry:
         env = {
             "OTEL_TRACES_EXPORTER": "otlp",
@@ -72,9 +77,7 @@ def start(model: Path, args: argparse.Namespace, telemetry: bool, sink_port: int
         env = {"OTEL_TRACES_EXPORTER": "none", "MOESERVE_TELEMETRY": "0"}
     log = tmp / f"server-{'on' if telemetry else 'off'}.log"
     flags = ["--device", args.device, "--max-num-seqs", str(args.concurrency)]
-    proc, url = start_server(model, flags, env, log)
-    asyncio.run(_load(url, args, args.concurrency))  # warm-up
-    return proc, url, log
+    return ServerProcess(model, *flags, env=env, log_path=log, start_timeout=300, stop_timeout=60)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -128,41 +131,34 @@ def main(argv: list[str] | None = None) -> int:
 
     model = ensure_demo_model(args.preset)
     sink = _Sink()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
-    sink_port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    rounds, pairs, procs = [], [], []
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            servers = {}
-            for telemetry in (False, True):
-                proc, url, log = start(model, args, telemetry, sink_port, Path(tmp))
-                procs.append(proc)
-                servers[telemetry] = url, log, proc.pid
-            for r in range(args.rounds):
-                rates = {}
-                for telemetry in (False, True) if r % 2 == 0 else (True, False):
-                    url, _, pid = servers[telemetry]
-                    rounds.append(run_round(url, pid, args, telemetry))
-                    rates[telemetry] = rounds[-1]["tokens_per_s"]
-                    print(
-                        f"telemetry {'on ' if telemetry else 'off'}: {rates[telemetry]:8.1f} tok/s, CPU per "
-                        f"output token: API process {rounds[-1]['api_cpu_ms_per_token']:.3f} ms, engine core "
-                        f"{rounds[-1]['engine_cpu_ms_per_token']:.2f} ms",
-                        flush=True,
-                    )
-                pairs.append(rates[True] / rates[False])
-            summary_lines = sum(
-                1
-                for line in servers[True][1].read_text().splitlines()
-                if '"request finished"' in line
-            )
-    finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(60)
-        server.stop(grace=None)
+    sink_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, sink_server)
+    sink_port = sink_server.add_insecure_port("127.0.0.1:0")
+    sink_server.start()
+    rounds, pairs = [], []
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        stack.callback(sink_server.stop, None)  # last: after both servers are stopped
+        servers: dict[bool, ServerProcess] = {}
+        for telemetry in (False, True):
+            server = stack.enter_context(server_for(model, args, telemetry, sink_port, Path(tmp)))
+            asyncio.run(_load(server.url, args, args.concurrency))  # warm-up
+            servers[telemetry] = server
+        for r in range(args.rounds):
+            rates = {}
+            for telemetry in (False, True) if r % 2 == 0 else (True, False):
+                server = servers[telemetry]
+                rounds.append(run_round(server.url, server.pid, args, telemetry))
+                rates[telemetry] = rounds[-1]["tokens_per_s"]
+                print(
+                    f"telemetry {'on ' if telemetry else 'off'}: {rates[telemetry]:8.1f} tok/s, CPU per "
+                    f"output token: API process {rounds[-1]['api_cpu_ms_per_token']:.3f} ms, engine core "
+                    f"{rounds[-1]['engine_cpu_ms_per_token']:.2f} ms",
+                    flush=True,
+                )
+            pairs.append(rates[True] / rates[False])
+        summary_lines = sum(
+            1 for line in servers[True].log_text().splitlines() if '"request finished"' in line
+        )
     ratio = statistics.median(pairs)
     on = statistics.median(r["tokens_per_s"] for r in rounds if r["telemetry"])
     off = statistics.median(r["tokens_per_s"] for r in rounds if not r["telemetry"])

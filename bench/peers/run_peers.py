@@ -40,8 +40,6 @@ import json
 import os
 import platform
 import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -447,12 +445,6 @@ def cpu_busy(seconds: float = 1.0, exclude_group: int | None = None) -> float:
 BUSY_WARN = 0.15
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server_cmd(
     engine: str, model_dir: Path, gguf: Path | None, port: int, n_streams: int, max_len: int
 ) -> list[str]:
@@ -515,68 +507,54 @@ def server_cmd(
 
 
 class Server:
+    """An engine's OpenAI-compatible server (bench.harness.ManagedProcess, in a process group of
+    its own so that the SIGTERM also reaches workers it starts), ready once /v1/models lists a
+    model."""
+
     def __init__(self, engine: str, cmd: list[str], port: int, log: Path) -> None:
         self.engine, self.cmd, self.port, self.log = engine, cmd, port, log
         self.base = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen | None = None
+        self.proc = None
         self.model_id = ""
 
     def __enter__(self) -> Self:
-        import httpx
+        from bench.harness import ManagedProcess, wait_for_http
 
-        self._fh = open(self.log, "w")
-        self.proc = subprocess.Popen(
+        self.proc = ManagedProcess(
             self.cmd,
-            cwd=REPO,
             env=engine_env(self.engine),
-            stdout=self._fh,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.engine} server exited ({self.proc.returncode}); log "
-                    f"{self.log}:\n{self.log.read_text()[-3000:]}"
-                )
-            try:
-                r = httpx.get(self.base + "/v1/models", timeout=5)
-                if r.status_code == 200 and r.json().get("data"):
-                    self.model_id = r.json()["data"][0]["id"]
-                    return self
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(1)
-        self.__exit__(None, None, None)
-        raise RuntimeError(
-            f"{self.engine} server not ready after {SERVER_START_TIMEOUT_S}s; log {self.log}"
-        )
+            log_path=self.log,
+            new_session=True,
+            stop_timeout=60,
+            name=f"{self.engine} server",
+        ).start()
+        try:
+            r = wait_for_http(
+                self.base + "/v1/models",
+                SERVER_START_TIMEOUT_S,
+                process=self.proc,
+                ready=lambda r: r.status_code == 200 and r.json().get("data"),
+                interval=1.0,
+            )
+        except BaseException:
+            self.proc.stop()
+            raise
+        self.model_id = r.json()["data"][0]["id"]
+        return self
 
     def __exit__(self, *exc) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # the server's own process group
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._fh.close()
+        self.proc.stop()
 
 
 async def _stream_one(client, url: str, body: dict, start: float) -> dict:
+    from bench.harness import aiter_sse
+
     first = None
     chunks, usage, text = 0, None, []
     async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:500]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            obj = json.loads(data)
+        async for arrived, obj in aiter_sse(r.aiter_lines()):  # to data: [DONE]
             if obj.get("error"):
                 raise RuntimeError(f"{url}: {obj['error']}")
             if (obj.get("usage") or {}).get("completion_tokens") is not None:
@@ -586,7 +564,7 @@ async def _stream_one(client, url: str, body: dict, start: float) -> dict:
                     chunks += 1
                     text.append(ch["text"])
                     if first is None:
-                        first = time.perf_counter()
+                        first = arrived
     end = time.perf_counter()
     return {
         "tokens": usage if usage is not None else chunks,
@@ -636,6 +614,8 @@ async def _fire(base: str, model_id: str, prompts: list[list[int]], n: int) -> d
 def run_serving(
     engine: str, spec: dict, model_dir: Path, gguf: Path | None, log_dir: Path, tag: str
 ) -> dict:
+    from bench.harness import free_port
+
     port = free_port()
     n = spec["output_len"]
     max_len = (max(len(p) for p in spec["batch"] + spec["warmup"]) + n + 16 + 255) // 256 * 256

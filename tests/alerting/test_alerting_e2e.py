@@ -11,12 +11,9 @@ Skips, saying so, when a binary is missing."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,9 +24,15 @@ import pytest
 import test_anomaly_alertmanager as am_test
 import uvicorn
 import yaml
-from alerting_support import free_port, wait_until
 from test_anomaly_alertmanager import incidents
 
+from bench.harness import (
+    ManagedProcess,
+    ServerProcess,
+    free_port,
+    wait_for_http,
+    wait_until,
+)
 from telemetry.anomaly import create_app
 from telemetry.anomaly.config import WebhookSettings
 
@@ -112,50 +115,12 @@ def _binary(*names: str, package: str) -> str:
     pytest.skip(f"{names[0]} not installed (apt-get install {package}); end-to-end test not run")
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-
-
-class Service:
-    """`python -m service.cli serve` on a chosen port; its JSON log lines are kept."""
-
-    def __init__(self, proc: subprocess.Popen, port: int) -> None:
-        self.proc, self.port = proc, port
-        self.url = f"http://127.0.0.1:{port}"
-        self.records: list[dict] = []
-        self.lines: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                self.records.append(record)
-
-    def wait_started(self, timeout: float) -> None:
-        def started() -> bool:
-            if self.proc.poll() is not None:
-                raise AssertionError("moeserve exited:\n" + "".join(self.lines[-40:]))
-            return any(r.get("event") == "server started" for r in self.records)
-
-        wait_until(started, timeout, "moeserve to start")
-
-    def finished_trace_ids(self) -> set[str]:
-        return {
-            r["trace_id"]
-            for r in list(self.records)
-            if r.get("event") == "request finished" and r.get("trace_id")
-        }
+def finished_trace_ids(service: ServerProcess) -> set[str]:
+    return {
+        r["trace_id"]
+        for r in service.records
+        if r.get("event") == "request finished" and r.get("trace_id")
+    }
 
 
 @pytest.fixture
@@ -166,34 +131,21 @@ def binaries() -> None:
 
 
 @pytest.fixture
-def service(binaries: None, tiny_model_dir: Path) -> Iterator[Service]:
-    """Started, not waited for: the other processes start meanwhile."""
-    port = free_port()
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OTEL_TRACES_EXPORTER": "none",  # trace ids are still made (and land in exemplars)
-    }
-    argv = [
-        sys.executable, "-m", "service.cli", "serve", "--model", str(tiny_model_dir),
-        "--port", str(port), "--grpc-port", "-1", "--device", "cpu", "--dtype", "float32",
-        "--log-format", "json", "--max-waiting", str(MAX_WAITING),
-        "--max-num-seqs", str(MAX_NUM_SEQS), "--drain-timeout", "2",
-        "--served-model-name", MODEL,
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        argv,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+def service(binaries: None, tiny_model_dir: Path) -> Iterator[ServerProcess]:
+    """Started on a port chosen here, not waited for: the other processes start meanwhile."""
+    server = ServerProcess(
+        tiny_model_dir,
+        "--device", "cpu", "--dtype", "float32", "--max-waiting", MAX_WAITING,
+        "--max-num-seqs", MAX_NUM_SEQS, "--drain-timeout", "2", "--served-model-name", MODEL,
+        port=free_port(),
+        env={"OTEL_TRACES_EXPORTER": "none"},  # trace ids are still made (and land in exemplars)
+        stop_timeout=15,
+    )  # fmt: skip
+    server.start()
     try:
-        yield Service(proc, port)
+        yield server
     finally:
-        _stop(proc)
+        server.stop()
 
 
 @pytest.fixture
@@ -228,33 +180,24 @@ def webhook_url(prometheus_port: int) -> Iterator[str]:
 
 @pytest.fixture
 def prometheus(
-    tmp_path: Path, service: Service, alertmanager: str, prometheus_port: int
+    tmp_path: Path, service: ServerProcess, alertmanager: str, prometheus_port: int
 ) -> Iterator[str]:
     binary = _binary("prometheus", package="prometheus")
-    config = prometheus_config(tmp_path, f"127.0.0.1:{service.port}", alertmanager)
+    config = prometheus_config(tmp_path, f"127.0.0.1:{service.rest_port}", alertmanager)
     if promtool := shutil.which("promtool"):
         check = subprocess.run(
             [promtool, "check", "config", str(config)], check=False, capture_output=True, text=True
         )
         assert check.returncode == 0, check.stdout + check.stderr
-    log_path = tmp_path / "prometheus.log"
     argv = [
         binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
         f"--web.listen-address=127.0.0.1:{prometheus_port}",
         "--enable-feature=exemplar-storage", "--log.level=warn",
     ]  # fmt: skip
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
     url = f"http://127.0.0.1:{prometheus_port}"
-    try:
-        wait_until(lambda: httpx.get(f"{url}/-/ready").status_code == 200, 30, "prometheus")
+    with ManagedProcess(argv, log_path=tmp_path / "prometheus.log", stop_timeout=15) as proc:
+        wait_for_http(f"{url}/-/ready", 30, process=proc)
         yield url
-    finally:
-        _stop(proc)
 
 
 # --- load ---------------------------------------------------------------------------
@@ -374,10 +317,10 @@ def prometheus_exemplar_trace_ids(prom: str, start: float, end: float) -> set[st
 
 
 def test_queue_flood_fires_an_alert_that_reaches_the_webhook_as_an_incident(
-    service: Service, prometheus: str, alertmanager: str, webhook_url: str
+    service: ServerProcess, prometheus: str, alertmanager: str, webhook_url: str
 ) -> None:
     t0 = time.time()
-    service.wait_started(timeout=120)
+    service.wait_ready(timeout=120)
     wait_until(
         lambda: query(prometheus, 'up{job="moeserve"} == 1'), 20, "the first scrape of moeserve"
     )
@@ -419,7 +362,7 @@ def test_queue_flood_fires_an_alert_that_reaches_the_webhook_as_an_incident(
     # What fired, as Prometheus saw it, and what it sent.
     assert incident["severity"] == SEVERITY
     labels = incident["labels"]
-    assert labels["job"] == "moeserve" and labels["instance"] == f"127.0.0.1:{service.port}"
+    assert labels["job"] == "moeserve" and labels["instance"] == f"127.0.0.1:{service.rest_port}"
     assert labels["model"] == MODEL and labels["service"] == "moeserve"
     assert incident["fingerprint"] and incident["annotations"]["runbook_url"].endswith(
         "#moeservewaitingqueuesaturated"
@@ -455,7 +398,7 @@ def test_queue_flood_fires_an_alert_that_reaches_the_webhook_as_an_incident(
     stored = prometheus_exemplar_trace_ids(prometheus, t0, time.time() + 1)
     assert traces <= stored, (traces - stored, len(stored))
     assert traces & scraper.trace_ids, (traces, len(scraper.trace_ids))
-    finished = service.finished_trace_ids()
+    finished = finished_trace_ids(service)
     assert traces <= finished, traces - finished
 
     print(

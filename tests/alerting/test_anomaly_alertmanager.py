@@ -6,7 +6,6 @@ inhibition rules hold back what they should. Skips, saying so, without the binar
 from __future__ import annotations
 
 import shutil
-import subprocess
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -16,8 +15,8 @@ import httpx
 import pytest
 import uvicorn
 import yaml
-from alerting_support import free_port, wait_until
 
+from bench.harness import ManagedProcess, free_port, wait_for_http, wait_until
 from telemetry.anomaly import create_app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,30 +58,18 @@ def alertmanager(tmp_path: Path, webhook_url: str) -> Iterator[str]:
     config = tmp_path / "alertmanager.yml"
     config.write_text(yaml.safe_dump(cfg))
     port = free_port()
-    log = (tmp_path / "alertmanager.log").open("w")
-    proc = subprocess.Popen(
-        [
-            binary,
-            f"--config.file={config}",
-            f"--storage.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--cluster.listen-address=",
-            "--log.level=warn",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    argv = [
+        binary,
+        f"--config.file={config}",
+        f"--storage.path={tmp_path / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--cluster.listen-address=",
+        "--log.level=warn",
+    ]
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: httpx.get(f"{url}/-/ready").status_code == 200, 20, "alertmanager")
+    with ManagedProcess(argv, log_path=tmp_path / "alertmanager.log", stop_timeout=10) as proc:
+        wait_for_http(f"{url}/-/ready", 20, process=proc)
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
 
 
 def post_alerts(am_url: str, *label_sets: dict[str, str]) -> None:

@@ -12,7 +12,6 @@ import json
 import math
 import secrets
 import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -24,9 +23,9 @@ from urllib.parse import parse_qs
 import httpx
 import numpy as np
 import pytest
-from alerting_support import free_port, wait_until
 from litestar.testing import TestClient
 
+from bench.harness import ManagedProcess, free_port, wait_until
 from telemetry.anomaly import WebhookSettings, create_app
 from telemetry.anomaly.analyzer import Analyzer, selector
 from telemetry.anomaly.prometheus_api import PrometheusAPI
@@ -402,7 +401,7 @@ def exporter() -> Iterator[tuple[Exporter, int]]:
         server.server_close()
 
 
-def start_prometheus(tmp_path: Path, target_port: int) -> tuple[subprocess.Popen, str]:
+def start_prometheus(tmp_path: Path, target_port: int) -> tuple[ManagedProcess, str]:
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.skip(
@@ -416,8 +415,7 @@ def start_prometheus(tmp_path: Path, target_port: int) -> tuple[subprocess.Popen
         "  - job_name: moeserve\n"
         f"    static_configs: [{{targets: ['127.0.0.1:{target_port}']}}]\n"
     )
-    log = (tmp_path / "prometheus.log").open("w")
-    proc = subprocess.Popen(
+    proc = ManagedProcess(
         [
             binary,
             f"--config.file={config}",
@@ -426,19 +424,10 @@ def start_prometheus(tmp_path: Path, target_port: int) -> tuple[subprocess.Popen
             "--enable-feature=exemplar-storage",
             "--log.level=warn",
         ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
+        log_path=tmp_path / "prometheus.log",
+        stop_timeout=10,
     )
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=5)
+    return proc.start(), f"http://127.0.0.1:{port}"
 
 
 def scraped_points(url: str) -> int:
@@ -483,7 +472,7 @@ def test_live_prometheus_ranks_the_injected_metric_and_carries_exemplars(exporte
             drain(c)
             (incident,) = c.get("/incidents").json()["incidents"]
     finally:
-        stop(proc)
+        proc.stop()
     assert incident["prometheus"] == "ok", incident["reason"]
     print(
         "\nlive incident:",

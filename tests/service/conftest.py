@@ -2,17 +2,12 @@
 
 `InProcessServer` runs `service.server.MoeServer` (engine + uvicorn + Litestar) on its own
 event loop in a background thread, so tests can also look at the engine object directly;
-the SIGTERM test starts `python -m service.cli serve` as a subprocess instead.
+tests that need a real process (SIGTERM, a model fetched by name) use bench.harness.ServerProcess.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import queue
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +20,6 @@ import pytest
 from service.server import MoeServer
 from service.settings import Settings
 
-REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 256
 MAX_BODY_BYTES = 64 * 1024
 
@@ -136,11 +130,6 @@ def start_server(tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
-def subprocess_server():
-    return SubprocessServer
-
-
-@pytest.fixture(scope="session")
 def wait_idle():
     return _wait_idle
 
@@ -157,48 +146,3 @@ def _wait_idle(server: InProcessServer, timeout: float) -> float:
         f"engine still busy after {timeout} s: {server.engine.kv_blocks_used} blocks, "
         f"{server.engine.num_requests} requests"
     )
-
-
-class SubprocessServer:
-    """`python -m service.cli serve ...` with its stdout parsed for the "server started" line."""
-
-    def __init__(self, args: list[str]) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", *args],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.log: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.log.append(line)
-            self.lines.put(line)
-
-    def wait_for_event(self, event: str, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.2)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and record.get("event") == event:
-                return record
-        raise AssertionError(f"no {event!r} log line; output:\n{''.join(self.log)}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)

@@ -12,6 +12,8 @@ import time
 import httpx
 import pytest
 
+from bench.harness import ServerProcess, SseError, iter_sse
+
 LONG = {"prompt": "once upon a time", "max_tokens": 230, "ignore_eos": True, "temperature": 0}
 
 
@@ -30,11 +32,10 @@ def test_stream_disconnect_aborts_and_frees_kv_blocks(server, wait_idle):
         c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r,
     ):
         assert r.status_code == 200
-        lines = r.iter_lines()
-        first = next(line for line in lines if line)
-        request_id = json.loads(first.removeprefix("data: "))["id"]
+        events = iter_sse(r.iter_lines())
+        request_id = next(events)[1]["id"]
         for _ in range(4):
-            next(lines)
+            next(events)
         assert server.engine.kv_blocks_used > 0  # it is running
     # leaving both `with` blocks closed the connection mid-stream
     elapsed = wait_idle(server, 2.0)
@@ -78,13 +79,15 @@ def test_disconnected_client_does_not_disturb_others(server, wait_idle):
         c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r,
     ):
         t.start()
-        next(line for line in r.iter_lines() if line)
+        next(iter_sse(r.iter_lines()))
     t.join(60)
     assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 20
     wait_idle(server, 2.0)
 
 
 def _stream_until_done(url: str, out: dict, key: int, started: threading.Event, body: dict) -> None:
+    """Streams to the end: `out[key]` are the events, `out[f"error{key}"]` says what broke
+    (a transport error, or a stream that did not end with data: [DONE])."""
     events = []
     try:
         with (
@@ -92,38 +95,25 @@ def _stream_until_done(url: str, out: dict, key: int, started: threading.Event, 
             c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r,
         ):
             out[f"status{key}"] = r.status_code
-            for line in r.iter_lines():
-                if line:
-                    events.append(line)
-                    started.set()
-    except httpx.HTTPError as exc:
+            for _, event in iter_sse(r.iter_lines()):
+                events.append(event)
+                started.set()
+    except (httpx.HTTPError, SseError) as exc:
         out[f"error{key}"] = repr(exc)
     out[key] = events
 
 
 @pytest.mark.slow
-def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_model_dir, subprocess_server):
-    srv = subprocess_server(
-        [
-            "--model",
-            str(tiny_model_dir),
-            "--port",
-            "0",
-            "--grpc-port",
-            "0",
-            "--max-model-len",
-            "2048",
-            "--kv-cache-tokens",
-            "8192",
-            "--dtype",
-            "float32",
-            "--drain-timeout",
-            "60",
-        ]
-    )
-    try:
-        started = srv.wait_for_event("server started", 120)
-        url = f"http://127.0.0.1:{started['rest_port']}"
+def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_model_dir):
+    with ServerProcess(
+        tiny_model_dir,
+        "--max-model-len", "2048", "--kv-cache-tokens", "8192", "--dtype", "float32",
+        "--drain-timeout", "60",
+        grpc=True,
+        start_timeout=120,
+    ) as srv:  # fmt: skip
+        started = srv.started
+        url = srv.url
         assert isinstance(started["grpc_port"], int) and started["grpc_port"] > 0
         socket.create_connection(
             ("127.0.0.1", started["grpc_port"]), timeout=5
@@ -158,16 +148,12 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_model_dir, subproce
             t.join(120)
         for i in range(2):
             assert out.get(f"status{i}") == 200 and f"error{i}" not in out, out
-            events = out[i]
-            assert events[-1] == "data: [DONE]"
-            finals = [json.loads(e[6:]) for e in events[:-1]]
+            finals = out[i]  # the stream ended with data: [DONE] (else error{i} is in out)
             assert finals[-1]["choices"][0]["finish_reason"] == "length"
             assert "".join(f["choices"][0]["text"] for f in finals)  # text arrived
         assert srv.proc.wait(60) == 0
         assert ready is not None, "drain window was too short to observe /ready 503"
         srv.wait_for_event("server stopped", 5)
-    finally:
-        srv.stop()
 
 
 def test_engine_core_death_fails_streams_and_turns_ready_503(start_server):
@@ -175,12 +161,11 @@ def test_engine_core_death_fails_streams_and_turns_ready_503(start_server):
     error event; /ready, /health and new requests answer 503 engine_dead, nothing hangs."""
     with start_server() as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
-            lines = (line for line in r.iter_lines() if line)
-            next(lines)
+            stream = iter_sse(r.iter_lines())
+            next(stream)
             os.kill(srv.engine._process.pid, signal.SIGKILL)
-            rest = list(lines)
-        events = [json.loads(line[6:]) for line in rest if line != "data: [DONE]"]
-        assert events and events[-1]["error"]["code"] == "engine_dead", rest[-3:]
+            events = [event for _, event in stream]  # to data: [DONE]
+        assert events and events[-1]["error"]["code"] == "engine_dead", events[-3:]
         ready = c.get("/ready")
         assert ready.status_code == 503 and ready.json()["status"] == "engine_dead"
         late = c.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})

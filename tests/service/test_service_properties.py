@@ -9,6 +9,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from bench.harness import iter_sse
+
 _SETTINGS = settings(
     max_examples=100,
     deadline=None,
@@ -104,11 +106,10 @@ def _check(r: httpx.Response, stream_lines: list[str] | None) -> None:
         error = r.json()["error"]
         assert isinstance(error["message"], str) and isinstance(error["type"], str)
     elif stream_lines is not None:
-        assert stream_lines[-1] == "data: [DONE]"
-        # an in-stream failure is an event with an "error" object; generated text may itself
-        # contain the word "error", so events are parsed rather than searched
-        events = [json.loads(line.removeprefix("data: ")) for line in stream_lines[:-1]]
-        assert all(line.startswith("data: {") for line in stream_lines[:-1])
+        # `data: {json object}` lines ending with `data: [DONE]` (SseError otherwise); an
+        # in-stream failure is an event with an "error" object (generated text may itself
+        # contain the word "error", so events are parsed rather than searched)
+        events = [e for _, e in iter_sse(stream_lines)]
         assert not any("error" in e for e in events)
 
 
@@ -121,7 +122,7 @@ def _post(http: httpx.Client, path: str, body: dict, model_name: str) -> None:
     ) as r:
         lines = None
         if r.headers.get("content-type", "").startswith("text/event-stream"):
-            lines = [line for line in r.iter_lines() if line]
+            lines = list(r.iter_lines())
         else:
             r.read()
     _check(r, lines)

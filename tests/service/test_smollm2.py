@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from bench.harness import ServerProcess
 from inference.errors import ModelLoadError
 from inference.model_zoo import resolve_model
 
@@ -22,37 +23,23 @@ def smollm2_dir():
         raise
 
 
-def test_smollm2_answers_a_greedy_chat_request_over_rest(smollm2_dir, subprocess_server):
-    server = subprocess_server(
-        [
-            "--model",
-            "smollm2",
-            "--port",
-            "0",
-            "--grpc-port",
-            "-1",
-            "--max-model-len",
-            "512",
-            "--kv-cache-tokens",
-            "4096",
-        ]
-    )
-    try:
-        started = server.wait_for_event("server started", timeout=600)
-        url = f"http://127.0.0.1:{started['rest_port']}"
-        with httpx.Client(base_url=url, timeout=120) as http:
-            [model] = http.get("/v1/models").json()["data"]
-            assert model["id"] == "smollm2"
-            body = {
-                "model": model["id"],
-                "temperature": 0,
-                "max_tokens": 16,
-                "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            }
-            resp = http.post("/v1/chat/completions", json=body)
-        assert resp.status_code == 200, resp.text
-        choice = resp.json()["choices"][0]
-        assert "Paris" in choice["message"]["content"], choice
-        assert choice["finish_reason"] == "stop"  # <|im_end|> ends the turn
-    finally:
-        server.stop()
+def test_smollm2_answers_a_greedy_chat_request_over_rest(smollm2_dir):
+    with (
+        ServerProcess(
+            "smollm2", "--max-model-len", "512", "--kv-cache-tokens", "4096", start_timeout=600
+        ) as server,
+        httpx.Client(base_url=server.url, timeout=120) as http,
+    ):
+        [model] = http.get("/v1/models").json()["data"]
+        assert model["id"] == "smollm2"
+        body = {
+            "model": model["id"],
+            "temperature": 0,
+            "max_tokens": 16,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        }
+        resp = http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert "Paris" in choice["message"]["content"], choice
+    assert choice["finish_reason"] == "stop"  # <|im_end|> ends the turn

@@ -23,14 +23,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import queue
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +35,6 @@ import pytest
 from stack_support import (
     COMPOSE_YML,
     K8S_DIR,
-    ROOT,
     dashboards,
     load_yaml,
     load_yaml_all,
@@ -49,6 +42,15 @@ from stack_support import (
     prometheus_targets,
     substitute,
     uses_family,
+)
+
+from bench.harness import (
+    ManagedProcess,
+    ServerProcess,
+    free_port,
+    read_sse,
+    wait_for_http,
+    wait_until,
 )
 
 pytestmark = pytest.mark.slow
@@ -90,122 +92,28 @@ def only_state(expr: str) -> bool:
     return bool(metrics & STATE_GAUGES) and metrics <= STATE_GAUGES | {"moeserve_max_waiting"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# what a predicate reading Prometheus' answers raises while the data is not there yet
+NOT_YET = (httpx.HTTPError, KeyError, ValueError, IndexError)
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except (httpx.HTTPError, KeyError, ValueError, IndexError) as exc:
-            last_error = exc
-        time.sleep(interval)
-    raise AssertionError(
-        f"timed out after {timeout}s waiting for {what} (last error: {last_error})"
-    )
-
-
-class Service:
-    """`moeserve serve` in a subprocess; its stdout (JSON log lines) is collected."""
-
-    def __init__(self, model_dir: Path, log_path: Path, rest_port: int) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "service.cli",
-            "serve",
-            "--model",
-            str(model_dir),
-            "--served-model-name",
-            MODEL,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(rest_port),
-            "--grpc-port",
-            "0",
-            "--device",
-            "cpu",
-            "--log-format",
-            "json",
-            "--max-num-seqs",
-            "8",
-            "--drain-timeout",
-            "5",
-        ]
-        env = {
-            **os.environ,
+def start_service(model_dir: Path, workdir: Path, rest_port: int) -> ServerProcess:
+    """`moeserve serve` on `rest_port` (and a free gRPC port), started, not waited for."""
+    return ServerProcess(
+        model_dir,
+        "--served-model-name", MODEL, "--device", "cpu", "--max-num-seqs", "8",
+        "--drain-timeout", "5",
+        port=rest_port,
+        grpc=True,
+        env={
             "OTEL_TRACES_EXPORTER": "none",
             "OTEL_SERVICE_NAME": "moeserve",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": None,
             "TOKENIZERS_PARALLELISM": "false",
-            "MOESERVE_CACHE_DIR": str(log_path.parent / "cache"),
-        }
-        env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
-        self.stderr = log_path.open("w")
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1
-        )
-        self.lines: list[str] = []
-        self._started: queue.Queue[dict] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self.log_path = log_path
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and record.get("event") == "server started":
-                self._started.put(record)
-
-    def wait_started(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                return self._started.get(timeout=0.2)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    break
-        raise AssertionError(f"moeserve did not start (exit {self.proc.poll()}):\n{self.tail()}")
-
-    def tail(self, n: int = 15) -> str:
-        self.stderr.flush()
-        err = self.log_path.read_text().splitlines()[-n:]
-        return "\n".join(
-            ["-- stdout --", *[ln.rstrip() for ln in self.lines[-n:]], "-- stderr --", *err]
-        )
-
-    def records(self) -> list[dict]:
-        out = []
-        for line in list(self.lines):
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                out.append(record)
-        return out
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._reader.join(5)
-        self.stderr.close()
+            "MOESERVE_CACHE_DIR": str(workdir / "cache"),
+        },
+        log_path=workdir / "moeserve.log",
+        stop_timeout=20,
+    ).start()  # fmt: skip
 
 
 class Prometheus:
@@ -235,8 +143,7 @@ class Prometheus:
         )
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = (workdir / "prometheus.log").open("w")
-        self.proc = subprocess.Popen(
+        self.proc = ManagedProcess(
             [
                 binary,
                 f"--config.file={config}",
@@ -246,18 +153,13 @@ class Prometheus:
                 "--log.level=warn",
             ],
             cwd=workdir,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
+            log_path=workdir / "prometheus.log",
+            stop_timeout=10,
+        ).start()
         self.http = httpx.Client(base_url=self.url, timeout=10)
-        self.workdir = workdir
 
     def wait_ready(self) -> None:
-        def ready():
-            assert self.proc.poll() is None, (self.workdir / "prometheus.log").read_text()
-            return self.http.get("/-/ready").status_code == 200
-
-        wait_for(ready, 30, "prometheus /-/ready")
+        wait_for_http(f"{self.url}/-/ready", 30, process=self.proc)
 
     def api(self, path: str, **params) -> dict:
         r = self.http.get(f"/api/v1/{path}", params=params)
@@ -270,15 +172,8 @@ class Prometheus:
         return r.json()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        self.proc.stop()
         self.http.close()
-        self.log.close()
 
 
 def drive_load(rest: str, grpc_port: int | None) -> dict:
@@ -340,9 +235,8 @@ def drive_load(rest: str, grpc_port: int | None) -> dict:
             else {"prompt": f"Stream {i}"}
         )
         with httpx.Client(base_url=rest, timeout=60) as c, c.stream("POST", path, json=body) as r:
-            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
             note(r, 200)
-            assert lines[-1] == "data: [DONE]", lines[-3:]
+            read_sse(r)  # data: {json} events to data: [DONE]
 
     def invalid(i: int) -> None:
         with httpx.Client(base_url=rest, timeout=60) as c:
@@ -407,10 +301,10 @@ def test_every_panel_query_returns_data(tiny_model_dir, tmp_path):
     # The REST port is chosen here so that Prometheus can start (and its first scrape,
     # a few seconds after its start, can come) while the model loads.
     rest_port = free_port()
-    service = Service(tiny_model_dir, tmp_path / "moeserve.stderr", rest_port)
+    service = start_service(tiny_model_dir, tmp_path, rest_port)
     prometheus = Prometheus(binary, tmp_path / "prometheus", f"127.0.0.1:{rest_port}")
     try:
-        started = service.wait_started(180)
+        started = service.wait_ready(180)
         assert started["rest_port"] == rest_port
         rest = f"http://127.0.0.1:{rest_port}"
         prometheus.wait_ready()
@@ -423,10 +317,12 @@ def test_every_panel_query_returns_data(tiny_model_dir, tmp_path):
 
         # Scrape before the load too, so that rates see it (the first scrape of a new
         # target comes a few seconds after Prometheus starts).
-        wait_for(
+        wait_until(
             lambda: prometheus.api("query", query='up{job="moeserve"} == 1')["result"],
             30,
             "the first successful scrape of moeserve",
+            0.2,
+            NOT_YET,
         )
         t0 = time.time()
         seen = drive_load(rest, started.get("grpc_port"))
@@ -442,7 +338,7 @@ def test_every_panel_query_returns_data(tiny_model_dir, tmp_path):
                 and float(last["result"][0]["value"][1]) > load_end + 0.1
             )
 
-        wait_for(scraped, 30, "3 scrapes of moeserve, one after the load")
+        wait_until(scraped, 30, "3 scrapes of moeserve, one after the load", 0.2, NOT_YET)
         up = prometheus.api("query", query='up{job="moeserve"}')["result"]
         assert up and up[0]["value"][1] == "1", f"scrape failing: {prometheus.api('targets')}"
 
@@ -503,7 +399,7 @@ def test_every_panel_query_returns_data(tiny_model_dir, tmp_path):
                     failures.append(f"{name}: variable $model does not offer {MODEL}: {values}")
 
         # panel -> exemplar -> trace -> logs: the exemplars' trace ids are in the log lines.
-        logged = {r.get("trace_id") for r in service.records()}
+        logged = {r.get("trace_id") for r in service.records}
         missing_in_logs = exemplar_trace_ids - logged
         if exemplar_trace_ids and missing_in_logs:
             failures.append(

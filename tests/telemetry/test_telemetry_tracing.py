@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
+from bench.harness import free_port
 from telemetry import tracing
 from telemetry.tracing import (
     build_tracer_provider,
@@ -324,15 +324,9 @@ def test_genai_attributes_current_names():
 # ------------------------------------------------------------------ exporting
 
 
-def _dead_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed again on exit: nothing listens there
-
-
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_dead_collector_never_blocks_or_raises(monkeypatch, protocol):
-    endpoint = f"http://127.0.0.1:{_dead_port()}"
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     if protocol != "grpc":
         endpoint += "/v1/traces"
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", endpoint)

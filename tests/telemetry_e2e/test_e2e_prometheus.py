@@ -5,8 +5,6 @@ carry trace ids the OTLP receiver saw."""
 from __future__ import annotations
 
 import shutil
-import socket
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -15,6 +13,7 @@ import httpx
 import pytest
 from e2e_support import OtlpReceiver, Service
 
+from bench.harness import ManagedProcess, free_port, wait_for_http, wait_until
 from service.proto.moeserve.v1 import inference_pb2 as pb
 
 pytestmark = pytest.mark.slow
@@ -32,17 +31,11 @@ SPEC_SERIES = (
 NUM_REST, NUM_GRPC = 12, 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_prometheus(tmp_path: Path, target: str) -> tuple[subprocess.Popen, str]:
+def _start_prometheus(tmp_path: Path, target: str) -> tuple[ManagedProcess, str]:
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.skip("prometheus binary not installed (apt-get install prometheus)")
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
         "global: {scrape_interval: 500ms, scrape_timeout: 400ms}\n"
@@ -50,8 +43,7 @@ def _start_prometheus(tmp_path: Path, target: str) -> tuple[subprocess.Popen, st
         "  - job_name: moeserve\n"
         f"    static_configs: [{{targets: ['{target}']}}]\n"
     )
-    log = (tmp_path / "prometheus.log").open("w")
-    proc = subprocess.Popen(
+    proc = ManagedProcess(
         [
             binary,
             f"--config.file={config}",
@@ -60,28 +52,16 @@ def _start_prometheus(tmp_path: Path, target: str) -> tuple[subprocess.Popen, st
             "--enable-feature=exemplar-storage",
             "--log.level=warn",
         ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
+        log_path=tmp_path / "prometheus.log",
+        stop_timeout=10,
     )
-    return proc, f"http://127.0.0.1:{port}"
+    return proc.start(), f"http://127.0.0.1:{port}"
 
 
 def _query(prom: str, expr: str) -> list[dict]:
     r = httpx.get(f"{prom}/api/v1/query", params={"query": expr}, timeout=10)
     r.raise_for_status()
     return r.json()["data"]["result"]
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _load(service: Service) -> None:
@@ -110,16 +90,12 @@ def test_prometheus_scrapes_every_metric_with_ttft_exemplars(tiny_model_dir, tmp
         with Service(tiny_model_dir, "--kv-cache-tokens", "2048", env=env) as service:
             proc, prom = _start_prometheus(tmp_path, service.url.removeprefix("http://"))
             try:
-                _wait(
-                    lambda: httpx.get(f"{prom}/-/ready", timeout=2).status_code == 200,
-                    60,
-                    "prometheus ready",
-                )
-                _wait(lambda: _query(prom, "up == 1"), 30, "the first scrape")
+                wait_for_http(f"{prom}/-/ready", 60, process=proc)
+                wait_until(lambda: _query(prom, "up == 1"), 30, "the first scrape", 0.25)
                 start = time.time()
                 _load(service)
                 total = NUM_REST + NUM_GRPC
-                _wait(
+                wait_until(
                     lambda: (
                         sum(
                             float(s["value"][1])
@@ -129,6 +105,7 @@ def test_prometheus_scrapes_every_metric_with_ttft_exemplars(tiny_model_dir, tmp
                     ),
                     30,
                     "scrapes after load",
+                    0.25,
                 )
 
                 for name in SPEC_SERIES:
@@ -165,9 +142,4 @@ def test_prometheus_scrapes_every_metric_with_ttft_exemplars(tiny_model_dir, tmp
                 seen = {s.trace_id for s in receiver.spans}
                 assert trace_ids <= seen
             finally:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
+                proc.stop()

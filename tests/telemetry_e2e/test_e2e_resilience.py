@@ -4,7 +4,6 @@ on SIGTERM (the span flush at exit is bounded)."""
 
 from __future__ import annotations
 
-import socket
 import statistics
 import time
 from concurrent import futures
@@ -15,6 +14,7 @@ import pytest
 from e2e_support import Service
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from bench.harness import free_port
 from service.proto.moeserve.v1 import inference_pb2 as pb
 
 
@@ -22,12 +22,6 @@ class _SlowCollector(trace_service_pb2_grpc.TraceServiceServicer):
     def Export(self, request, context):
         time.sleep(3.0)
         return trace_service_pb2.ExportTraceServiceResponse()
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("collector", ["dead", "slow"])
@@ -41,7 +35,7 @@ def test_requests_succeed_without_delay_when_the_collector_is_down_or_slow(
         port = slow.add_insecure_port("127.0.0.1:0")
         slow.start()
     else:
-        port = _closed_port()
+        port = free_port()  # nothing listens there
     env = {
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
         "OTEL_TRACES_EXPORTER": "otlp",

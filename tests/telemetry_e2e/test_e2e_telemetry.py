@@ -9,7 +9,6 @@ a request (engine-thread lines included) carries the exported span's trace_id/sp
 
 from __future__ import annotations
 
-import json
 import secrets
 import threading
 
@@ -17,6 +16,7 @@ import httpx
 import pytest
 from e2e_support import OtlpReceiver, ReceivedSpan, Service
 
+from bench.harness import iter_sse
 from service.proto.moeserve.v1 import inference_pb2 as pb
 
 SERVER, INTERNAL = 2, 1  # OTLP span kinds
@@ -50,8 +50,7 @@ def service(tiny_model_dir, receiver):
     # A 128-token KV cache: two long requests at once cannot both fit, so one is preempted.
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_TRACES_EXPORTER": "otlp"}
     with Service(tiny_model_dir, "--kv-cache-tokens", "128", "--max-num-seqs", "4", env=env) as srv:
-        srv.model = srv.wait_for(lambda r: r.get("event") == "server started")[0]["model"]
-        yield srv
+        yield srv  # srv.model: the served name, from its "server started" line
 
 
 def _traceparent() -> tuple[str, str, str]:
@@ -278,8 +277,8 @@ def test_every_log_line_of_a_request_carries_its_trace_ids_across_the_engine_thr
             },
         ) as stream,
     ):
-        lines = stream.iter_lines()
-        assert json.loads(next(line for line in lines if line).removeprefix("data: "))["id"]
+        _, first = next(iter_sse(stream.iter_lines()))
+        assert first["id"]
     for t in threads:
         t.join(120)
     assert all(results[f"preempt-{i}"].status_code == 200 for i in range(3))
