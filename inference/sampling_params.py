@@ -2,57 +2,56 @@
 
 from __future__ import annotations
 
+import functools
+import math
+import operator
+from typing import Annotated, Any
+
 import msgspec
+from msgspec import Meta
 
 from inference.errors import InvalidParameterError
 
+# Each field's range, stated once: decoding (msgspec.convert, as both APIs build SamplingParams)
+# enforces it, direct construction checks it in __post_init__, and the REST schemas
+# (service/schemas.py) and so the OpenAPI document carry it.
+MaxTokens = Annotated[int, Meta(ge=1, title="MaxTokens")]
+MinTokens = Annotated[int, Meta(ge=0)]
+Temperature = Annotated[float, Meta(ge=0.0, le=100.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, Meta(ge=-1, description="-1 or 0: disabled")]
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
+Logprobs = Annotated[int, Meta(ge=0, le=20)]
+NumChoices = Annotated[int, Meta(ge=1, le=16)]
+Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+StopString = Annotated[str, Meta(min_length=1)]
+StopList = Annotated[list[StopString], Meta(max_length=8)]
+TokenId = Annotated[int, Meta(ge=0, title="TokenId")]
+
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    max_tokens: int = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
+    max_tokens: MaxTokens = 16
+    min_tokens: MinTokens = 0  # at most max_tokens
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    min_p: MinP = 0.0
+    seed: Seed | None = None
+    stop: StopList = []
+    stop_token_ids: list[TokenId] = []
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None  # top-N logprobs per generated token (0: only the chosen one)
-    n: int = 1
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    logprobs: Logprobs | None = None  # top-N logprobs per generated token (0: only the chosen one)
+    n: NumChoices = 1
 
     def __post_init__(self) -> None:
-        _check(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be >= 1"
-        )
-        _check(
-            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
-            "min_tokens",
-            "must be between 0 and max_tokens",
-        )
-        _check(0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
-        _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        _check(self.top_k == -1 or self.top_k >= 0, "top_k", "must be -1, 0 (disabled) or positive")
-        _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
-        _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]")
-        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
-        _check(1 <= self.n <= 16, "n", "must be in [1, 16]")
-        _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
-        _check(
-            all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 8,
-            "stop",
-            "must be at most 8 non-empty strings",
-        )
-        _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids",
-            "must be non-negative token ids",
-        )
+        for name, bounds in _field_bounds().items():
+            _check_bounds(name, getattr(self, name), bounds)
+        _check(self.min_tokens <= self.max_tokens, "min_tokens", "must be at most max_tokens")
         if self.top_k == -1:
             self.top_k = 0
 
@@ -67,6 +66,56 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+@functools.cache
+def _field_bounds() -> dict[str, msgspec.inspect.Type]:
+    return {f.name: f.type for f in msgspec.inspect.type_info(SamplingParams).fields}
+
+
+_BOUNDS = (
+    ("ge", ">=", operator.ge),
+    ("gt", ">", operator.gt),
+    ("le", "<=", operator.le),
+    ("lt", "<", operator.lt),
+)
+
+
+def _check_bounds(name: str, value: Any, t: msgspec.inspect.Type) -> None:
+    """The bounds of a field's annotation, for a directly constructed SamplingParams."""
+    if isinstance(t, msgspec.inspect.Metadata):  # a description
+        t = t.type
+    if isinstance(t, msgspec.inspect.UnionType):  # `X | None`
+        if value is None:
+            return
+        t = next(x for x in t.types if not isinstance(x, msgspec.inspect.NoneType))
+    if isinstance(t, msgspec.inspect.ListType):
+        _check(isinstance(value, list), name, "must be a list")
+        _check(
+            t.max_length is None or len(value) <= t.max_length,
+            name,
+            f"must have at most {t.max_length} items",
+        )
+        for item in value:
+            _check_bounds(name, item, t.item_type)
+        return
+    if isinstance(t, msgspec.inspect.StrType):
+        _check(
+            isinstance(value, str) and len(value) >= (t.min_length or 0),
+            name,
+            f"must be a string of at least {t.min_length} characters",
+        )
+        return
+    if not isinstance(t, (msgspec.inspect.IntType, msgspec.inspect.FloatType)):
+        return
+    _check(
+        isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value),
+        name,
+        "must be a number",
+    )
+    for attr, sign, ok in _BOUNDS:
+        bound = getattr(t, attr)
+        _check(bound is None or ok(value, bound), name, f"must be {sign} {bound}")
 
 
 def _check(ok: bool, param: str, message: str) -> None:

@@ -11,6 +11,7 @@ from litestar import Litestar, Request, Response
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.types import Message, Scope
 from opentelemetry import trace
 
@@ -21,6 +22,7 @@ from service.controllers.metrics import MetricsController
 from service.controllers.openai import OpenAIController
 from service.controllers.tokenize import TokenizeController
 from service.errors import Overloaded, ServiceError
+from service.openapi import TruthfulOpenAPI
 from service.schemas import ErrorBody, ErrorResponse
 from service.state import ServingState
 from telemetry.tracing import inject_traceparent
@@ -138,7 +140,15 @@ def create_app(state: ServingState) -> Litestar:
         exception_handlers={Exception: error_response},
         before_send=[_add_request_id],
         request_max_body_size=state.settings.max_body_bytes,
-        openapi_config=OpenAPIConfig(title="moeserve", version="0.1.0", path="/schema"),
+        openapi_config=OpenAPIConfig(
+            title="moeserve",
+            version="0.1.0",
+            path="/schema",
+            render_plugins=[
+                TruthfulOpenAPI(state.engine.args.vocab_size, state.engine.max_model_len),
+                SwaggerRenderPlugin(),
+            ],
+        ),
         debug=False,
         logging_config=None,  # logging is configured once for the process, not by the app
         **_telemetry_config(state),

@@ -49,8 +49,14 @@ def _status(exc: Exception, method: str) -> tuple[grpc.StatusCode, str, tuple]:
     """The one mapping from an exception to (code, details, trailing metadata)."""
     if isinstance(exc, ServiceError):
         message = exc.message
-        if isinstance(exc, BadRequest) and exc.param in SAMPLING_FIELDS:
-            message = f"params.{message}"  # name the field as the proto spells its path
+        if isinstance(exc, BadRequest) and exc.param:  # details name the field, as REST's param
+            field = exc.param
+            if field.split("[")[0] in SAMPLING_FIELDS:
+                field = f"params.{field}"  # as the proto spells its path
+            if message.startswith(exc.param):
+                message = field + message[len(exc.param) :]
+            else:
+                message = f"{field}: {message}"
         trailing = (("retry-after", str(exc.retry_after_s)),) if isinstance(exc, Overloaded) else ()
         return exc.grpc_code, message, trailing
     log.exception("unexpected error in gRPC handler", method=method)

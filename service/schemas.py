@@ -8,9 +8,12 @@ always send them keep working; see `unsupported_fields()`.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
+
+from inference import sampling_params as sp
 
 
 class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -26,38 +29,83 @@ class StreamOptions(_Request, kw_only=True):
     continuous_usage_stats: bool = False  # vLLM: the usage so far on every chunk too
 
 
+def _neutral(*values: Any) -> Any:
+    """An OpenAI field this server does not implement: accepted only with a neutral value."""
+    return Annotated[Any, Meta(extra_json_schema={"enum": list(values), "description": _NOT_IMPL})]
+
+
+_NOT_IMPL = "not implemented: accepted only with this neutral value"
+NonEmptyStr = Annotated[str, Meta(min_length=1)]
+# A prompt as a list: token ids, or one prompt (string or token ids) in a list of one.
+_PROMPT_LIST = {
+    "anyOf": [
+        {"items": {"$ref": "#/components/schemas/TokenId"}},
+        {
+            "maxItems": 1,
+            "items": {
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {"$ref": "#/components/schemas/TokenId"},
+                    },
+                ]
+            },
+        },
+    ]
+}
+
+
 class _SamplingFields(_Request, kw_only=True):
-    """Fields both generation endpoints share (OpenAI names plus vLLM's extensions)."""
+    """Fields both generation endpoints share (OpenAI names plus vLLM's extensions); the
+    ranges are SamplingParams' own (inference/sampling_params.py)."""
 
     model: str | None = None
-    n: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    n: sp.NumChoices | None = None
+    seed: sp.Seed | None = None
+    stop: sp.StopString | sp.StopList | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    temperature: sp.Temperature | None = None
+    top_p: sp.TopP | None = None
+    presence_penalty: sp.Penalty | None = None
+    frequency_penalty: sp.Penalty | None = None
     user: str | None = None  # accepted and ignored
     # vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: sp.TopK | None = None
+    min_p: sp.MinP | None = None
+    min_tokens: Annotated[sp.MinTokens, Meta(description="at most max_tokens")] | None = None
+    repetition_penalty: sp.RepetitionPenalty | None = None
+    stop_token_ids: list[sp.TokenId] | None = None
     ignore_eos: bool | None = None
     # OpenAI fields accepted only with their neutral value
-    logit_bias: Any = None
+    logit_bias: Annotated[
+        Any,
+        Meta(
+            extra_json_schema={
+                "anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}],
+                "description": _NOT_IMPL,
+            }
+        ),
+    ] = None
+
+
+_MaxTokens = Annotated[
+    sp.MaxTokens, Meta(description="prompt tokens + max_tokens must fit in max_model_len")
+]
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
-    prompt: str | list[Any]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: Any = None
-    suffix: Any = None
-    best_of: Any = None
+    prompt: (
+        NonEmptyStr
+        | Annotated[list[int | str | list[int]], Meta(min_length=1, extra_json_schema=_PROMPT_LIST)]
+    )
+    max_tokens: _MaxTokens | None = 16
+    logprobs: sp.Logprobs | None = None
+    echo: _neutral(None, False) = None
+    suffix: _neutral(None, "") = None
+    best_of: _neutral(None, 1) = None
 
 
 class TextPart(_Request, kw_only=True):
@@ -66,7 +114,7 @@ class TextPart(_Request, kw_only=True):
 
 
 class ChatMessage(_Request, kw_only=True):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # validation.CHAT_ROLES
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
@@ -89,15 +137,15 @@ def chat_message_dicts(messages: list[ChatMessage]) -> list[dict]:
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: _MaxTokens | None = None
+    max_completion_tokens: _MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
-    response_format: Any = None
+    top_logprobs: Annotated[sp.Logprobs, Meta(description="needs logprobs: true")] | None = None
+    tools: _neutral(None, []) = None
+    tool_choice: _neutral(None, "none") = None
+    parallel_tool_calls: bool | None = None  # accepted and ignored: no tool calls are made
+    response_format: _neutral(None, {"type": "text"}) = None
 
 
 # Neutral values of the OpenAI fields we accept but do not implement.
@@ -108,9 +156,13 @@ _NEUTRAL: dict[str, tuple] = {
     "best_of": (None, 1),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, True, False),
     "response_format": (None, {"type": "text"}),
 }
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality: 1.0 is 1, but 0 is not false."""
+    return a == b and isinstance(a, bool) == isinstance(b, bool)
 
 
 def unsupported_fields(req: msgspec.Struct) -> list[str]:
@@ -118,7 +170,7 @@ def unsupported_fields(req: msgspec.Struct) -> list[str]:
     return [
         name
         for name, neutral in _NEUTRAL.items()
-        if hasattr(req, name) and not any(getattr(req, name) == v for v in neutral)
+        if hasattr(req, name) and not any(_same(getattr(req, name), v) for v in neutral)
     ]
 
 
@@ -229,9 +281,11 @@ class ModelList(_Body, kw_only=True):
 
 # ---- tokenizer endpoints -----------------------------------------------------------------
 class TokenizeRequest(_Request, kw_only=True):
+    """Exactly one of prompt and messages."""
+
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: NonEmptyStr | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -244,7 +298,7 @@ class TokenizeResponse(_Body, kw_only=True):
 
 class DetokenizeRequest(_Request, kw_only=True):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[sp.TokenId]
 
 
 class DetokenizeResponse(_Body, kw_only=True):

@@ -18,7 +18,8 @@ from inference import InvalidParameterError, SamplingParams
 from service.errors import BadRequest, NotFound
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-_FIELD_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
+_FIELD_PATH = re.compile(r"at `\$\.([^`]+)`")  # `$.messages[0].role` -> messages[0].role
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
 
 
@@ -48,7 +49,13 @@ def decode_body(body: bytes, schema: type[msgspec.Struct]) -> msgspec.Struct:
     """A JSON body as the route's schema says, strictly (a JSON "5" is not the integer 5, as
     the OpenAPI document promises); malformed, mistyped or too deeply nested: BadRequest."""
     try:
-        return msgspec.json.decode(body or b"null", type=schema)
+        try:
+            return msgspec.json.decode(body or b"null", type=schema)
+        except msgspec.ValidationError as exc:
+            if "got `float`" not in str(exc):
+                raise
+            # JSON (and the OpenAPI document) counts 5.0 as an integer; msgspec does not
+            return msgspec.convert(_integral(msgspec.json.decode(body)), schema)
     except RecursionError:
         raise BadRequest("request body is nested too deeply") from None
     except msgspec.ValidationError as exc:
@@ -62,6 +69,16 @@ def decode_body(body: bytes, schema: type[msgspec.Struct]) -> msgspec.Struct:
         raise BadRequest(text, param=param or missing or None) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
+
+
+def _integral(value):
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _integral(v) for k, v in value.items()}
+    return value
 
 
 def check_model(served: str, model: str | None) -> None:
@@ -84,7 +101,8 @@ def sampling_params(**fields) -> SamplingParams:
         if isinstance(cause, InvalidParameterError):
             raise BadRequest(str(cause), param=cause.param) from None
         m = _FIELD_PATH.search(str(exc))
-        raise BadRequest(str(exc).split(" - at ")[0], param=m.group(1) if m else "params") from None
+        param = m.group(1) if m else "params"
+        raise BadRequest(f"{param}: {str(exc).split(' - at ')[0]}", param=param) from None
 
 
 async def text_ids(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -109,8 +127,11 @@ async def chat_ids(
     if not messages:
         raise BadRequest("messages must not be empty", param="messages")
     for i, m in enumerate(messages):
-        if not m.get("role"):
-            raise BadRequest(f"messages[{i}].role must not be empty", param=f"messages[{i}].role")
+        if m.get("role") not in CHAT_ROLES:
+            raise BadRequest(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}",
+                param=f"messages[{i}].role",
+            )
     if not getattr(tokenizer, "chat_template", None):
         raise BadRequest(
             "this model has no chat template; send a plain prompt instead",

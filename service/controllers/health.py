@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from litestar import Controller, Request, Response, get
+from litestar.openapi import ResponseSpec
 
 from service.controllers.common import serving_state
 from service.schemas import HealthResponse, ReadyResponse
@@ -12,7 +13,11 @@ class HealthController(Controller):
     path = "/"
     tags = ("Probes",)
 
-    @get("/health", operation_id="health")
+    @get(
+        "/health",
+        operation_id="health",
+        responses={503: ResponseSpec(HealthResponse, description="The engine has died")},
+    )
     async def health(self, request: Request) -> Response[HealthResponse]:
         """Liveness: 200 while the engine core runs (draining included), 503 once it has died
         (vLLM's behaviour), so that the orchestrator restarts a server that cannot serve."""
@@ -22,7 +27,11 @@ class HealthController(Controller):
             status_code=200 if alive else 503,
         )
 
-    @get("/ready", operation_id="ready")
+    @get(
+        "/ready",
+        operation_id="ready",
+        responses={503: ResponseSpec(ReadyResponse, description="Draining, or the engine died")},
+    )
     async def ready(self, request: Request) -> Response[ReadyResponse]:
         """200 when the model is loaded and the engine loop alive; 503 while draining."""
         state = serving_state(request)

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 from litestar import Controller, Request, Response, get, post
+from litestar.openapi import ResponseSpec
 from litestar.response import Stream
 
 from inference import CompletionOutput
@@ -26,6 +27,7 @@ from service.controllers.common import (
 )
 from service.errors import BadRequest, ServiceError
 from service.generation import Generation, Update
+from service.openapi import errors
 from service.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -166,7 +168,7 @@ class OpenAIController(Controller):
     tags = ("OpenAI",)
     guards = (require_api_key, reject_while_draining)
 
-    @get("/models", operation_id="listModels")
+    @get("/models", operation_id="listModels", responses=errors(401, 503))
     async def list_models(self, request: Request) -> ModelList:
         """The served model."""
         state = serving_state(request)
@@ -185,6 +187,10 @@ class OpenAIController(Controller):
         "/completions",
         operation_id="createCompletion",
         status_code=200,
+        responses={
+            200: ResponseSpec(CompletionResponse, description="The completion, or its SSE chunks"),
+            **errors(400, 401, 404, 413, 429, 503),
+        },
         middleware=[generation_lifecycle("cmpl")],
     )
     async def create_completion(self, request: Request, data: CompletionRequest) -> Response:
@@ -270,6 +276,10 @@ class OpenAIController(Controller):
         "/chat/completions",
         operation_id="createChatCompletion",
         status_code=200,
+        responses={
+            200: ResponseSpec(ChatCompletionResponse, description="The reply, or its SSE chunks"),
+            **errors(400, 401, 404, 413, 429, 503),
+        },
         middleware=[generation_lifecycle("chatcmpl")],
     )
     async def create_chat_completion(

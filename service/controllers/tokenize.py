@@ -10,6 +10,7 @@ from service import validation
 from service.auth import reject_while_draining, require_api_key
 from service.controllers.common import serving_state
 from service.errors import BadRequest
+from service.openapi import errors
 from service.schemas import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -24,7 +25,12 @@ class TokenizeController(Controller):
     tags = ("Tokenizer",)
     guards = (require_api_key, reject_while_draining)
 
-    @post("/tokenize", operation_id="tokenize", status_code=200)
+    @post(
+        "/tokenize",
+        operation_id="tokenize",
+        status_code=200,
+        responses=errors(400, 401, 404, 413, 503),
+    )
     async def tokenize(self, request: Request, data: TokenizeRequest) -> TokenizeResponse:
         """Token ids of a prompt, or of chat messages rendered through the chat template."""
         state = serving_state(request)
@@ -43,14 +49,19 @@ class TokenizeController(Controller):
             count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids
         )
 
-    @post("/detokenize", operation_id="detokenize", status_code=200)
+    @post(
+        "/detokenize",
+        operation_id="detokenize",
+        status_code=200,
+        responses=errors(400, 401, 404, 413, 503),
+    )
     async def detokenize(self, request: Request, data: DetokenizeRequest) -> DetokenizeResponse:
         """Text of a list of token ids."""
         state = serving_state(request)
         validation.check_model(state.model_name, data.model)
         tokenizer = state.engine.tokenizer
-        vocab = max(len(tokenizer), state.engine.args.vocab_size)
-        if any(t < 0 or t >= vocab for t in data.tokens):
+        vocab = state.engine.args.vocab_size  # as for prompts of token ids
+        if any(t >= vocab for t in data.tokens):
             raise BadRequest(f"token ids must be in [0, {vocab})", param="tokens")
         text = await asyncio.to_thread(tokenizer.decode, data.tokens)
         return DetokenizeResponse(prompt=text)

@@ -43,7 +43,10 @@ BAD_JSON_BODIES = [
     pytest.param(COMP, {"prompt": "hi", "max_tokens": 0}, "max_tokens", id="max_tokens-0"),
     pytest.param(COMP, {"prompt": "hi", "max_tokens": -5}, "max_tokens", id="max_tokens-negative"),
     pytest.param(
-        CHAT, {"messages": USER, "max_completion_tokens": 0}, "max_tokens", id="chat-max_tokens-0"
+        CHAT,
+        {"messages": USER, "max_completion_tokens": 0},
+        "max_completion_tokens",
+        id="chat-max_tokens-0",
     ),
     pytest.param(
         COMP, {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens", id="over-max_model_len"

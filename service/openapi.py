@@ -1,0 +1,126 @@
+"""The OpenAPI document served at /schema/openapi.json, made to say what the server does.
+
+Litestar builds the paths and operations (with the error responses each route declares
+through `errors()`). Its schemas of msgspec Structs lose constraints (ranges inside unions,
+minLength, additionalProperties: false, enums of neutral values), so the component schemas
+come from msgspec's own generator instead, which reads the same annotations the decoder
+enforces. On top: the served model's limits (token ids below the vocabulary size, max_tokens
+below the context length), the rules that span fields, the SSE alternative of the streaming
+operations, and bearer auth when an API key is set.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import msgspec
+from litestar import Request
+from litestar.openapi import ResponseSpec
+from litestar.openapi.plugins import JsonRenderPlugin
+
+from service import schemas
+
+_DESCRIPTIONS = {
+    400: "Invalid request: `error.param` names the field",
+    401: "Missing or invalid API key",
+    404: "Unknown model",
+    413: "Body over the size limit",
+    429: "Waiting queue full: retry after the `retry-after` header's seconds",
+    503: "Draining after SIGTERM, or the engine is not running",
+}
+# Rules across fields, which one field's annotation cannot state.
+_STRUCT_RULES = {
+    "TokenizeRequest": {
+        "oneOf": [
+            {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+            {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+        ]
+    },
+    "ChatCompletionRequest": {
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+    },
+}
+_REF = "#/components/schemas/"
+_STREAMED = {
+    "createCompletion": "CompletionResponse",
+    "createChatCompletion": "ChatCompletionChunk",
+}
+
+
+def _event(chunk: str) -> dict:
+    """One SSE event of a stream (before OpenAPI 3.2 a stream's `schema` describes an event):
+    a chunk as JSON, or `[DONE]` to end it."""
+    data = {"contentMediaType": "application/json", "contentSchema": {"$ref": _REF + chunk}}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"type": "string", "anyOf": [{"const": "[DONE]"}, data]}},
+    }
+
+
+def errors(*statuses: int) -> dict[int, ResponseSpec]:
+    """A route's error responses, each in OpenAI's error envelope."""
+    return {
+        s: ResponseSpec(
+            schemas.ErrorResponse, description=_DESCRIPTIONS[s], generate_examples=False
+        )
+        for s in statuses
+    }
+
+
+class TruthfulOpenAPI(JsonRenderPlugin):
+    """Renders Litestar's document with the corrections above (computed once per API-key
+    setting, which tests may flip on a live server)."""
+
+    def __init__(self, vocab_size: int, max_model_len: int) -> None:
+        super().__init__()
+        self._limits = {"TokenId": vocab_size - 1, "MaxTokens": max_model_len - 1}
+        self._rendered: dict[bool, bytes] = {}
+
+    def render(self, request: Request, openapi_schema: dict[str, Any]) -> bytes:
+        secured = bool(request.app.state.serving.settings.api_key)
+        if secured not in self._rendered:
+            document = msgspec.json.decode(msgspec.json.encode(openapi_schema))  # a deep copy
+            self._rendered[secured] = msgspec.json.encode(self._correct(document, secured))
+        return self._rendered[secured]
+
+    def _correct(self, document: dict, secured: bool) -> dict:
+        components = document.setdefault("components", {})
+        structs = [
+            t
+            for _, t in inspect.getmembers(schemas, inspect.isclass)
+            if issubclass(t, msgspec.Struct) and not t.__name__.startswith("_")
+        ]
+        _, found = msgspec.json.schema_components(structs, ref_template=_REF + "{name}")
+        for name, rules in _STRUCT_RULES.items():
+            found[name].update(rules)
+        found["TokenId"] = {"type": "integer", "minimum": 0, "maximum": self._limits["TokenId"]}
+        components["schemas"] = {name: self._limit(s) for name, s in found.items()}
+        if secured:
+            components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path in document.get("paths", {}).values():
+            for operation in path.values():
+                responses = operation.get("responses", {})
+                if secured and "401" in responses:
+                    operation["security"] = [{"bearer": []}]
+                chunk = _STREAMED.get(operation.get("operationId"))
+                if chunk is not None:
+                    responses["200"]["content"]["text/event-stream"] = {"schema": _event(chunk)}
+        return document
+
+    def _limit(self, node: Any) -> Any:
+        """The served model's limits where the schemas name them (titles of
+        inference/sampling_params.py's annotations)."""
+        if isinstance(node, list):
+            return [self._limit(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        title = node.get("title")
+        if title == "TokenId":
+            return {"$ref": _REF + "TokenId"}
+        node = {k: self._limit(v) for k, v in node.items()}
+        if title == "MaxTokens":
+            node["maximum"] = self._limits["MaxTokens"]
+        return node

@@ -1,0 +1,65 @@
+"""Schemathesis hooks for test_service_openapi.py. JSON Schema cannot state that prompt
+tokens + max_tokens fit in the context, or that min_tokens <= max_tokens (the document says
+both in words); a schema-valid generated request that breaks them is brought inside before it
+is sent (every phase calls this hook; generation filters do not run in the coverage phase):
+the prompt is cut (measured by the server's own /tokenize), max_tokens and min_tokens capped.
+Generations are also capped at GENERATE tokens, so that the run stays short on 2 cores."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import schemathesis
+
+URL, KEY = os.environ["MOESERVE_FUZZ_URL"], os.environ["MOESERVE_FUZZ_KEY"]
+MAX_MODEL_LEN = int(os.environ["MOESERVE_FUZZ_MAX_MODEL_LEN"])
+GENERATE = 4
+
+
+def _prompt_tokens(body: dict) -> int | None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        return len(prompt)
+    query = {"prompt": prompt} if isinstance(prompt, str) else {"messages": body.get("messages")}
+    r = httpx.post(f"{URL}/tokenize", json=query, headers={"authorization": f"Bearer {KEY}"})
+    return r.json()["count"] if r.status_code == 200 else None
+
+
+def _int(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == int(value)
+
+
+@schemathesis.hook
+def before_call(ctx, case, kwargs) -> None:
+    body = case.body
+    if (
+        not case.operation.path.endswith("completions")
+        or not isinstance(body, dict)
+        or case.meta is None
+        or not case.meta.generation.mode.is_positive
+    ):
+        return
+    count = _prompt_tokens(body)
+    if count is not None and count >= MAX_MODEL_LEN - GENERATE:  # keep the last message
+        if isinstance(body.get("messages"), list):
+            body["messages"] = body["messages"][-1:]
+        elif isinstance(body.get("prompt"), (str, list)):
+            body["prompt"] = body["prompt"][: MAX_MODEL_LEN // 8]
+        count = _prompt_tokens(body)
+    if count is None or count >= MAX_MODEL_LEN - GENERATE:
+        return
+    room = GENERATE
+    chat = case.operation.path.endswith("chat/completions")
+    keys = ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",)
+    for key in keys:
+        if _int(body.get(key)) and body[key] > room:
+            body[key] = room
+    given = next((body[k] for k in reversed(keys) if _int(body.get(k))), None)
+    max_tokens = given if given is not None else room if chat else 16
+    if chat and given is None:
+        body["max_completion_tokens"] = max_tokens = room
+    if _int(body.get("min_tokens")) and body["min_tokens"] > max_tokens:
+        body["min_tokens"] = max_tokens
