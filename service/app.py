@@ -144,10 +144,7 @@ def create_app(state: ServingState) -> Litestar:
             title="moeserve",
             version="0.1.0",
             path="/schema",
-            render_plugins=[
-                TruthfulOpenAPI(state.engine.args.vocab_size, state.engine.max_model_len),
-                SwaggerRenderPlugin(),
-            ],
+            render_plugins=[TruthfulOpenAPI(), SwaggerRenderPlugin()],
         ),
         debug=False,
         logging_config=None,  # logging is configured once for the process, not by the app

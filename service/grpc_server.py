@@ -1,9 +1,9 @@
 """gRPC API (SPEC section 7): moeserve.v1.Inference on grpc.aio, plus health and reflection.
 
 The servicer (service/grpc_servicer.py) parses and renders; here every method is wrapped
-once: the raw request is parsed (an undecodable message is INVALID_ARGUMENT, never
-INTERNAL), the generation methods get their service.generation.Generation, exceptions map
-to statuses (ServiceError subclasses carry their gRPC code, bad sampling fields name
+once: its SERVER span is opened, the API key checked, the raw request parsed (an
+undecodable message is INVALID_ARGUMENT, never INTERNAL), the generation methods get their
+service.generation.Generation, exceptions map to statuses (ServiceError subclasses carry their gRPC code, bad sampling fields name
 `params.<field>`, anything unexpected is logged and answered INTERNAL), and the
 Generation is finished with the status the caller gets.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -26,17 +26,20 @@ import structlog
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
 
 from service import validation
 from service.auth import check_bearer
-from service.errors import BadRequest, Overloaded, ServiceError
+from service.errors import BadRequest, Overloaded, ServiceError, Unauthorized
 from service.generation import Generation
 from service.grpc_health import ServingHealth
 from service.grpc_servicer import SAMPLING_FIELDS, InferenceServicer
 from service.proto.moeserve.v1 import inference_pb2 as pb
 from service.state import ServingState
 from telemetry.metrics import status_from_grpc
+from telemetry.tracing import extract_context, inject_traceparent
 
 log = structlog.get_logger("service.grpc")
 
@@ -63,20 +66,55 @@ def _status(exc: Exception, method: str) -> tuple[grpc.StatusCode, str, tuple]:
     return grpc.StatusCode.INTERNAL, "internal server error", ()
 
 
+def _open_span(state: ServingState, method: str, context: grpc.aio.ServicerContext) -> Span:
+    """The RPC's SERVER span, continuing the caller's `traceparent` metadata and returned as
+    trailing metadata (OpenTelemetry's aio interceptor would iterate a streaming handler with
+    `async for`; ours write with `context.write`, which it cannot wrap)."""
+    obs = state.observability
+    if not obs.enabled:
+        return INVALID_SPAN
+    span = obs.tracer.start_span(
+        f"{SERVICE_NAME}/{method}",
+        kind=SpanKind.SERVER,
+        attributes={"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": method},
+        context=extract_context(context.invocation_metadata() or ()),
+    )
+    traceparent = inject_traceparent(span)
+    if traceparent:
+        context.set_trailing_metadata((("traceparent", traceparent),))
+    return span
+
+
+def _end_span(span: Span, code: grpc.StatusCode, details: str) -> None:
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details}".rstrip(": ")))
+    span.end()
+
+
+def _authorized(state: ServingState, context: grpc.aio.ServicerContext) -> bool:
+    """`authorization: Bearer KEY` metadata, checked as REST checks it (constant time)."""
+    given = dict(context.invocation_metadata() or ()).get("authorization")
+    return check_bearer(given if isinstance(given, str) else "", state.settings.api_key)
+
+
 def _wrap(state: ServingState, method: str, fn: Callable, request_type) -> Callable:
-    """Parses the raw request, runs the method (with its Generation for the generation
-    methods), turns exceptions into statuses and finishes the Generation with the status
-    sent; cancellation propagates."""
+    """One wrapper per RPC: the server span, the API key, the raw request parsed, the method
+    run (with its Generation for the generation methods), exceptions turned into statuses and
+    the Generation finished with the status sent; cancellation propagates."""
     generation = method in _GENERATION_METHODS
 
     async def handler(raw: bytes, context: grpc.aio.ServicerContext):
-        gen = (
-            Generation(state, "grpc", uuid.uuid4().hex, trace.get_current_span())
-            if generation
-            else None
-        )
+        structlog.contextvars.clear_contextvars()
+        span = _open_span(state, method, context)
+        token = otel_context.attach(trace.set_span_in_context(span))
+        gen = Generation(state, "grpc", uuid.uuid4().hex, span) if generation else None
         code, details, trailing = grpc.StatusCode.OK, "", ()
         try:
+            if not _authorized(state, context):
+                raise Unauthorized(
+                    "missing or invalid API key (metadata 'authorization: Bearer KEY')"
+                )
             try:
                 request = request_type.FromString(raw)
             except DecodeError as exc:
@@ -89,9 +127,6 @@ def _wrap(state: ServingState, method: str, fn: Callable, request_type) -> Calla
             gen.identify(rid, response_id=rid)
             structlog.contextvars.bind_contextvars(request_id=gen.request_id)
             return await fn(request, context, gen)
-        except grpc.aio.AbortError:
-            code = context.code() or grpc.StatusCode.UNKNOWN
-            raise
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
@@ -104,6 +139,8 @@ def _wrap(state: ServingState, method: str, fn: Callable, request_type) -> Calla
         finally:
             if gen is not None:
                 gen.finish(status_from_grpc(code))
+            _end_span(span, code, details)
+            otel_context.detach(token)
         if not context.done():
             await context.abort(code, details, trailing)
 
@@ -130,46 +167,6 @@ def _inference_handler(state: ServingState) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
-class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """`authorization: Bearer KEY` on moeserve.v1.Inference; health and reflection stay open."""
-
-    def __init__(self, api_key: str) -> None:
-        self._api_key = api_key
-        self._prefix = f"/{SERVICE_NAME}/"
-
-    async def intercept_service(
-        self, continuation: Callable[..., Awaitable], details: grpc.HandlerCallDetails
-    ):
-        handler = await continuation(details)
-        if (
-            handler is None
-            or not details.method.startswith(self._prefix)
-            or self._authorized(details)
-        ):
-            return handler
-
-        async def deny(request: bytes, context: grpc.aio.ServicerContext) -> None:
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "missing or invalid API key (metadata 'authorization: Bearer KEY')",
-            )
-
-        make = (
-            grpc.unary_stream_rpc_method_handler
-            if handler.response_streaming
-            else grpc.unary_unary_rpc_method_handler
-        )
-        return make(
-            deny, request_deserializer=None, response_serializer=handler.response_serializer
-        )
-
-    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization" and isinstance(value, str):
-                return check_bearer(value, self._api_key)  # as REST checks it: constant time
-        return False
-
-
 @dataclass
 class _Extras:
     health: ServingHealth
@@ -180,20 +177,11 @@ _EXTRAS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 async def start_grpc_server(
-    state: ServingState,
-    host: str,
-    port: int,
-    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    state: ServingState, host: str, port: int
 ) -> tuple[grpc.aio.Server, int]:
-    """Starts the gRPC server; returns it and the bound port (port 0: a free port).
-    `interceptors` run before the API-key check (server.py passes the telemetry interceptor,
-    service.grpc_telemetry.GrpcTelemetryInterceptor)."""
+    """Starts the gRPC server; returns it and the bound port (port 0: a free port)."""
     settings = state.settings
-    chain = list(interceptors)
-    if settings.api_key:
-        chain.append(_ApiKeyInterceptor(settings.api_key))
     server = grpc.aio.server(
-        interceptors=chain,
         options=[
             ("grpc.max_receive_message_length", settings.max_body_bytes),
             ("grpc.max_send_message_length", MAX_SEND_BYTES),

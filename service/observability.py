@@ -84,7 +84,7 @@ class Observability:
     # ---- requests -------------------------------------------------------------------------
     def request(self, api: str, request_id: str, span: Span | None = None) -> RequestTelemetry:
         """A request's telemetry; `span` is the server span its transport opened (REST: the
-        OpenTelemetryPlugin's, gRPC: grpc_telemetry's), None for a span of its own, which the
+        OpenTelemetryPlugin's, gRPC: grpc_server's), None for a span of its own, which the
         request ends (direct callers, tests)."""
         if not self.enabled:
             return NullRequestTelemetry(request_id)

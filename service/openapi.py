@@ -71,17 +71,22 @@ def errors(*statuses: int) -> dict[int, ResponseSpec]:
 
 
 class TruthfulOpenAPI(JsonRenderPlugin):
-    """Renders Litestar's document with the corrections above (computed once per API-key
-    setting, which tests may flip on a live server)."""
+    """Renders Litestar's document with the corrections above, computed on first use (from
+    the served model) once per API-key setting, which tests may flip on a live server."""
 
-    def __init__(self, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self._limits = {"TokenId": vocab_size - 1, "MaxTokens": max_model_len - 1}
         self._rendered: dict[bool, bytes] = {}
 
     def render(self, request: Request, openapi_schema: dict[str, Any]) -> bytes:
-        secured = bool(request.app.state.serving.settings.api_key)
+        state = request.app.state.serving
+        secured = bool(state.settings.api_key)
         if secured not in self._rendered:
+            engine = state.engine
+            self._limits = {
+                "TokenId": engine.args.vocab_size - 1,
+                "MaxTokens": engine.max_model_len - 1,
+            }
             document = msgspec.json.decode(msgspec.json.encode(openapi_schema))  # a deep copy
             self._rendered[secured] = msgspec.json.encode(self._correct(document, secured))
         return self._rendered[secured]

@@ -21,7 +21,6 @@ from prometheus_client import CollectorRegistry
 
 from inference import AsyncLLMEngine, InvalidParameterError, ModelLoadError
 from service.app import create_app
-from service.grpc_telemetry import GrpcTelemetryInterceptor
 from service.observability import Observability
 from service.settings import Settings
 from service.state import ServingState
@@ -100,12 +99,9 @@ class MoeServer:
         )
         self._uvicorn = _Uvicorn(config)
         if s.grpc_port >= 0:
-            from service.grpc_server import SERVICE_NAME, start_grpc_server
+            from service.grpc_server import start_grpc_server
 
-            interceptors = [GrpcTelemetryInterceptor(obs, SERVICE_NAME)] if obs.enabled else []
-            self._grpc, self.grpc_port = await start_grpc_server(
-                self.state, s.host, s.grpc_port, interceptors
-            )
+            self._grpc, self.grpc_port = await start_grpc_server(self.state, s.host, s.grpc_port)
 
     async def run(self) -> int:
         """Serves until shut down (see `request_shutdown`); returns the exit code."""

@@ -1,13 +1,13 @@
 """OpenAI-compatible /v1 routes: completions, chat completions (JSON or SSE), models.
 
-Each route parses its body into a validation.GenerationInput, runs it through the request's
-service.generation.Generation and renders the updates as OpenAI's JSON or SSE chunks.
+Each route parses its body into a validation.GenerationInput and hands it with a renderer to
+`_respond`, which runs the request's service.generation.Generation and answers with the whole
+response or its SSE chunks (service/controllers/openai_render.py).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -15,8 +15,6 @@ from litestar import Controller, Request, Response, get, post
 from litestar.openapi import ResponseSpec
 from litestar.response import Stream
 
-from inference import CompletionOutput
-from inference.outputs import TokenLogprobs
 from service import validation
 from service.auth import reject_while_draining, require_api_key
 from service.controllers.common import (
@@ -25,30 +23,20 @@ from service.controllers.common import (
     generation_lifecycle,
     serving_state,
 )
+from service.controllers.openai_render import ChatRender, CompletionRender, Render
 from service.errors import BadRequest, ServiceError
-from service.generation import Generation, Update
+from service.generation import Generation
 from service.openapi import errors
 from service.schemas import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
-    ChatTokenLogprob,
-    CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    DeltaMessage,
     ErrorBody,
     ErrorResponse,
     ModelCard,
     ModelList,
     StreamOptions,
-    TopLogprob,
-    Usage,
     chat_message_dicts,
     unsupported_fields,
 )
@@ -58,32 +46,14 @@ from service.validation import GenerationInput
 _encode = msgspec.json.Encoder().encode
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _SAMPLING = (
-    "n",
-    "seed",
-    "temperature",
-    "top_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "top_k",
-    "min_p",
-    "min_tokens",
-    "repetition_penalty",
-    "stop_token_ids",
-    "ignore_eos",
+    *("n", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k"),
+    *("min_p", "min_tokens", "repetition_penalty", "stop_token_ids", "ignore_eos"),
 )
+_GENERATION_ERRORS = errors(400, 401, 404, 413, 429, 503)
 
 
 def _sse(payload: msgspec.Struct) -> bytes:
     return b"data: " + _encode(payload) + b"\n\n"
-
-
-def _usage(update: Update) -> Usage:
-    u = update.usage
-    return Usage(
-        prompt_tokens=u.prompt_tokens,
-        completion_tokens=u.completion_tokens,
-        total_tokens=u.total_tokens,
-    )
 
 
 def _sampling(data: Any, **fields: Any):
@@ -110,57 +80,45 @@ async def _completion_ids(state: ServingState, prompt: str | list[Any]) -> list[
     return validation.token_ids(prompt)
 
 
-class _Render:
-    """Runs one request's Generation and renders it: the whole response once, or SSE chunks
-    with the usage at the end (`include_usage`) or on every chunk (vLLM's
-    `continuous_usage_stats`)."""
+async def _respond(
+    request: Request,
+    gen: Generation,
+    spec: GenerationInput,
+    options: StreamOptions | None,
+    render: Render,
+) -> Response | Stream:
+    """The whole response, or SSE chunks with the usage at the end (`include_usage`) or on
+    every chunk too (vLLM's `continuous_usage_stats`). A stream waits for the first update
+    before answering, so admission errors (429, 503, 400) become HTTP statuses before any SSE
+    byte is sent."""
+    if not spec.stream:
+        return Response(render.whole(await cancel_on_disconnect(request, gen.final(spec))))
+    updates = gen.updates(spec)
+    first = await cancel_on_disconnect(request, updates.__anext__())
+    at_end = bool(options and options.include_usage)
+    every = at_end and bool(options and options.continuous_usage_stats)
 
-    def __init__(self, request: Request, gen: Generation, spec: GenerationInput) -> None:
-        self.request, self.gen, self.spec = request, gen, spec
-        self.created = int(time.time())
-        self.model = serving_state(request).model_name
-        self.decode: Callable[[int], str] = request.app.state.token_text
+    async def body() -> AsyncIterator[bytes]:
+        update = first
+        try:
+            while True:
+                for chunk, usage in render.chunks(update):
+                    yield _sse(render.chunk([chunk], usage if every else None))
+                if update.finished:
+                    break
+                update = await updates.__anext__()
+            if at_end:
+                yield _sse(render.chunk([], render.usage(update.usage)))
+        except ServiceError as exc:  # e.g. the engine died mid-stream: tell the client
+            error = ErrorBody(
+                message=exc.message, type=exc.error_type, param=exc.param, code=exc.code
+            )
+            yield _sse(ErrorResponse(error=error))
+        finally:
+            await updates.aclose()  # client gone: the generation is aborted here
+        yield b"data: [DONE]\n\n"
 
-    async def whole(self) -> Update:
-        return await cancel_on_disconnect(self.request, self.gen.final(self.spec))
-
-    async def stream(
-        self,
-        options: StreamOptions | None,
-        chunks: Callable[[Update], list],
-        with_usage: Callable[[Any, Usage | None], Any],
-    ) -> Stream:
-        """Waits for the first update before answering, so admission errors (429, 503, 400)
-        become HTTP statuses before any SSE byte is sent."""
-        updates = self.gen.updates(self.spec)
-        first = await cancel_on_disconnect(self.request, updates.__anext__())
-        at_end = bool(options and options.include_usage)
-        every = at_end and bool(options and options.continuous_usage_stats)
-
-        async def body() -> AsyncIterator[bytes]:
-            update = first
-            try:
-                while True:
-                    for chunk in chunks(update):
-                        yield _sse(with_usage(chunk, _usage(update) if every else None))
-                    if update.finished:
-                        break
-                    update = await updates.__anext__()
-                if at_end:
-                    yield _sse(with_usage(None, _usage(update)))
-            except ServiceError as exc:  # e.g. the engine died mid-stream: tell the client
-                yield _sse(
-                    ErrorResponse(
-                        error=ErrorBody(
-                            message=exc.message, type=exc.error_type, param=exc.param, code=exc.code
-                        )
-                    )
-                )
-            finally:
-                await updates.aclose()  # client gone: the generation is aborted here
-            yield b"data: [DONE]\n\n"
-
-        return Stream(body(), media_type="text/event-stream", headers=_SSE_HEADERS)
+    return Stream(body(), media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
 class OpenAIController(Controller):
@@ -172,16 +130,13 @@ class OpenAIController(Controller):
     async def list_models(self, request: Request) -> ModelList:
         """The served model."""
         state = serving_state(request)
-        return ModelList(
-            data=[
-                ModelCard(
-                    id=state.model_name,
-                    created=request.app.state.started_at,
-                    root=state.model_name,
-                    max_model_len=state.engine.max_model_len,
-                )
-            ]
+        card = ModelCard(
+            id=state.model_name,
+            created=request.app.state.started_at,
+            root=state.model_name,
+            max_model_len=state.engine.max_model_len,
         )
+        return ModelList(data=[card])
 
     @post(
         "/completions",
@@ -189,7 +144,7 @@ class OpenAIController(Controller):
         status_code=200,
         responses={
             200: ResponseSpec(CompletionResponse, description="The completion, or its SSE chunks"),
-            **errors(400, 401, 404, 413, 429, 503),
+            **_GENERATION_ERRORS,
         },
         middleware=[generation_lifecycle("cmpl")],
     )
@@ -197,80 +152,12 @@ class OpenAIController(Controller):
         """Text completion (OpenAI `/v1/completions`), JSON or SSE."""
         state, gen = serving_state(request), generation(request)
         validation.check_model(state.model_name, data.model)
-        params = _sampling(
-            data,
-            max_tokens=data.max_tokens if data.max_tokens is not None else 16,
-            logprobs=data.logprobs,
-        )
-        spec = GenerationInput(
-            await _completion_ids(state, data.prompt), params, "text_completion", bool(data.stream)
-        )
-        render = _Render(request, gen, spec)
-        offsets = [0] * params.n
-
-        def logprobs(
-            c: CompletionOutput, entries: list[TokenLogprobs]
-        ) -> CompletionLogprobs | None:
-            if data.logprobs is None:
-                return None
-            tokens = [render.decode(e.token_id) for e in entries]
-            text_offset = []
-            for t in tokens:
-                text_offset.append(offsets[c.index])
-                offsets[c.index] += len(t)
-            return CompletionLogprobs(
-                tokens=tokens,
-                token_logprobs=[e.logprob for e in entries],
-                top_logprobs=[
-                    {render.decode(t.token_id): t.logprob for t in e.top} for e in entries
-                ],
-                text_offset=text_offset,
-            )
-
-        def response(choices: list[CompletionChoice], usage: Usage | None) -> CompletionResponse:
-            return CompletionResponse(
-                id=gen.response_id,
-                created=render.created,
-                model=render.model,
-                choices=choices,
-                usage=usage,
-            )
-
-        if not data.stream:
-            final = await render.whole()
-            return Response(
-                response(
-                    [
-                        CompletionChoice(
-                            index=c.index,
-                            text=c.text,
-                            logprobs=logprobs(c, c.logprobs or []),
-                            finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason,
-                        )
-                        for c in final.output.outputs
-                    ],
-                    _usage(final),
-                )
-            )
-
-        def chunks(update: Update) -> list[CompletionChoice]:
-            return [
-                CompletionChoice(
-                    index=c.index,
-                    text=c.delta_text,
-                    logprobs=logprobs(c, c.delta_logprobs),
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                )
-                for c in update.choices
-            ]
-
-        return await render.stream(
-            data.stream_options,
-            chunks,
-            lambda choice, usage: response([choice] if choice else [], usage),
-        )
+        max_tokens = data.max_tokens if data.max_tokens is not None else 16
+        params = _sampling(data, max_tokens=max_tokens, logprobs=data.logprobs)
+        ids = await _completion_ids(state, data.prompt)
+        spec = GenerationInput(ids, params, "text_completion", data.stream)
+        render = CompletionRender(request, gen.response_id, params.n, data.logprobs is not None)
+        return await _respond(request, gen, spec, data.stream_options, render)
 
     @post(
         "/chat/completions",
@@ -278,7 +165,7 @@ class OpenAIController(Controller):
         status_code=200,
         responses={
             200: ResponseSpec(ChatCompletionResponse, description="The reply, or its SSE chunks"),
-            **errors(400, 401, 404, 413, 429, 503),
+            **_GENERATION_ERRORS,
         },
         middleware=[generation_lifecycle("chatcmpl")],
     )
@@ -291,96 +178,12 @@ class OpenAIController(Controller):
         if data.top_logprobs is not None and not data.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
         ids = await validation.chat_ids(state.engine.tokenizer, chat_message_dicts(data.messages))
-        max_tokens = (
-            data.max_completion_tokens
-            if data.max_completion_tokens is not None
-            else data.max_tokens
+        max_tokens = next(
+            (m for m in (data.max_completion_tokens, data.max_tokens) if m is not None),
+            max(state.engine.max_model_len - len(ids), 1),  # OpenAI's default: the context
         )
-        if max_tokens is None:  # OpenAI's default: up to the context length
-            max_tokens = max(state.engine.max_model_len - len(ids), 1)
-        params = _sampling(
-            data,
-            max_tokens=max_tokens,
-            logprobs=(data.top_logprobs or 0) if data.logprobs else None,
-        )
-        render = _Render(request, gen, GenerationInput(ids, params, "chat", bool(data.stream)))
-
-        def logprobs(entries: list[TokenLogprobs]) -> ChatLogprobs | None:
-            if not data.logprobs:
-                return None
-
-            def top(token_id: int, lp: float) -> TopLogprob:
-                text = render.decode(token_id)
-                return TopLogprob(token=text, logprob=lp, bytes=list(text.encode()))
-
-            return ChatLogprobs(
-                content=[
-                    ChatTokenLogprob(
-                        token=(t := top(e.token_id, e.logprob)).token,
-                        logprob=t.logprob,
-                        bytes=t.bytes,
-                        top_logprobs=[top(x.token_id, x.logprob) for x in e.top],
-                    )
-                    for e in entries
-                ]
-            )
-
-        def response(choices: list, usage: Usage | None, chunk: bool = False):
-            kind = ChatCompletionChunk if chunk else ChatCompletionResponse
-            return kind(
-                id=gen.response_id,
-                created=render.created,
-                model=render.model,
-                choices=choices,
-                usage=usage,
-            )
-
-        if not data.stream:
-            final = await render.whole()
-            return Response(
-                response(
-                    [
-                        ChatChoice(
-                            index=c.index,
-                            message=AssistantMessage(content=c.text),
-                            logprobs=logprobs(c.logprobs or []),
-                            finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason,
-                        )
-                        for c in final.output.outputs
-                    ],
-                    _usage(final),
-                )
-            )
-
-        opened: set[int] = set()
-
-        def chunks(update: Update) -> list[ChatChunkChoice]:
-            new = {c.index: c for c in update.choices}
-            result = []
-            for index in (c.index for c in update.output.outputs):
-                if index not in opened:  # OpenAI opens each choice with the role
-                    opened.add(index)
-                    result.append(
-                        ChatChunkChoice(
-                            index=index, delta=DeltaMessage(role="assistant", content="")
-                        )
-                    )
-                c = new.get(index)
-                if c is not None:
-                    delta = DeltaMessage(content=c.delta_text) if c.delta_text else DeltaMessage()
-                    result.append(
-                        ChatChunkChoice(
-                            index=index,
-                            delta=delta,
-                            logprobs=logprobs(c.delta_logprobs),
-                            finish_reason=c.finish_reason,
-                        )
-                    )
-            return result
-
-        return await render.stream(
-            data.stream_options,
-            chunks,
-            lambda choice, usage: response([choice] if choice else [], usage, chunk=True),
-        )
+        logprobs = (data.top_logprobs or 0) if data.logprobs else None
+        params = _sampling(data, max_tokens=max_tokens, logprobs=logprobs)
+        spec = GenerationInput(ids, params, "chat", data.stream)
+        render = ChatRender(request, gen.response_id, data.logprobs)
+        return await _respond(request, gen, spec, data.stream_options, render)

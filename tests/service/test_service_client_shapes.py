@@ -292,10 +292,6 @@ def test_client_shape_with_an_undefined_field_is_refused(http, model_name, shape
     assert r.json()["error"]["param"] == "frobnicate", r.json()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="moeserve counts the first sampled token on the role chunk; vLLM reports 0 there",
-)
 def test_continuous_usage_on_the_role_chunk_counts_no_completion_token(http, model_name):
     """vLLM (vllm/entrypoints/openai/chat_completion/serving.py @5e918640d7b6,
     chat_completion_stream_generator): the first chunk, `delta: {role, content: ""}`, carries

@@ -1,0 +1,195 @@
+"""Generation updates (service/generation.py) as OpenAI's response bodies: the whole response,
+or the per-choice chunks of a stream with their usage, and the logprobs of each."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from litestar import Request
+
+from inference.outputs import TokenLogprobs
+from service import generation
+from service.controllers.common import serving_state
+from service.generation import Update
+from service.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    TopLogprob,
+    Usage,
+)
+
+
+class Render:
+    """What both endpoints' renderers share: the response's id, time and model."""
+
+    def __init__(self, request: Request, response_id: str) -> None:
+        self.response_id, self.created = response_id, int(time.time())
+        self.model = serving_state(request).model_name
+        self.decode: Callable[[int], str] = request.app.state.token_text
+
+    @staticmethod
+    def usage(u: generation.Usage) -> Usage:
+        return Usage(
+            prompt_tokens=u.prompt_tokens,
+            completion_tokens=u.completion_tokens,
+            total_tokens=u.total_tokens,
+        )
+
+    def whole(self, final: Update):
+        raise NotImplementedError
+
+    def chunks(self, update: Update) -> list[tuple[object, Usage]]:
+        """The stream's chunk choices for one update, each with the usage it reports."""
+        raise NotImplementedError
+
+    def chunk(self, choices: list, usage: Usage | None):
+        raise NotImplementedError
+
+
+class CompletionRender(Render):
+    def __init__(self, request: Request, response_id: str, n: int, logprobs: bool) -> None:
+        super().__init__(request, response_id)
+        self.logprobs = logprobs
+        self.offsets = [0] * n  # text_offset of each choice's next token
+
+    def _logprobs(self, index: int, entries: list[TokenLogprobs]) -> CompletionLogprobs | None:
+        if not self.logprobs:
+            return None
+        tokens = [self.decode(e.token_id) for e in entries]
+        text_offset = []
+        for t in tokens:
+            text_offset.append(self.offsets[index])
+            self.offsets[index] += len(t)
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[e.logprob for e in entries],
+            top_logprobs=[{self.decode(t.token_id): t.logprob for t in e.top} for e in entries],
+            text_offset=text_offset,
+        )
+
+    def whole(self, final: Update) -> CompletionResponse:
+        choices = [
+            CompletionChoice(
+                index=c.index,
+                text=c.text,
+                logprobs=self._logprobs(c.index, c.logprobs or []),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in final.output.outputs
+        ]
+        return self.chunk(choices, self.usage(final.usage))
+
+    def chunks(self, update: Update) -> list[tuple[CompletionChoice, Usage]]:
+        usage = self.usage(update.usage)
+        return [
+            (
+                CompletionChoice(
+                    index=c.index,
+                    text=c.delta_text,
+                    logprobs=self._logprobs(c.index, c.delta_logprobs),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                ),
+                usage,
+            )
+            for c in update.choices
+        ]
+
+    def chunk(self, choices: list, usage: Usage | None) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+        )
+
+
+class ChatRender(Render):
+    def __init__(self, request: Request, response_id: str, logprobs: bool) -> None:
+        super().__init__(request, response_id)
+        self.logprobs = logprobs
+        self.opened: set[int] = set()  # choices whose role chunk has gone out
+
+    def _top(self, token_id: int, logprob: float) -> TopLogprob:
+        text = self.decode(token_id)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+    def _logprobs(self, entries: list[TokenLogprobs]) -> ChatLogprobs | None:
+        if not self.logprobs:
+            return None
+        content = []
+        for e in entries:
+            t = self._top(e.token_id, e.logprob)
+            top = [self._top(x.token_id, x.logprob) for x in e.top]
+            content.append(
+                ChatTokenLogprob(token=t.token, logprob=t.logprob, bytes=t.bytes, top_logprobs=top)
+            )
+        return ChatLogprobs(content=content)
+
+    def whole(self, final: Update) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(
+                index=c.index,
+                message=AssistantMessage(content=c.text),
+                logprobs=self._logprobs(c.logprobs or []),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in final.output.outputs
+        ]
+        return ChatCompletionResponse(
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=self.usage(final.usage),
+        )
+
+    def chunks(self, update: Update) -> list[tuple[ChatChunkChoice, Usage]]:
+        """OpenAI opens each choice with a chunk of the role, which reports no completion
+        token yet (as vLLM does)."""
+        usage = self.usage(update.usage)
+        opening = Usage(
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=0,
+            total_tokens=usage.prompt_tokens,
+        )
+        new = {c.index: c for c in update.choices}
+        result = []
+        for index in (c.index for c in update.output.outputs):
+            if index not in self.opened:
+                self.opened.add(index)
+                role = DeltaMessage(role="assistant", content="")
+                result.append((ChatChunkChoice(index=index, delta=role), opening))
+            c = new.get(index)
+            if c is not None:
+                delta = DeltaMessage(content=c.delta_text) if c.delta_text else DeltaMessage()
+                choice = ChatChunkChoice(
+                    index=index,
+                    delta=delta,
+                    logprobs=self._logprobs(c.delta_logprobs),
+                    finish_reason=c.finish_reason,
+                )
+                result.append((choice, usage))
+        return result
+
+    def chunk(self, choices: list, usage: Usage | None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+        )
