@@ -14,7 +14,7 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanContext, SpanKind
 
-from service.request_telemetry import NullRequestTelemetry, RequestTelemetry
+from service.request_telemetry import RequestTelemetry
 from telemetry.metrics import ServiceMetrics
 from telemetry.tracing import get_tracer, record_step_span
 
@@ -86,9 +86,8 @@ class Observability:
         """A request's telemetry; `span` is the server span its transport opened (REST: the
         OpenTelemetryPlugin's, gRPC: grpc_server's), None for a span of its own, which the
         request ends (direct callers, tests)."""
-        if not self.enabled:
-            return NullRequestTelemetry(request_id)
-        if span is not None:
+        if span is not None or not self.enabled:  # disabled: a span that records nothing
+            span = span if span is not None else trace.INVALID_SPAN
             return RequestTelemetry(self, api, request_id, span, owns_span=False)
         parent = trace.get_current_span().get_span_context()
         kind = SpanKind.INTERNAL if parent.is_valid else SpanKind.SERVER

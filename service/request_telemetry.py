@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
+from opentelemetry.trace import Span, Status, StatusCode
 
 from telemetry.logging import get_logger
-from telemetry.requests import finish_request, merged_times
+from telemetry.requests import finish_request, finish_unserved_request, merged_times
 from telemetry.tracing import genai_request_attributes, genai_response_attributes, genai_span_name
 
 if TYPE_CHECKING:
@@ -112,6 +112,8 @@ class RequestTelemetry:
         if self.done:
             return
         self.done = True
+        if not self.obs.enabled:
+            return
         try:
             self._finish(self.failed_status or status)
         except Exception:  # telemetry must never fail a request
@@ -136,29 +138,22 @@ class RequestTelemetry:
             finish_reason = (
                 "abort" if self.engine_request_id is not None and self.abandoned else None
             )
-            if obs.metrics is not None:
-                obs.metrics.count_request(self.api, status, finish_reason)
             num_prompt = len(self.prompt_ids) if self.prompt_ids is not None else 0
-            ids = _ids(span)
             if span.is_recording() and self.engine_request_id is not None:
                 span.set_attributes(
                     genai_response_attributes(input_tokens=num_prompt, output_tokens=0)
                 )
             if obs.log_prompts:
                 extra["prompt"] = self._prompt_text()
-            log.info(
-                "request finished",
-                request_id=self.request_id,
+            finish_unserved_request(
+                span,
                 api=self.api,
-                prompt_tokens=num_prompt,
-                completion_tokens=0,
-                queue_ms=None,
-                ttft_ms=None,
-                tpot_ms=None,
-                e2e_ms=None,
-                finish_reason=finish_reason or "none",
+                request_id=self.request_id,
+                num_prompt_tokens=num_prompt,
+                finish_reason=finish_reason,
                 status=status,
-                **ids,
+                metrics=obs.metrics,
+                logger=log,
                 **extra,
             )
             return
@@ -194,29 +189,3 @@ class RequestTelemetry:
         if ids is None or self.obs.decode is None:
             return None
         return self.obs.decode(ids)
-
-
-class NullRequestTelemetry(RequestTelemetry):
-    """Telemetry off: every hook is a no-op."""
-
-    def __init__(self, request_id: str) -> None:
-        super().__init__(None, "", request_id, INVALID_SPAN, owns_span=False)  # type: ignore[arg-type]
-
-    def admit(self, engine_request_id: str, spec: Any, log_context: dict) -> dict:
-        return {**log_context, "request_id": self.request_id}
-
-    def observe(self, output: Any) -> None:
-        pass
-
-    def fail(self, exc: BaseException | None, status: str) -> None:
-        pass
-
-    def finish(self, status: str) -> None:
-        pass
-
-
-def _ids(span: Span) -> dict[str, str]:
-    ctx = span.get_span_context()
-    if not ctx.is_valid:
-        return {}
-    return {"trace_id": format(ctx.trace_id, "032x"), "span_id": format(ctx.span_id, "016x")}

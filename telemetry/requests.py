@@ -76,6 +76,43 @@ def finish_request(
     return latencies
 
 
+def finish_unserved_request(
+    span: Span,
+    *,
+    api: str,
+    request_id: str,
+    num_prompt_tokens: int,
+    finish_reason: str | None,
+    status: str,
+    metrics: ServiceMetrics | None = None,
+    logger: Any = None,
+    **log_fields: Any,
+) -> None:
+    """Record a request that never produced an output (rejected, invalid, aborted while
+    queued): counted, and one summary line with no latencies."""
+    if metrics is not None:
+        metrics.count_request(api, status, finish_reason)
+    ctx = span.get_span_context()
+    ids: dict[str, str] = {}
+    if ctx.is_valid:
+        ids = {"trace_id": format(ctx.trace_id, "032x"), "span_id": format(ctx.span_id, "016x")}
+    (logger or _log).info(
+        "request finished",
+        request_id=request_id,
+        api=api,
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=0,
+        queue_ms=None,
+        ttft_ms=None,
+        tpot_ms=None,
+        e2e_ms=None,
+        finish_reason=finish_reason or "none",
+        status=status,
+        **ids,
+        **log_fields,
+    )
+
+
 def merged_times(outputs: list[Any]) -> Any:
     """One RequestTimes for the request: the sample's own, or for n > 1 the envelope of
     all samples (earliest start and first token, latest finish, preemptions summed)."""

@@ -23,7 +23,7 @@ from service.controllers.common import (
     generation_lifecycle,
     serving_state,
 )
-from service.controllers.openai_render import ChatRender, CompletionRender, Render
+from service.controllers.openai_render import ChatRender, CompletionRender
 from service.errors import BadRequest, ServiceError
 from service.generation import Generation
 from service.openapi import errors
@@ -85,7 +85,7 @@ async def _respond(
     gen: Generation,
     spec: GenerationInput,
     options: StreamOptions | None,
-    render: Render,
+    render: CompletionRender | ChatRender,
 ) -> Response | Stream:
     """The whole response, or SSE chunks with the usage at the end (`include_usage`) or on
     every chunk too (vLLM's `continuous_usage_stats`). A stream waits for the first update

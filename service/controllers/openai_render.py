@@ -30,7 +30,9 @@ from service.schemas import (
 
 
 class Render:
-    """What both endpoints' renderers share: the response's id, time and model."""
+    """What both renderers share: the response's id, time and model. Each renders `whole`
+    (the final update as the response), `chunks` (an update as the stream's chunk choices,
+    each with the usage it reports) and `chunk` (choices and usage as one SSE chunk)."""
 
     def __init__(self, request: Request, response_id: str) -> None:
         self.response_id, self.created = response_id, int(time.time())
@@ -44,16 +46,6 @@ class Render:
             completion_tokens=u.completion_tokens,
             total_tokens=u.total_tokens,
         )
-
-    def whole(self, final: Update):
-        raise NotImplementedError
-
-    def chunks(self, update: Update) -> list[tuple[object, Usage]]:
-        """The stream's chunk choices for one update, each with the usage it reports."""
-        raise NotImplementedError
-
-    def chunk(self, choices: list, usage: Usage | None):
-        raise NotImplementedError
 
 
 class CompletionRender(Render):
