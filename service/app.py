@@ -23,7 +23,7 @@ from service.controllers.openai import OpenAIController
 from service.controllers.tokenize import TokenizeController
 from service.errors import Overloaded, ServiceError
 from service.openapi import TruthfulOpenAPI
-from service.schemas import ErrorBody, ErrorResponse
+from service.responses import ErrorBody, ErrorResponse
 from service.state import ServingState
 from telemetry.tracing import inject_traceparent
 

@@ -19,6 +19,7 @@ from litestar import Request
 from litestar.openapi import ResponseSpec
 from litestar.openapi.plugins import JsonRenderPlugin
 
+from service import responses as response_bodies
 from service import schemas
 
 _DESCRIPTIONS = {
@@ -64,7 +65,7 @@ def errors(*statuses: int) -> dict[int, ResponseSpec]:
     """A route's error responses, each in OpenAI's error envelope."""
     return {
         s: ResponseSpec(
-            schemas.ErrorResponse, description=_DESCRIPTIONS[s], generate_examples=False
+            response_bodies.ErrorResponse, description=_DESCRIPTIONS[s], generate_examples=False
         )
         for s in statuses
     }
@@ -95,7 +96,8 @@ class TruthfulOpenAPI(JsonRenderPlugin):
         components = document.setdefault("components", {})
         structs = [
             t
-            for _, t in inspect.getmembers(schemas, inspect.isclass)
+            for module in (schemas, response_bodies)
+            for _, t in inspect.getmembers(module, inspect.isclass)
             if issubclass(t, msgspec.Struct) and not t.__name__.startswith("_")
         ]
         _, found = msgspec.json.schema_components(structs, ref_template=_REF + "{name}")

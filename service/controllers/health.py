@@ -6,7 +6,7 @@ from litestar import Controller, Request, Response, get
 from litestar.openapi import ResponseSpec
 
 from service.controllers.common import serving_state
-from service.schemas import HealthResponse, ReadyResponse
+from service.responses import HealthResponse, ReadyResponse
 
 
 class HealthController(Controller):

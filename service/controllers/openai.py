@@ -27,15 +27,17 @@ from service.controllers.openai_render import ChatRender, CompletionRender
 from service.errors import BadRequest, ServiceError
 from service.generation import Generation
 from service.openapi import errors
-from service.schemas import (
-    ChatCompletionRequest,
+from service.responses import (
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
     ErrorBody,
     ErrorResponse,
     ModelCard,
     ModelList,
+)
+from service.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
     StreamOptions,
     chat_message_dicts,
     unsupported_fields,

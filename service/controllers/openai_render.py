@@ -12,7 +12,7 @@ from inference.outputs import TokenLogprobs
 from service import generation
 from service.controllers.common import serving_state
 from service.generation import Update
-from service.schemas import (
+from service.responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,

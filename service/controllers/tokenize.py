@@ -11,13 +11,8 @@ from service.auth import reject_while_draining, require_api_key
 from service.controllers.common import serving_state
 from service.errors import BadRequest
 from service.openapi import errors
-from service.schemas import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    TokenizeRequest,
-    TokenizeResponse,
-    chat_message_dicts,
-)
+from service.responses import DetokenizeResponse, TokenizeResponse
+from service.schemas import DetokenizeRequest, TokenizeRequest, chat_message_dicts
 
 
 class TokenizeController(Controller):

@@ -1,0 +1,151 @@
+"""OpenAI-compatible response bodies (msgspec Structs), and those of the probes and errors."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class _Body(msgspec.Struct, kw_only=True):
+    pass
+
+
+class Usage(_Body, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(_Body, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float | None]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Body, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(_Body, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(_Body, kw_only=True):
+    token: str
+    logprob: float | None
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(_Body, kw_only=True):
+    token: str
+    logprob: float | None
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Body, kw_only=True):
+    content: list[ChatTokenLogprob] | None
+
+
+class AssistantMessage(_Body, kw_only=True):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Body, kw_only=True):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(_Body, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class DeltaMessage(_Body, kw_only=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Body, kw_only=True):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Body, kw_only=True):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Body, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "moeserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Body, kw_only=True):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+# ---- tokenizer endpoints -----------------------------------------------------------------
+class TokenizeResponse(_Body, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Body, kw_only=True):
+    prompt: str
+
+
+# ---- errors and probes -------------------------------------------------------------------
+class ErrorBody(_Body, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(_Body, kw_only=True):
+    error: ErrorBody
+
+
+class HealthResponse(_Body, kw_only=True):
+    status: str
+    engine_alive: bool
+
+
+class ReadyResponse(_Body, kw_only=True):
+    status: str  # ready | draining | engine_dead
+    model: str
+    num_running: int
+    num_waiting: int
+    in_flight: int
+    kv_usage: float
+    kv_blocks_used: int
