@@ -59,16 +59,28 @@ def decode_body(body: bytes, schema: type[msgspec.Struct]) -> msgspec.Struct:
     except RecursionError:
         raise BadRequest("request body is nested too deeply") from None
     except msgspec.ValidationError as exc:
-        text = str(exc)
-        if text == "Expected `object`, got `null`":
+        if str(exc) == "Expected `object`, got `null`":
             raise BadRequest("request body is required (a JSON object)") from None
-        unknown = _UNKNOWN_FIELD.search(text)
-        field = _FIELD_PATH.search(text)
-        param = unknown.group(1) if unknown else field.group(1) if field else None
-        missing = text.partition("missing required field `")[2].rstrip("`")
-        raise BadRequest(text, param=param or missing or None) from None
+        raise _field_error(exc, None) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
+
+
+def _field_error(exc: msgspec.ValidationError, fallback: str | None) -> BadRequest:
+    """A msgspec validation error as a BadRequest naming the field: an unknown one, the path
+    of a mistyped or out-of-range value (`messages[0].role`), a missing one, else `fallback`."""
+    cause = exc.__cause__
+    if isinstance(cause, InvalidParameterError):  # a SamplingParams rule across fields
+        return BadRequest(str(cause), param=cause.param)
+    text = str(exc)
+    unknown = _UNKNOWN_FIELD.search(text)
+    if unknown:
+        return BadRequest(text, param=unknown.group(1))
+    path = _FIELD_PATH.search(text)
+    if path:
+        return BadRequest(f"{path.group(1)}: {text.split(' - at ')[0]}", param=path.group(1))
+    missing = text.partition("missing required field `")[2].rstrip("`")
+    return BadRequest(text, param=missing or fallback)
 
 
 def _integral(value):
@@ -97,12 +109,7 @@ def sampling_params(**fields) -> SamplingParams:
     try:
         return msgspec.convert(values, SamplingParams)
     except msgspec.ValidationError as exc:
-        cause = exc.__cause__
-        if isinstance(cause, InvalidParameterError):
-            raise BadRequest(str(cause), param=cause.param) from None
-        m = _FIELD_PATH.search(str(exc))
-        param = m.group(1) if m else "params"
-        raise BadRequest(f"{param}: {str(exc).split(' - at ')[0]}", param=param) from None
+        raise _field_error(exc, "params") from None
 
 
 async def text_ids(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -111,7 +118,7 @@ async def text_ids(tokenizer, text: str, add_special_tokens: bool = True) -> lis
     return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
 
-def token_ids(prompt: list, vocab_size: int | None = None) -> list[int]:
+def token_ids(prompt: list) -> list[int]:
     """A prompt given as token ids."""
     if not prompt:
         raise BadRequest("prompt must not be empty", param="prompt")
