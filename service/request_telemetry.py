@@ -14,7 +14,12 @@ from opentelemetry.trace import Span, Status, StatusCode
 
 from telemetry.logging import get_logger
 from telemetry.requests import finish_request, finish_unserved_request, merged_times
-from telemetry.tracing import genai_request_attributes, genai_response_attributes, genai_span_name
+from telemetry.tracing import (
+    genai_request_attributes,
+    genai_response_attributes,
+    genai_span_name,
+    span_ids,
+)
 
 if TYPE_CHECKING:
     from service.observability import Observability
@@ -50,12 +55,11 @@ class RequestTelemetry:
         context = {**log_context, "request_id": self.request_id, "api": self.api}
         try:
             self._describe(engine_request_id, spec.params, spec.operation, spec.stream)
-            ctx = self.span.get_span_context()
-            if ctx.is_valid:
-                context["trace_id"] = format(ctx.trace_id, "032x")
-                context["span_id"] = format(ctx.span_id, "016x")
+            ids = span_ids(self.span)
+            if ids is not None:
+                context["trace_id"], context["span_id"] = ids
                 if len(self.obs.live) < MAX_LIVE_SPANS:
-                    self.obs.live[engine_request_id] = ctx
+                    self.obs.live[engine_request_id] = self.span.get_span_context()
         except Exception:  # telemetry must never fail a request
             log.exception("request telemetry failed", request_id=self.request_id)
         return context

@@ -11,7 +11,7 @@ from opentelemetry.trace import Span, Tracer
 
 from telemetry.logging import get_logger
 from telemetry.metrics import RequestLatencies, ServiceMetrics, request_latencies
-from telemetry.tracing import genai_response_attributes, record_request_phases
+from telemetry.tracing import genai_response_attributes, record_request_phases, span_ids
 
 __all__ = ["finish_request", "merged_times"]
 
@@ -49,29 +49,32 @@ def finish_request(
             output_tokens=num_output_tokens,
         )
     )
-    ctx = span.get_span_context()
-    ids: dict[str, str] = {}
-    if ctx.is_valid:
-        ids = {"trace_id": format(ctx.trace_id, "032x"), "span_id": format(ctx.span_id, "016x")}
+    ids = span_ids(span)
     if metrics is not None:
         # Exemplars only for sampled traces: an unsampled id leads nowhere in Tempo.
-        exemplar_id = ids.get("trace_id") if ctx.trace_flags.sampled else None
+        sampled = ids is not None and span.get_span_context().trace_flags.sampled
         latencies = metrics.observe_request(
-            api, times, num_prompt_tokens, num_output_tokens, finish_reason, status, exemplar_id
+            api,
+            times,
+            num_prompt_tokens,
+            num_output_tokens,
+            finish_reason,
+            status,
+            ids[0] if sampled else None,
         )
     else:
         latencies = request_latencies(times, num_output_tokens)
-    (logger or _log).info(
-        "request finished",
-        request_id=request_id,
-        api=api,
-        prompt_tokens=num_prompt_tokens,
-        completion_tokens=num_output_tokens,
-        **latencies.log_fields(),
-        finish_reason=finish_reason or "none",
-        status=status,
-        **ids,
-        **log_fields,
+    _summary_line(
+        logger,
+        span,
+        request_id,
+        api,
+        num_prompt_tokens,
+        num_output_tokens,
+        latencies.log_fields(),
+        finish_reason,
+        status,
+        log_fields,
     )
     return latencies
 
@@ -92,23 +95,45 @@ def finish_unserved_request(
     queued): counted, and one summary line with no latencies."""
     if metrics is not None:
         metrics.count_request(api, status, finish_reason)
-    ctx = span.get_span_context()
-    ids: dict[str, str] = {}
-    if ctx.is_valid:
-        ids = {"trace_id": format(ctx.trace_id, "032x"), "span_id": format(ctx.span_id, "016x")}
+    _summary_line(
+        logger,
+        span,
+        request_id,
+        api,
+        num_prompt_tokens,
+        0,
+        RequestLatencies(None, None, None, None).log_fields(),
+        finish_reason,
+        status,
+        log_fields,
+    )
+
+
+def _summary_line(
+    logger: Any,
+    span: Span,
+    request_id: str,
+    api: str,
+    num_prompt_tokens: int,
+    num_output_tokens: int,
+    latencies: dict[str, float | None],
+    finish_reason: str | None,
+    status: str,
+    log_fields: dict[str, Any],
+) -> None:
+    """The one "request finished" line; it names the span's trace and span ids itself, so it
+    may be written from any thread or task."""
+    ids = span_ids(span)
     (logger or _log).info(
         "request finished",
         request_id=request_id,
         api=api,
         prompt_tokens=num_prompt_tokens,
-        completion_tokens=0,
-        queue_ms=None,
-        ttft_ms=None,
-        tpot_ms=None,
-        e2e_ms=None,
+        completion_tokens=num_output_tokens,
+        **latencies,
         finish_reason=finish_reason or "none",
         status=status,
-        **ids,
+        **({"trace_id": ids[0], "span_id": ids[1]} if ids else {}),
         **log_fields,
     )
 
