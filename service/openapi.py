@@ -83,51 +83,52 @@ class TruthfulOpenAPI(JsonRenderPlugin):
         state = request.app.state.serving
         secured = bool(state.settings.api_key)
         if secured not in self._rendered:
-            engine = state.engine
-            self._limits = {
-                "TokenId": engine.args.vocab_size - 1,
-                "MaxTokens": engine.max_model_len - 1,
+            limits = {
+                "TokenId": state.engine.args.vocab_size - 1,
+                "MaxTokens": state.engine.max_model_len - 1,
             }
             document = msgspec.json.decode(msgspec.json.encode(openapi_schema))  # a deep copy
-            self._rendered[secured] = msgspec.json.encode(self._correct(document, secured))
+            self._rendered[secured] = msgspec.json.encode(_correct(document, secured, limits))
         return self._rendered[secured]
 
-    def _correct(self, document: dict, secured: bool) -> dict:
-        components = document.setdefault("components", {})
-        structs = [
-            t
-            for module in (schemas, response_bodies)
-            for _, t in inspect.getmembers(module, inspect.isclass)
-            if issubclass(t, msgspec.Struct) and not t.__name__.startswith("_")
-        ]
-        _, found = msgspec.json.schema_components(structs, ref_template=_REF + "{name}")
-        for name, rules in _STRUCT_RULES.items():
-            found[name].update(rules)
-        found["TokenId"] = {"type": "integer", "minimum": 0, "maximum": self._limits["TokenId"]}
-        components["schemas"] = {name: self._limit(s) for name, s in found.items()}
-        if secured:
-            components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        for path in document.get("paths", {}).values():
-            for operation in path.values():
-                responses = operation.get("responses", {})
-                if secured and "401" in responses:
-                    operation["security"] = [{"bearer": []}]
-                chunk = _STREAMED.get(operation.get("operationId"))
-                if chunk is not None:
-                    responses["200"]["content"]["text/event-stream"] = {"schema": _event(chunk)}
-        return document
 
-    def _limit(self, node: Any) -> Any:
-        """The served model's limits where the schemas name them (titles of
-        inference/sampling_params.py's annotations)."""
-        if isinstance(node, list):
-            return [self._limit(n) for n in node]
-        if not isinstance(node, dict):
-            return node
-        title = node.get("title")
-        if title == "TokenId":
-            return {"$ref": _REF + "TokenId"}
-        node = {k: self._limit(v) for k, v in node.items()}
-        if title == "MaxTokens":
-            node["maximum"] = self._limits["MaxTokens"]
+def _correct(document: dict, secured: bool, limits: dict[str, int]) -> dict:
+    components = document.setdefault("components", {})
+    structs = [
+        t
+        for module in (schemas, response_bodies)
+        for _, t in inspect.getmembers(module, inspect.isclass)
+        if issubclass(t, msgspec.Struct) and not t.__name__.startswith("_")
+    ]
+    _, found = msgspec.json.schema_components(structs, ref_template=_REF + "{name}")
+    for name, rules in _STRUCT_RULES.items():
+        found[name].update(rules)
+    found["TokenId"] = {"type": "integer", "minimum": 0, "maximum": limits["TokenId"]}
+    components["schemas"] = {name: _limit(s, limits) for name, s in found.items()}
+    if secured:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for path in document.get("paths", {}).values():
+        for operation in path.values():
+            responses = operation.get("responses", {})
+            if secured and "401" in responses:
+                operation["security"] = [{"bearer": []}]
+            chunk = _STREAMED.get(operation.get("operationId"))
+            if chunk is not None:
+                responses["200"]["content"]["text/event-stream"] = {"schema": _event(chunk)}
+    return document
+
+
+def _limit(node: Any, limits: dict[str, int]) -> Any:
+    """The served model's limits where the schemas name them (titles of
+    inference/sampling_params.py's annotations)."""
+    if isinstance(node, list):
+        return [_limit(n, limits) for n in node]
+    if not isinstance(node, dict):
         return node
+    title = node.get("title")
+    if title == "TokenId":
+        return {"$ref": _REF + "TokenId"}
+    node = {k: _limit(v, limits) for k, v in node.items()}
+    if title == "MaxTokens":
+        node["maximum"] = limits["MaxTokens"]
+    return node
