@@ -5,6 +5,8 @@
 - `ServerProcess`: `moeserve serve` (`python -m service.cli serve`) on 127.0.0.1, its REST port
   (and, with `grpc=True`, its gRPC port) free ones, ready once it logs "server started"; its JSON
   log lines are `records`. A context manager: started and waited for on entry, stopped on exit.
+- `InProcessServer`: the same server in this process, on an event loop of its own thread, for
+  tests that look at the engine object too.
 - `wait_for_http(url, timeout)`: polls a URL until it answers (any process, peers included).
 - `iter_sse` / `aiter_sse` / `read_sse`: OpenAI-style server-sent events, `data: {json}` lines
   up to a final `data: [DONE]`; anything else raises `SseError`.
@@ -12,6 +14,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -336,6 +339,72 @@ class ServerProcess(ManagedProcess):
 
 
 # --- server-sent events -------------------------------------------------------------------
+
+
+class InProcessServer:
+    """`service.server.MoeServer` (engine, REST, and gRPC when the settings give a port) on
+    its own event loop in a background thread, so a test can also look at the engine object
+    directly. A context manager; `finished` lists (engine request id, finish reason)."""
+
+    def __init__(self, settings) -> None:
+        from service.server import MoeServer  # the engine's imports only where it is used
+
+        self.settings = settings
+        self.server = MoeServer(settings)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.exit_code: int | None = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self.finished: list[tuple[str, str]] = []  # (engine request id, finish reason), in order
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    async def _main(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        try:
+            await self.server.start()
+        except BaseException as exc:
+            self._error = exc
+            self._started.set()
+            raise
+        self.server.state.engine.add_stats_listener(
+            lambda stats: self.finished.extend(
+                (f.request_id, f.finish_reason) for f in stats.finished
+            )
+        )
+        run = asyncio.ensure_future(self.server.run())
+        while not self.server._uvicorn.started and not run.done():
+            await asyncio.sleep(0.01)
+        self._started.set()
+        self.exit_code = await run
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        if not self._started.wait(120):
+            raise TimeoutError("server did not start within 120 s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.loop.call_soon_threadsafe(self.server.request_shutdown)
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "server thread did not stop"
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.server.rest_port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{HOST}:{self.server.grpc_port}"
+
+    @property
+    def state(self):
+        return self.server.state
+
+    @property
+    def engine(self):
+        return self.server.state.engine
 
 
 class SseError(AssertionError):

@@ -15,11 +15,9 @@ The gRPC API has no model field, so the REST 404 for an unknown model has no gRP
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import inspect
 import re
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +27,7 @@ import httpx
 import msgspec
 import pytest
 
+from bench.harness import InProcessServer
 from inference import SamplingParams
 from service.proto.moeserve.v1 import inference_pb2 as pb
 from service.proto.moeserve.v1 import inference_pb2_grpc
@@ -343,30 +342,11 @@ def both(model_path) -> Iterator[Both]:
         max_num_seqs=4,
         drain_timeout=1,
     )
-    server = MoeServer(settings)
-    ready = threading.Event()
-    loop = asyncio.new_event_loop()
-
-    async def main() -> int:
-        await server.start()
-        run = asyncio.ensure_future(server.run())
-        while not server._uvicorn.started and not run.done():
-            await asyncio.sleep(0.01)
-        ready.set()
-        return await run
-
-    thread = threading.Thread(target=lambda: loop.run_until_complete(main()), daemon=True)
-    thread.start()
-    try:
-        assert ready.wait(120), "the server did not start"
-        channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
-        with httpx.Client(base_url=f"http://127.0.0.1:{server.rest_port}", timeout=TIMEOUT) as http:
-            yield Both(server, http, inference_pb2_grpc.InferenceStub(channel))
+    with InProcessServer(settings) as srv:
+        channel = grpc.insecure_channel(srv.grpc_target)
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as http:
+            yield Both(srv.server, http, inference_pb2_grpc.InferenceStub(channel))
         channel.close()
-    finally:
-        loop.call_soon_threadsafe(server.request_shutdown)
-        thread.join(30)
-        loop.close()
 
 
 @contextlib.contextmanager

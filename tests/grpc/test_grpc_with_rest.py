@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
 
+from bench.harness import InProcessServer
 from service.proto.moeserve.v1 import inference_pb2 as pb
 from service.proto.moeserve.v1 import inference_pb2_grpc
-from service.server import MoeServer
 from service.settings import Settings
 
 
@@ -28,28 +26,10 @@ def test_rest_and_grpc_requests_are_batched_together(model_path):
         max_num_seqs=8,
         drain_timeout=5,
     )
-    server = MoeServer(settings)
     steps: list[tuple[int, list[str]]] = []
-    ready = threading.Event()
-    loop = asyncio.new_event_loop()
-
-    async def main() -> int:
-        await server.start()
-        server.state.engine.add_stats_listener(
-            lambda s: steps.append((s.batch_size, s.request_ids))
-        )
-        run = asyncio.ensure_future(server.run())
-        while not server._uvicorn.started and not run.done():
-            await asyncio.sleep(0.01)
-        ready.set()
-        return await run
-
-    thread = threading.Thread(target=lambda: loop.run_until_complete(main()), daemon=True)
-    thread.start()
-    try:
-        assert ready.wait(60)
-
-        channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    with InProcessServer(settings) as srv:
+        srv.engine.add_stats_listener(lambda s: steps.append((s.batch_size, s.request_ids)))
+        channel = grpc.insecure_channel(srv.grpc_target)
         stub = inference_pb2_grpc.InferenceStub(channel)
         # Long gRPC streams are running (first token seen) when the REST requests arrive.
         streams = [
@@ -67,7 +47,7 @@ def test_rest_and_grpc_requests_are_batched_together(model_path):
 
         def rest(i: int) -> dict:
             body = {"model": "demo-tiny", "prompt": f"rest request {i}", "max_tokens": 8}
-            url = f"http://127.0.0.1:{server.rest_port}/v1/completions"
+            url = f"{srv.url}/v1/completions"
             return httpx.post(url, json=body | {"ignore_eos": True}, timeout=30).json()
 
         with ThreadPoolExecutor(2) as pool:
@@ -77,9 +57,6 @@ def test_rest_and_grpc_requests_are_batched_together(model_path):
             for first, stream in zip(firsts, streams)
         ]
         channel.close()
-    finally:
-        loop.call_soon_threadsafe(server.request_shutdown)
-        thread.join(30)
     assert all(b["usage"]["completion_tokens"] == 8 for b in rest_bodies), rest_bodies
     assert grpc_tokens == [400, 400]
     mixed = [
@@ -90,4 +67,3 @@ def test_rest_and_grpc_requests_are_batched_together(model_path):
         and any(i.startswith("cmpl-") for i in ids)
     ]
     assert mixed, steps
-    assert not thread.is_alive()

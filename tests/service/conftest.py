@@ -1,83 +1,22 @@
-"""Fixtures for the REST tests: real servers on free 127.0.0.1 ports.
-
-`InProcessServer` runs `service.server.MoeServer` (engine + uvicorn + Litestar) on its own
-event loop in a background thread, so tests can also look at the engine object directly;
-tests that need a real process (SIGTERM, a model fetched by name) use bench.harness.ServerProcess.
+"""Fixtures for the REST tests: real servers on free 127.0.0.1 ports, in this process
+(bench.harness.InProcessServer, so tests can also look at the engine object directly); tests
+that need a real process (SIGTERM, a model fetched by name) use bench.harness.ServerProcess.
 """
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Self
 
 import httpx
 import pytest
 
-from service.server import MoeServer
+from bench.harness import InProcessServer
 from service.settings import Settings
 
 MAX_MODEL_LEN = 256
 MAX_BODY_BYTES = 64 * 1024
-
-
-class InProcessServer:
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.server = MoeServer(settings)
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.exit_code: int | None = None
-        self._started = threading.Event()
-        self._error: BaseException | None = None
-        self.finished: list[tuple[str, str]] = []  # (engine request id, finish reason), in order
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-
-    async def _main(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        try:
-            await self.server.start()
-        except BaseException as exc:
-            self._error = exc
-            self._started.set()
-            raise
-        self.server.state.engine.add_stats_listener(
-            lambda stats: self.finished.extend(
-                (f.request_id, f.finish_reason) for f in stats.finished
-            )
-        )
-        run = asyncio.ensure_future(self.server.run())
-        while not self.server._uvicorn.started and not run.done():
-            await asyncio.sleep(0.01)
-        self._started.set()
-        self.exit_code = await run
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        if not self._started.wait(120):
-            raise TimeoutError("server did not start within 120 s")
-        if self._error is not None:
-            raise self._error
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.loop.call_soon_threadsafe(self.server.request_shutdown)
-        self._thread.join(30)
-        assert not self._thread.is_alive(), "server thread did not stop"
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.rest_port}"
-
-    @property
-    def state(self):
-        return self.server.state
-
-    @property
-    def engine(self):
-        return self.server.state.engine
 
 
 def make_settings(model_dir: Path, **overrides) -> Settings:
