@@ -429,40 +429,46 @@ def decode_sse(line: str | bytes) -> dict[str, Any] | None:
     return event
 
 
+class _StreamRule:
+    """The rule both readers apply line by line: blank lines skipped, `data: [DONE]` last."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def event(self, line: str | bytes) -> dict[str, Any] | None:
+        if not line:
+            return None
+        if self.done:
+            raise SseError(f"{line[:300]!r} after data: [DONE]")
+        event = decode_sse(line)
+        self.done = event is None
+        return event
+
+    def close(self) -> None:
+        if not self.done:
+            raise SseError("the stream ended without data: [DONE]")
+
+
 def iter_sse(lines: Iterable[str | bytes]) -> Iterator[tuple[float, dict[str, Any]]]:
     """(arrival time on time.perf_counter, event) for each event of a stream given as its lines
     (e.g. `response.iter_lines()`), as they come; `data: [DONE]` must be the last line but blank
     ones: SseError when anything follows it or the stream ends without it."""
-    done = False
+    rule = _StreamRule()
     for line in lines:
-        if not line:
-            continue
-        if done:
-            raise SseError(f"{line[:300]!r} after data: [DONE]")
-        event = decode_sse(line)
-        if event is None:
-            done = True
-        else:
+        event = rule.event(line)
+        if event is not None:
             yield time.perf_counter(), event
-    if not done:
-        raise SseError("the stream ended without data: [DONE]")
+    rule.close()
 
 
 async def aiter_sse(lines: AsyncIterable[str | bytes]) -> AsyncIterator[tuple[float, dict]]:
     """`iter_sse` over an async iterable of lines (e.g. `response.aiter_lines()`)."""
-    done = False
+    rule = _StreamRule()
     async for line in lines:
-        if not line:
-            continue
-        if done:
-            raise SseError(f"{line[:300]!r} after data: [DONE]")
-        event = decode_sse(line)
-        if event is None:
-            done = True
-        else:
+        event = rule.event(line)
+        if event is not None:
             yield time.perf_counter(), event
-    if not done:
-        raise SseError("the stream ended without data: [DONE]")
+    rule.close()
 
 
 def read_sse(response: httpx.Response) -> list[dict[str, Any]]:
