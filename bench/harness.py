@@ -7,6 +7,7 @@
   log lines are `records`. A context manager: started and waited for on entry, stopped on exit.
 - `InProcessServer`: the same server in this process, on an event loop of its own thread, for
   tests that look at the engine object too.
+- `prometheus_process(...)`: the Prometheus the integration tests scrape with.
 - `wait_for_http(url, timeout)`: polls a URL until it answers (any process, peers included).
 - `iter_sse` / `aiter_sse` / `read_sse`: OpenAI-style server-sent events, `data: {json}` lines
   up to a final `data: [DONE]`; anything else raises `SseError`.
@@ -183,6 +184,24 @@ class ManagedProcess:
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log_text().splitlines()[-n:])
+
+
+def prometheus_process(
+    binary: str, config: Path, workdir: Path, port: int, stop_timeout: float = 10.0
+) -> ManagedProcess:
+    """Prometheus (exemplar storage on) with `config`, its TSDB and log under `workdir`,
+    listening on 127.0.0.1:`port`; not started yet."""
+    argv = [
+        binary,
+        f"--config.file={config}",
+        f"--storage.tsdb.path={workdir / 'data'}",
+        f"--web.listen-address={HOST}:{port}",
+        "--enable-feature=exemplar-storage",
+        "--log.level=warn",
+    ]
+    return ManagedProcess(
+        argv, cwd=workdir, log_path=workdir / "prometheus.log", stop_timeout=stop_timeout
+    )
 
 
 def wait_for_http(

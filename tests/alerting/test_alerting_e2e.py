@@ -27,9 +27,9 @@ import yaml
 from test_anomaly_alertmanager import incidents
 
 from bench.harness import (
-    ManagedProcess,
     ServerProcess,
     free_port,
+    prometheus_process,
     wait_for_http,
     wait_until,
 )
@@ -189,13 +189,8 @@ def prometheus(
             [promtool, "check", "config", str(config)], check=False, capture_output=True, text=True
         )
         assert check.returncode == 0, check.stdout + check.stderr
-    argv = [
-        binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-        f"--web.listen-address=127.0.0.1:{prometheus_port}",
-        "--enable-feature=exemplar-storage", "--log.level=warn",
-    ]  # fmt: skip
     url = f"http://127.0.0.1:{prometheus_port}"
-    with ManagedProcess(argv, log_path=tmp_path / "prometheus.log", stop_timeout=15) as proc:
+    with prometheus_process(binary, config, tmp_path, prometheus_port, stop_timeout=15) as proc:
         wait_for_http(f"{url}/-/ready", 30, process=proc)
         yield url
 

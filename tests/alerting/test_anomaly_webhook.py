@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from litestar.testing import TestClient
 
-from bench.harness import ManagedProcess, free_port, wait_until
+from bench.harness import ManagedProcess, free_port, prometheus_process, wait_until
 from telemetry.anomaly import WebhookSettings, create_app
 from telemetry.anomaly.analyzer import Analyzer, selector
 from telemetry.anomaly.prometheus_api import PrometheusAPI
@@ -415,18 +415,7 @@ def start_prometheus(tmp_path: Path, target_port: int) -> tuple[ManagedProcess, 
         "  - job_name: moeserve\n"
         f"    static_configs: [{{targets: ['127.0.0.1:{target_port}']}}]\n"
     )
-    proc = ManagedProcess(
-        [
-            binary,
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--enable-feature=exemplar-storage",
-            "--log.level=warn",
-        ],
-        log_path=tmp_path / "prometheus.log",
-        stop_timeout=10,
-    )
+    proc = prometheus_process(binary, config, tmp_path, port)
     return proc.start(), f"http://127.0.0.1:{port}"
 
 

@@ -45,9 +45,9 @@ from stack_support import (
 )
 
 from bench.harness import (
-    ManagedProcess,
     ServerProcess,
     free_port,
+    prometheus_process,
     read_sse,
     wait_for_http,
     wait_until,
@@ -143,19 +143,7 @@ class Prometheus:
         )
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = ManagedProcess(
-            [
-                binary,
-                f"--config.file={config}",
-                f"--storage.tsdb.path={workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-                "--enable-feature=exemplar-storage",
-                "--log.level=warn",
-            ],
-            cwd=workdir,
-            log_path=workdir / "prometheus.log",
-            stop_timeout=10,
-        ).start()
+        self.proc = prometheus_process(binary, config, workdir, self.port).start()
         self.http = httpx.Client(base_url=self.url, timeout=10)
 
     def wait_ready(self) -> None:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from e2e_support import OtlpReceiver, Service
 
-from bench.harness import ManagedProcess, free_port, wait_for_http, wait_until
+from bench.harness import ManagedProcess, free_port, prometheus_process, wait_for_http, wait_until
 from service.proto.moeserve.v1 import inference_pb2 as pb
 
 pytestmark = pytest.mark.slow
@@ -43,18 +43,7 @@ def _start_prometheus(tmp_path: Path, target: str) -> tuple[ManagedProcess, str]
         "  - job_name: moeserve\n"
         f"    static_configs: [{{targets: ['{target}']}}]\n"
     )
-    proc = ManagedProcess(
-        [
-            binary,
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--enable-feature=exemplar-storage",
-            "--log.level=warn",
-        ],
-        log_path=tmp_path / "prometheus.log",
-        stop_timeout=10,
-    )
+    proc = prometheus_process(binary, config, tmp_path, port)
     return proc.start(), f"http://127.0.0.1:{port}"
 
 
