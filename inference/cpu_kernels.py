@@ -314,12 +314,14 @@ def enable(isa: str | None = "auto", amx: bool | None = None, emulated: bool = F
     """Selects the kernels (engines on the CPU in bf16 call this once at start-up) and returns
     the instruction set in use, None for ATen's. isa: "auto" (the best this CPU runs) or one
     build to force (a fallback; asking for one the CPU cannot run raises RuntimeError rather
-    than risk an illegal instruction); None turns them off. amx: None follows MOESERVE_AMX.
+    than risk an illegal instruction); None turns them off. MOESERVE_BF16_KERNELS=0 turns the
+    automatic choice off; a build asked for by name is still built, as amx=True/False
+    overrides MOESERVE_AMX (amx: None follows it).
     emulated (tests only): the AVX-512 build on SIMDe and AMX on amx_emulation.h, which any
     CPU with AVX2 runs."""
     global ISA, AMX, _lib, _selected
     ISA, AMX, _lib, _selected = None, False, None, True
-    if isa is None or os.environ.get("MOESERVE_BF16_KERNELS", "1") == "0":
+    if isa is None or (isa == "auto" and os.environ.get("MOESERVE_BF16_KERNELS", "1") == "0"):
         return None
     if isa == "auto":
         candidates = runnable_isas()
