@@ -3,7 +3,7 @@
 from inference.engine import LLMEngine
 from inference.errors import EngineDeadError, InvalidParameterError, ModelLoadError, QueueFullError
 from inference.outputs import CompletionOutput, RequestOutput, StepStats
-from inference.sampling_params import SamplingParams
+from inference.sampling_params import SamplingParams, StructuredOutputs
 
 __all__ = [
     "AsyncLLMEngine",
@@ -16,6 +16,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StepStats",
+    "StructuredOutputs",
 ]
 
 

@@ -21,11 +21,12 @@ from inference.loader import load_hf_config, load_tokenizer, load_weights
 from inference.model import MoETransformer
 from inference.model_runner import ModelRunner
 from inference.outputs import CompletionOutput, FinishedSequence, RequestOutput, StepStats
-from inference.prompts import Prompt, tokenize_prompt
+from inference.prompts import Prompt, check_token_ids, tokenize_prompt
 from inference.sampler import Sampler
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sequence import Sequence
+from inference.structured import StructuredOutputManager
 
 log = structlog.get_logger("inference.engine")
 
@@ -108,6 +109,9 @@ class LLMEngine:
             args, num_blocks, config.block_size, self.dtype, self.device
         )
         self.eos_token_ids = self._eos_ids(path, hf_config)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, args.vocab_size, self.eos_token_ids
+        )
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -124,6 +128,7 @@ class LLMEngine:
             Sampler(args.vocab_size, self.eos_token_ids),
             self.device,
             compile,
+            self.structured,
         )
         self.requests: dict[str, list[Sequence]] = {}
         self._aborted: list[FinishedSequence] = []  # reported with the next step's stats
@@ -175,13 +180,21 @@ class LLMEngine:
         log_context: dict | None = None,
         prompt_token_ids: list[int] | None = None,
     ) -> None:
+        """Queues a request; raises InvalidParameterError (nothing queued) for a bad prompt or
+        parameter, including a structured_outputs constraint that does not compile."""
         if request_id in self.requests:
             raise InvalidParameterError("request_id", f"{request_id!r} is already in use")
-        ids = (
-            prompt_token_ids
-            if prompt_token_ids is not None
-            else self.tokenize_prompt(prompt, params)
-        )
+        arrival = time.monotonic()
+        if prompt_token_ids is not None:  # validated by the caller, but a bad id would crash
+            check_token_ids(params, self.args.vocab_size)
+            ids = prompt_token_ids
+        else:
+            ids = self.tokenize_prompt(prompt, params)
+        compiled = None
+        if params.structured_outputs is not None:
+            # ~1-2 ms for a schema of a few fields (bench/results/structured_backends.json),
+            # microseconds from the cache: compiled here, between two steps
+            compiled, compile_s, cache_hit = self.structured.compile(params.structured_outputs)
         seqs = []
         for i in range(params.n):
             gen = None
@@ -197,6 +210,10 @@ class LLMEngine:
                 log_context,
             )
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+            if compiled is not None:  # one matcher per sequence (n > 1: each its own)
+                seq.matcher = compiled.deep_copy()
+                seq.times.arrival = arrival
+                seq.times.grammar_compile_s, seq.times.grammar_cache_hit = compile_s, cache_hit
             seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = seqs
@@ -209,6 +226,7 @@ class LLMEngine:
         for seq in seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+                seq.matcher = None
                 self._aborted.append(_finished(seq))
         log.info("request aborted", **seqs[0].log_context)
         return self._output(request_id, seqs)
@@ -271,6 +289,7 @@ class LLMEngine:
             request_ids=list(touched),
             expert_tokens=expert_tokens,
             finished=finished,
+            bitmask_s=self.structured.take_step_time(),
         )
         return outputs, stats
 
@@ -282,6 +301,8 @@ class LLMEngine:
             seq.times.first_token = now
         seq.times.last_token = now
         p = seq.params
+        # the grammar: "stop" once complete (only EOS may follow), "error" if it refused
+        grammar = None if seq.matcher is None else self.structured.advance(seq.matcher, token)
         matched = seq.detok.add(token)
         reason = None
         if matched is not None:
@@ -290,10 +311,13 @@ class LLMEngine:
             reason, seq.stop_reason = "stop", token
         elif token in self.eos_token_ids and not p.ignore_eos:
             reason = "stop"
+        elif grammar is not None:
+            reason = grammar
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
+            seq.matcher = None
 
     def _on_preempt(self, seq: Sequence) -> None:
         log.info(

@@ -12,6 +12,7 @@ from inference.model import MoETransformer
 from inference.sampler import Sampler, SamplerOutput
 from inference.scheduler import SchedulerOutput
 from inference.sequence import Sequence
+from inference.structured import StructuredOutputManager
 
 
 @dataclass(slots=True)
@@ -30,9 +31,11 @@ class ModelRunner:
         sampler: Sampler,
         device: torch.device,
         compile: bool = False,
+        structured: StructuredOutputManager | None = None,
     ) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.sampler, self.device = sampler, device
+        self.structured = structured
         # Decode rows attend through the CPU kernel, which reads block tables, when the
         # model runs on the CPU kernels (its caches in bf16); else SDPA over gathered slots.
         self.paged_kernel = (
@@ -115,6 +118,9 @@ class ModelRunner:
             context_lens=context_lens,
             block_size=bs,
         )
+        # the grammar masks of the sampled rows are filled now (while the forward pass runs,
+        # when the manager overlaps them)
+        constraints = self.structured.constraints(sampled) if self.structured else None
         forward = self.model if chunks else self.decode_model
         hidden, expert_counts = forward(
             torch.tensor(input_ids, device=dev),
@@ -129,5 +135,5 @@ class ModelRunner:
                 if len(sample_rows) == hidden.shape[0]
                 else hidden[torch.tensor(sample_rows, device=dev)]
             )
-            sample = self.sampler(self.model.logits(rows), sampled)
+            sample = self.sampler(self.model.logits(rows), sampled, constraints)
         return RunnerOutput(sampled, sample, expert_counts)

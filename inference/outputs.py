@@ -31,6 +31,10 @@ class RequestTimes(msgspec.Struct):
     last_token: float | None = None
     finished: float | None = None
     num_preemptions: int = 0
+    # constrained sequences only: seconds compiling the grammar (from arrival), whether the
+    # compiled grammar came from the cache
+    grammar_compile_s: float | None = None
+    grammar_cache_hit: bool | None = None
 
 
 class CompletionOutput(msgspec.Struct):
@@ -99,4 +103,5 @@ class StepStats(msgspec.Struct):
     num_preemptions: int
     request_ids: list[str]  # requests in the batch (span links)
     expert_tokens: list[list[int]] | None = None  # [layer][expert] routed token counts
+    bitmask_s: float = 0.0  # grammar masks and logit_bias this step cost the step
     finished: list[FinishedSequence] = []

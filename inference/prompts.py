@@ -37,8 +37,17 @@ def tokenize_prompt(
             f"{params.max_tokens} + {len(ids)} prompt tokens exceeds "
             f"the maximum context length {max_model_len}",
         )
+    check_token_ids(params, vocab_size)
+    return ids
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """The token ids a request names besides its prompt are in the model's vocabulary."""
     if any(t >= vocab_size for t in params.stop_token_ids):
         raise InvalidParameterError(
             "stop_token_ids", f"must be below the vocabulary size {vocab_size}"
         )
-    return ids
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise InvalidParameterError(
+            "logit_bias", f"token ids must be below the vocabulary size {vocab_size}"
+        )

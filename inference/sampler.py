@@ -1,5 +1,5 @@
-"""Batched sampling: penalties, min_tokens, temperature, top-k, top-p, min-p, seeded noise,
-logprobs. Work a feature needs is only done for the rows that use it.
+"""Batched sampling: penalties, min_tokens, grammar bitmask and logit_bias, temperature,
+top-k, top-p, min-p, seeded noise, logprobs. Work a feature needs is only done for the rows that use it.
 
 Sampling draws argmax(probs / Exp(1) noise) (the exponential-race form of a categorical draw,
 as in nano-vllm/gpt-fast). A seeded request draws its noise from its own generator, one
@@ -14,6 +14,7 @@ import torch
 
 from inference.outputs import TokenLogprob, TokenLogprobs
 from inference.sequence import Sequence
+from inference.structured import Constraints
 
 
 @dataclass(slots=True)
@@ -31,7 +32,11 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], constraints: Constraints | None = None
+    ) -> SamplerOutput:
+        """`constraints` (grammar bitmask, logit_bias) are applied after the penalties and
+        before temperature and truncation; logprobs stay those of the raw model distribution."""
         params = [s.params for s in seqs]
         rows = range(len(seqs))
         if all(
@@ -43,6 +48,8 @@ class Sampler:
         ):
             # plain greedy: the max of the model's own logits, no float copy (max() is also
             # 3x faster than argmax() over a [32, 32000] bf16 tensor on CPU)
+            if constraints is not None:
+                logits = constraints.apply(logits, inplace=True)
             token_ids = logits.max(dim=-1).indices.tolist()
             return SamplerOutput(token_ids, [None] * len(seqs))
         logits = logits.float()
@@ -57,6 +64,8 @@ class Sampler:
                     t for t in self.eos_token_ids + params[i].stop_token_ids if t < logits.shape[1]
                 ]
                 logits[i, stop_ids] = float("-inf")
+        if constraints is not None:
+            logits = constraints.apply(logits, inplace=logits is not raw)
         greedy = [p.greedy for p in params]
         if all(greedy):
             chosen = logits.argmax(dim=-1)

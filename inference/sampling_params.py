@@ -29,6 +29,41 @@ Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 StopString = Annotated[str, Meta(min_length=1)]
 StopList = Annotated[list[StopString], Meta(max_length=8)]
 TokenId = Annotated[int, Meta(ge=0, title="TokenId")]
+LogitBias = Annotated[float, Meta(ge=-100.0, le=100.0)]  # OpenAI's range
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutputs(
+    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
+    """Grammar-constrained decoding (vLLM's `structured_outputs`); exactly one field is set.
+
+    json: a JSON schema (a dict, or its JSON text); json_object: any JSON object; regex: a
+    regular expression the whole output matches; choice: the output is one of these strings;
+    grammar: a Lark grammar as llguidance takes it (GBNF is converted). Whether the schema,
+    regex or grammar compiles is checked where the grammar is compiled (LLEngine.add_request,
+    InvalidParameterError naming e.g. "structured_outputs.json").
+    """
+
+    json: Any = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        _check(
+            len(set_) == 1,
+            "structured_outputs",
+            f"must set exactly one of {', '.join(STRUCTURED_KINDS)} (got {len(set_)})",
+        )
+
+    @property
+    def kind(self) -> str:
+        """ "json" | "json_object" | "regex" | "choice" | "grammar": the field that is set."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -47,6 +82,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     repetition_penalty: RepetitionPenalty = 1.0
     logprobs: Logprobs | None = None  # top-N logprobs per generated token (0: only the chosen one)
     n: NumChoices = 1
+    structured_outputs: StructuredOutputs | None = None
+    logit_bias: dict[TokenId, LogitBias] | None = None  # token id -> bias added to its logit
 
     def __post_init__(self) -> None:
         for name, bounds in _field_bounds().items():
@@ -89,6 +126,12 @@ def _check_bounds(name: str, value: Any, t: msgspec.inspect.Type) -> None:
         if value is None:
             return
         t = next(x for x in t.types if not isinstance(x, msgspec.inspect.NoneType))
+    if isinstance(t, msgspec.inspect.DictType):
+        _check(isinstance(value, dict), name, "must be an object")
+        for key, item in value.items():
+            _check_bounds(name, key, t.key_type)
+            _check_bounds(name, item, t.value_type)
+        return
     if isinstance(t, msgspec.inspect.ListType):
         _check(isinstance(value, list), name, "must be a list")
         _check(

@@ -49,6 +49,7 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.logprobs: list[TokenLogprobs] = []
         self.detok = None  # inference.detokenizer.IncrementalDetokenizer, set by the engine
+        self.matcher = None  # llguidance.LLMatcher of a constrained sequence (structured.py)
         # what the consumer has been sent so far
         self.sent_tokens = 0
         self.sent_text = 0
