@@ -694,6 +694,35 @@ def overview() -> dict[str, Any]:
         8,
     )
 
+    g.row("Structured outputs")
+    g.add(
+        timeseries(
+            "Structured requests by kind",
+            "Requests constrained by a grammar per second, by kind (json, json_object, regex, "
+            "choice, grammar).",
+            [
+                prom(
+                    f"sum by (kind) (rate(moeserve_structured_requests_total{{{SEL}}}[{RATE}]))",
+                    "{{kind}}",
+                )
+            ],
+            "reqps",
+        ),
+        12,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Grammar compile time",
+            "Time compiling a constrained request's grammar, p50/p95/p99 of compiles that "
+            "missed the cache (a hit takes microseconds).",
+            quantiles("moeserve_grammar_compile_seconds", extra=', cache="miss"'),
+            "s",
+        ),
+        12,
+        8,
+    )
+
     g.row("Logs and traces")
     g.add(
         {

@@ -24,6 +24,7 @@ __all__ = [
     "APIS",
     "FINISH_REASONS",
     "STATUSES",
+    "STRUCTURED_KINDS",
     "ExpertLoadCollector",
     "RequestLatencies",
     "ServiceMetrics",
@@ -36,6 +37,10 @@ __all__ = [
 APIS = ("rest", "grpc")
 STATUSES = ("ok", "client_error", "rejected", "server_error")
 FINISH_REASONS = ("stop", "length", "abort", "error", "none")
+# structured_outputs kinds (inference.sampling_params.STRUCTURED_KINDS; this package imports
+# no inference code)
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+GRAMMAR_CACHE = ("hit", "miss")
 
 # OTel GenAI server recommendations (gen_ai.server.*), extended below 1 ms (GPU decode
 # steps) and above 10 s (long generations, queueing under overload).
@@ -60,6 +65,11 @@ STEP_BUCKETS = (
     1.024, 2.048, 4.096, 8.192,
 )  # fmt: skip
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# cache hits take microseconds, a schema of a few fields 1-2 ms, a large grammar seconds
+GRAMMAR_COMPILE_BUCKETS = (
+    0.00001, 0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
 
 IMBALANCE_WINDOW_STEPS = 64
 
@@ -221,6 +231,18 @@ class ServiceMetrics:
             ("model",),
             registry=r,
         )
+        self.structured_requests = Counter(
+            "moeserve_structured_requests",
+            "Requests constrained by a grammar (structured outputs), by kind.",
+            ("model", "kind"),
+            registry=r,
+        )
+        self.grammar_compile = hist(
+            "moeserve_grammar_compile_seconds",
+            "Time compiling a constrained request's grammar (cache: hit or miss).",
+            ("model", "cache"),
+            GRAMMAR_COMPILE_BUCKETS,
+        )
 
         # Children resolved once: the hot paths never go through .labels().
         self._ttft = {api: self.ttft.labels(model, api) for api in APIS}
@@ -242,6 +264,8 @@ class ServiceMetrics:
         self._step = self.step_time.labels(*m)
         self._preempt = self.preemptions.labels(*m)
         self.max_waiting.labels(*m).set(max_waiting)
+        self._structured = {k: self.structured_requests.labels(model, k) for k in STRUCTURED_KINDS}
+        self._compile = {c: self.grammar_compile.labels(model, c) for c in GRAMMAR_CACHE}
         # moeserve_moe_expert_tokens_total and moeserve_moe_expert_imbalance.
         self.experts = ExpertLoadCollector(model, num_layers, num_experts, imbalance_window_steps)
         registry.register(self.experts)
@@ -299,6 +323,18 @@ class ServiceMetrics:
         status = status if status in STATUSES else "server_error"
         reason = finish_reason if finish_reason in FINISH_REASONS else "none"
         self._requests[(_api(api), status, reason)].inc()
+
+    def count_structured(self, kind: str) -> None:
+        """structured_requests_total{kind} += 1, for a request constrained by a grammar
+        (kind: one of STRUCTURED_KINDS; another raises ValueError, as an unknown api does)."""
+        counter = self._structured.get(kind)
+        if counter is None:  # a wiring bug, not runtime data
+            raise ValueError(f"kind must be one of {STRUCTURED_KINDS}, got {kind!r}")
+        counter.inc()
+
+    def observe_grammar_compile(self, seconds: float, cache_hit: bool | None) -> None:
+        """One grammar compile (RequestTimes.grammar_compile_s / grammar_cache_hit)."""
+        self._compile["hit" if cache_hit else "miss"].observe(max(seconds, 0.0))
 
     def count_rejected(self, api: str) -> None:
         """A request refused because the waiting queue is full (429 / RESOURCE_EXHAUSTED)."""

@@ -36,9 +36,11 @@ def finish_request(
 ) -> RequestLatencies:
     """Record a request the engine finished or aborted; call before ending `span`.
 
-    `times` is the sequence's `RequestTimes`. The summary line carries trace_id/span_id of
-    `span` explicitly, so it may be called from any thread or task. Extra keyword
-    arguments go into the log line (never prompt or output text unless asked for).
+    `times` is the sequence's `RequestTimes`; a constrained request's grammar_compile_s goes
+    to moeserve_grammar_compile_seconds and a "grammar_compile" span. The summary line
+    carries trace_id/span_id of `span` explicitly, so it may be called from any thread or
+    task. Extra keyword arguments go into the log line (never prompt or output text unless
+    asked for).
     """
     record_request_phases(span, times, tracer=tracer)
     span.set_attributes(
@@ -50,6 +52,9 @@ def finish_request(
         )
     )
     ids = span_ids(span)
+    compile_s = getattr(times, "grammar_compile_s", None)
+    if metrics is not None and compile_s is not None:
+        metrics.observe_grammar_compile(compile_s, getattr(times, "grammar_cache_hit", None))
     if metrics is not None:
         # Exemplars only for sampled traces: an unsampled id leads nowhere in Tempo.
         sampled = ids is not None and span.get_span_context().trace_flags.sampled
@@ -140,7 +145,8 @@ def _summary_line(
 
 def merged_times(outputs: list[Any]) -> Any:
     """One RequestTimes for the request: the sample's own, or for n > 1 the envelope of
-    all samples (earliest start and first token, latest finish, preemptions summed)."""
+    all samples (earliest start and first token, latest finish, preemptions summed; the
+    grammar, compiled once for all samples, as the first sample has it)."""
     times = [c.times for c in outputs if c.times is not None]
     if len(times) <= 1:
         return times[0] if times else None
@@ -157,4 +163,6 @@ def merged_times(outputs: list[Any]) -> Any:
         last_token=max((t.last_token for t in times if t.last_token is not None), default=None),
         finished=None if None in finished else max(finished),
         num_preemptions=sum(t.num_preemptions for t in times),
+        grammar_compile_s=getattr(times[0], "grammar_compile_s", None),
+        grammar_cache_hit=getattr(times[0], "grammar_cache_hit", None),
     )

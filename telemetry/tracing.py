@@ -238,7 +238,9 @@ def record_request_phases(
     """Child spans "queue", "prefill", "decode" and a "first_token" event on `parent_span`,
     from a finished request's engine timestamps (`RequestTimes`-like: arrival,
     first_scheduled, first_token, last_token, finished as time.monotonic() seconds,
-    num_preemptions). Call before ending the parent.
+    num_preemptions). Call before ending the parent. A constrained request (its times carry
+    grammar_compile_s) also gets a "grammar_compile" span from arrival, with attribute
+    moeserve.grammar.cache_hit.
 
     A request aborted early gets the phases it reached, each ending at `finished`.
     """
@@ -251,11 +253,20 @@ def record_request_phases(
         end = times.last_token if times.last_token is not None else time.monotonic()
     end_ns = to_unix_ns(end)
 
-    def phase(name: str, start: float, stop_ns: int) -> None:
+    def phase(name: str, start: float, stop_ns: int, attributes=None) -> None:
         start_ns = to_unix_ns(start)
-        span = tracer.start_span(name, context=parent_ctx, start_time=start_ns)
+        span = tracer.start_span(
+            name, context=parent_ctx, start_time=start_ns, attributes=attributes
+        )
         span.end(end_time=max(start_ns, stop_ns))
 
+    compile_s = getattr(times, "grammar_compile_s", None)
+    if compile_s is not None:
+        cache_hit = bool(getattr(times, "grammar_cache_hit", False))
+        end_compile = to_unix_ns(times.arrival + compile_s)
+        phase(
+            "grammar_compile", times.arrival, end_compile, {"moeserve.grammar.cache_hit": cache_hit}
+        )
     scheduled, first_token = times.first_scheduled, times.first_token
     phase("queue", times.arrival, to_unix_ns(scheduled) if scheduled is not None else end_ns)
     if scheduled is not None:
@@ -293,6 +304,9 @@ def record_step_span(
         "moeserve.engine.kv_cache_usage": float(step_stats.kv_usage),
         "moeserve.engine.num_preemptions": step_stats.num_preemptions,
     }
+    bitmask_s = getattr(step_stats, "bitmask_s", 0.0)
+    if bitmask_s > 0:  # grammar masks and logit_bias: only on steps that had any
+        attributes["moeserve.step.bitmask_s"] = float(bitmask_s)
     if len(step_stats.request_ids) > max_links:
         attributes["moeserve.engine.links_dropped"] = len(step_stats.request_ids) - max_links
     span = tracer.start_span(

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 from telemetry.metrics import (
     FINISH_REASONS,
     STATUSES,
+    STRUCTURED_KINDS,
     ServiceMetrics,
     render_metrics,
     request_latencies,
@@ -37,6 +38,9 @@ SPEC_METRICS = {  # SPEC section 8 (+ max_waiting for the alert rules): name -> 
     "moeserve_moe_expert_tokens": "counter",
     "moeserve_moe_expert_imbalance": "gauge",
     "moeserve_max_waiting": "gauge",
+    # SPEC section 12 (structured outputs)
+    "moeserve_structured_requests": "counter",
+    "moeserve_grammar_compile_seconds": "histogram",
 }
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
@@ -341,3 +345,32 @@ def test_observe_step_is_cheap(registry):
     per_step = (time.perf_counter() - started) / 500
     print(f"observe_step {layers}x{experts}: {per_step * 1e3:.3f} ms")
     assert per_step < 0.01
+
+
+def test_structured_requests_by_kind_and_grammar_compile_time(metrics, registry):
+    families, _, _ = _families(registry)
+    kinds = {
+        s.labels["kind"]: s.value
+        for s in families["moeserve_structured_requests"].samples
+        if s.name == "moeserve_structured_requests_total"
+    }
+    assert kinds == dict.fromkeys(STRUCTURED_KINDS, 0)  # every kind exported from start-up
+    metrics.count_structured("json")
+    metrics.count_structured("json")
+    metrics.count_structured("choice")
+    with pytest.raises(ValueError):
+        metrics.count_structured("xml")
+    metrics.observe_grammar_compile(0.0015, False)
+    metrics.observe_grammar_compile(0.000004, True)
+    metrics.observe_grammar_compile(0.3, None)  # unknown counts as a compile (miss)
+    families, _, _ = _families(registry)
+    total = "moeserve_structured_requests_total"
+    assert _value(families, "moeserve_structured_requests", total, kind="json") == 2
+    assert _value(families, "moeserve_structured_requests", total, kind="choice") == 1
+    assert _value(families, "moeserve_structured_requests", total, kind="regex") == 0
+    name = "moeserve_grammar_compile_seconds"
+    assert _value(families, name, f"{name}_count", cache="miss") == 2
+    assert _value(families, name, f"{name}_count", cache="hit") == 1
+    assert _value(families, name, f"{name}_bucket", cache="miss", le="0.0025") == 1
+    assert _value(families, name, f"{name}_bucket", cache="hit", le="1e-05") == 1
+    assert round(_value(families, name, f"{name}_sum", cache="miss"), 6) == 0.3015

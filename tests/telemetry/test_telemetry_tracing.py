@@ -395,3 +395,27 @@ def test_spans_from_another_thread_keep_explicit_context(tracer, span_exporter):
     parent.end()
     child = next(s for s in span_exporter.get_finished_spans() if s.name == "child")
     assert child.parent.span_id == parent.get_span_context().span_id
+
+
+def test_step_span_carries_the_bitmask_cost_when_there_was_one(tracer, span_exporter):
+    record_step_span(_step(["a"]), lambda rid: None, tracer=tracer)  # no bitmask_s at all
+    plain = SimpleNamespace(**{**vars(_step(["b"])), "bitmask_s": 0.0})
+    record_step_span(plain, lambda rid: None, tracer=tracer)
+    masked = SimpleNamespace(**{**vars(_step(["c"])), "bitmask_s": 0.0007})
+    record_step_span(masked, lambda rid: None, tracer=tracer)
+    first, second, third = span_exporter.get_finished_spans()
+    assert "moeserve.step.bitmask_s" not in first.attributes
+    assert "moeserve.step.bitmask_s" not in second.attributes
+    assert third.attributes["moeserve.step.bitmask_s"] == 0.0007
+
+
+def test_grammar_compile_phase_span(tracer, span_exporter):
+    with tracer.start_as_current_span("req") as parent:
+        times = _times(grammar_compile_s=0.125, grammar_cache_hit=True)
+        record_request_phases(parent, times, _ns, tracer=tracer)
+    spans = {s.name: s for s in span_exporter.get_finished_spans()}
+    assert set(spans) == {"grammar_compile", "queue", "prefill", "decode", "req"}
+    g = spans["grammar_compile"]
+    assert (g.start_time, g.end_time) == (_ns(100.0), _ns(100.125))
+    assert g.parent.span_id == spans["req"].context.span_id
+    assert g.attributes["moeserve.grammar.cache_hit"] is True
