@@ -1,0 +1,596 @@
+"""Tool-call parsers: canned outputs of each family parsed whole and streamed over many
+chunkings (the same content and calls every way), the forced-call schema checked with
+jsonschema, and the parser each served architecture gets (the demo checkpoints' own are
+checked in test_demo_model.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inference.tool_parsers import (
+    PARSERS,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    forced_calls,
+    forced_calls_schema,
+    parse_tool_calls,
+    parser_for,
+)
+
+# Arguments that break naive parsers: braces and the closing markers inside strings,
+# escaped quotes, nesting, every JSON literal, exponents, unicode raw and escaped.
+NESTED = (
+    '{"query": "a } b { \\"quoted\\" </tool_call> [TOOL_CALLS] ```", '
+    '"nested": {"list": [1, -2.5e-3, true, false, null, {"x": "é 世界 🙂 \\u00e9\\n"}]}, '
+    '"empty": {}, "array": []}'
+)
+WEATHER = '{"city": "Paris", "unit": "celsius"}'
+
+DS_CALLS = "<｜tool▁calls▁begin｜>"
+DS_CALLS_END = "<｜tool▁calls▁end｜>"
+DS_CALL, DS_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
+
+def hermes(name: str, args: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+
+
+def deepseek(name: str, args: str) -> str:
+    return f"{DS_CALL}function{DS_SEP}{name}\n```json\n{args}\n```{DS_END}"
+
+
+# (parser, model text, expected content, expected [(name, arguments)])
+CASES = [
+    # hermes: Qwen2/Qwen3 and the demo model
+    ("hermes", hermes("get_weather", WEATHER), None, [("get_weather", WEATHER)]),
+    (
+        "hermes",
+        hermes("get_weather", WEATHER) + "\n" + hermes("search", NESTED) + "\n",
+        None,
+        [("get_weather", WEATHER), ("search", NESTED)],
+    ),
+    (
+        "hermes",
+        "Let me check the weather.\n\n" + hermes("get_weather", WEATHER),
+        "Let me check the weather.\n\n",
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "hermes",
+        hermes("get_weather", WEATHER) + "\nI asked for the weather.",
+        "\nI asked for the weather.",
+        [("get_weather", WEATHER)],
+    ),
+    (  # arguments first, compact, no newlines, no closing tag at the end of the output
+        "hermes",
+        '<tool_call>{"arguments":{"a":1},"name":"f"}',
+        None,
+        [("f", '{"a":1}')],
+    ),
+    (  # arguments as a JSON string holding the object
+        "hermes",
+        '<tool_call>\n{"name": "f", "arguments": "{\\"a\\": \\"}\\"}"}\n</tool_call>',
+        None,
+        [("f", '{"a": "}"}')],
+    ),
+    # malformed: stays content, byte for byte
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1}\n</tool_call>', "same", []),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": [1, 2]}\n</tool_call>', "same", []),
+    ("hermes", '<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>', "same", []),
+    ("hermes", '<tool_call>\n{"name": "f"}\n</tool_call>', "same", []),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1}} junk</tool_call>', "same", []),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": "cut off', "same", []),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>', "same", []),
+    ("hermes", "a <tool_call is not <tool_call", "same", []),
+    (  # nested deeper than the parser follows (64 levels): content, not a crash
+        "hermes",
+        '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 80 + "]" * 80 + "}}</tool_call>",
+        "same",
+        [],
+    ),
+    ("hermes", "x < y and <tool_", "same", []),
+    (  # a broken call, then a good one: the broken one is content
+        "hermes",
+        "<tool_call>\n{bad}\n</tool_call>\n" + hermes("f", "{}"),
+        "<tool_call>\n{bad}\n</tool_call>\n",
+        [("f", "{}")],
+    ),
+    (
+        "hermes",
+        '<tool_call>{"name": "a", <tool_call>{"name": "b", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "a", ',
+        [("b", "{}")],
+    ),
+    ("hermes", "", None, []),
+    ("hermes", "  \n", "  \n", []),
+    # mistral: [TOOL_CALLS] then a JSON list (v3 tokenizers), or name[ARGS]{...} (v11+)
+    (
+        "mistral",
+        f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {WEATHER}, "id": "a1b2c3d4e"}}]',
+        None,
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "mistral",
+        (
+            f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {WEATHER}}}, '
+            f'{{"name": "search", "arguments": {NESTED}}}]'
+        ),
+        None,
+        [("get_weather", WEATHER), ("search", NESTED)],
+    ),
+    (
+        "mistral",
+        f'I will look it up.[TOOL_CALLS][{{"name": "search", "arguments": {NESTED}}}]',
+        "I will look it up.",
+        [("search", NESTED)],
+    ),
+    (
+        "mistral",
+        f"[TOOL_CALLS]get_weather[ARGS]{WEATHER}[TOOL_CALLS]search[ARGS]{NESTED}",
+        None,
+        [("get_weather", WEATHER), ("search", NESTED)],
+    ),
+    (
+        "mistral",
+        f"Sure.[TOOL_CALLS]get_weather[CALL_ID]x1y2z3w4v[ARGS]{WEATHER}",
+        "Sure.",
+        [("get_weather", WEATHER)],
+    ),
+    ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": 5}]', "same", []),
+    ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {}}', "same", []),
+    ("mistral", "[TOOL_CALLS]get weather[ARGS]{}", "same", []),
+    ("mistral", "[TOOL_CALLS]f[ARGS]{'a': 1}", "same", []),
+    ("mistral", "Use [TOOL_ or [TOOL_CALLS without the bracket", "same", []),
+    # deepseek_v2: DeepSeek-V2.5/V3 tool-call tokens
+    (
+        "deepseek_v2",
+        DS_CALLS + deepseek("get_weather", WEATHER) + DS_CALLS_END,
+        None,
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "deepseek_v2",
+        DS_CALLS
+        + deepseek("get_weather", WEATHER)
+        + "\n"
+        + deepseek("search", NESTED)
+        + DS_CALLS_END,
+        None,
+        [("get_weather", WEATHER), ("search", NESTED)],
+    ),
+    (
+        "deepseek_v2",
+        "Checking both.\n" + DS_CALLS + deepseek("a", "{}") + deepseek("b", '{"k": [1]}'),
+        "Checking both.\n",
+        [("a", "{}"), ("b", '{"k": [1]}')],
+    ),
+    (  # the V3.1 form: NAME<sep>{...}
+        "deepseek_v2",
+        f"{DS_CALLS}{DS_CALL}get_weather{DS_SEP}{WEATHER}{DS_END}{DS_CALLS_END}",
+        None,
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "deepseek_v2",
+        f"{DS_CALLS}{DS_CALL}function{DS_SEP}f\n{{}}\n{DS_END}{DS_CALLS_END}",  # no ```json
+        "same",
+        [],
+    ),
+    ("deepseek_v2", DS_CALLS + deepseek("f", '{"a": }') + DS_CALLS_END, "same", []),
+    (  # the first call stands when the second is broken; the rest is content
+        "deepseek_v2",
+        DS_CALLS + deepseek("a", "{}") + "\n" + deepseek("b", "[1]") + DS_CALLS_END,
+        "\n" + deepseek("b", "[1]") + DS_CALLS_END,
+        [("a", "{}")],
+    ),
+    # llama3_json: Llama 3.x JSON calls, SmolLM2's <tool_call> list
+    (
+        "llama3_json",
+        f'{{"name": "get_weather", "parameters": {WEATHER}}}',
+        None,
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "llama3_json",
+        f'<|python_tag|>{{"name": "search", "arguments": {NESTED}}}',
+        None,
+        [("search", NESTED)],
+    ),
+    (
+        "llama3_json",
+        f' {{"name": "a", "parameters": {{}}}}; {{"name": "search", "parameters": {NESTED}}}',
+        None,
+        [("a", "{}"), ("search", NESTED)],
+    ),
+    (
+        "llama3_json",
+        (
+            f'<tool_call>[\n{{"name": "get_weather", "arguments": {WEATHER}}},\n'
+            f'{{"name": "search", "arguments": {NESTED}}}\n]</tool_call>'
+        ),
+        None,
+        [("get_weather", WEATHER), ("search", NESTED)],
+    ),
+    (
+        "llama3_json",
+        'Here you go: <tool_call>[{"name": "f", "arguments": {"x": "y"}}]</tool_call>',
+        "Here you go: ",
+        [("f", '{"x": "y"}')],
+    ),
+    ("llama3_json", "<tool_call>[]</tool_call>", None, []),  # SmolLM2's "no call needed"
+    ("llama3_json", '{"city": "Paris", "country": "France"}', "same", []),  # JSON, not a call
+    ("llama3_json", 'The call would be {"name": "f", "parameters": {}}', "same", []),
+    ("llama3_json", '{"name": "f", "parameters": {}, "arguments": {}}', "same", []),
+    ("llama3_json", '<|python_tag|>brave_search.call(query="x")', "same", []),
+    (
+        "llama3_json",
+        '{"name": "f", "parameters": {}}\nand then some text',
+        "\nand then some text",
+        [("f", "{}")],
+    ),
+]
+
+
+def _chunkings(text: str, seed: int):
+    yield list(text)  # character by character
+    for i in range(1, len(text)):  # every split in two
+        yield [text[:i], text[i:]]
+    rng = random.Random(seed)
+    for _ in range(20 if len(text) > 1 else 0):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 12))))
+        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+def stream(parser: str, chunks: list[str]) -> tuple[str, list[ToolCallDelta], list[ToolCall]]:
+    s = ToolCallStream(parser)
+    content, deltas = "", []
+    for chunk in chunks:
+        c, d = s.feed(chunk)
+        content, deltas = content + c, deltas + d
+    c, d = s.finish()
+    return content + c, deltas + d, s.calls
+
+
+def check_deltas(deltas: list[ToolCallDelta], calls: list[ToolCall]) -> None:
+    """Deltas in OpenAI's shape that reassemble into exactly the calls."""
+    assembled: dict[int, dict] = {}
+    for d in deltas:
+        if d.index not in assembled:
+            assert d.index == len(assembled) and d.id and d.name
+            assembled[d.index] = {"id": d.id, "name": d.name, "arguments": ""}
+        else:
+            assert d.id is None and d.name is None
+        assembled[d.index]["arguments"] += d.arguments
+    assert [ToolCall(**a) for _, a in sorted(assembled.items())] == calls
+
+
+def names_args(calls: list[ToolCall]) -> list[tuple[str, str]]:
+    return [(c.name, c.arguments) for c in calls]
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "expected"), CASES)
+def test_whole_text(parser, text, content, expected):
+    got_content, calls = parse_tool_calls(parser, text)
+    assert got_content == (text if content == "same" else content)
+    assert names_args(calls) == expected
+    for call in calls:
+        assert isinstance(json.loads(call.arguments), dict)
+    assert len({c.id for c in calls}) == len(calls)
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "expected"), CASES)
+def test_streamed_over_chunkings(parser, text, content, expected):
+    whole_content, whole_calls = parse_tool_calls(parser, text)
+    for i, chunks in enumerate(_chunkings(text, seed=len(text))):
+        got, deltas, calls = stream(parser, chunks)
+        assert got == (whole_content or ""), (i, chunks)
+        assert names_args(calls) == names_args(whole_calls), (i, chunks)
+        check_deltas(deltas, calls)
+
+
+def test_nothing_that_may_be_a_call_is_sent_early():
+    s = ToolCallStream("hermes")
+    assert s.feed("Hello <tool") == ("Hello ", [])  # held: may be a marker
+    assert s.feed("_call>\n") == ("", [])
+    assert s.feed('{"name": "f", "arguments": {"a": ') == ("", [])
+    assert s.feed("1}}\n</tool_call>")[1] == [ToolCallDelta(0, s.calls[0].id, "f", '{"a": 1}')]
+    assert s.feed("\n") == ("", [])  # whitespace after a call: held, then dropped
+    assert s.finish() == ("", [])
+    plain = ToolCallStream("hermes")
+    assert plain.feed("a <tool_") == ("a ", [])
+    assert plain.feed("x") == ("<tool_x", [])  # not a marker after all
+
+
+def test_ids():
+    _, calls = parse_tool_calls("hermes", hermes("a", "{}") + hermes("b", "{}"))
+    for call in calls:
+        assert re.fullmatch(r"call_[A-Za-z0-9]{24}", call.id)
+    _, calls = parse_tool_calls("mistral", "[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[ARGS]{}")
+    for call in calls:  # Mistral's chat templates reject any other id
+        assert re.fullmatch(r"[A-Za-z0-9]{9}", call.id)
+    assert calls[0].id != calls[1].id
+
+
+def test_unknown_parser():
+    with pytest.raises(ValueError, match="hermes"):
+        ToolCallStream("gpt")
+    with pytest.raises(ValueError):
+        parse_tool_calls("nope", "x")
+
+
+def test_feed_after_finish():
+    s = ToolCallStream("hermes")
+    s.finish()
+    with pytest.raises(RuntimeError):
+        s.feed("x")
+
+
+# Random texts built from each family's pieces (markers, parts of markers, calls, broken
+# calls, JSON punctuation, whitespace, unicode), cut at random points.
+_COMMON = ["Hello", " ", "\n", "{", "}", '"', ":", ",", "[", "]", "é世🙂", "\\", "x", "{}"]
+_PIECES = {
+    "hermes": [
+        "<tool_call>",
+        "</tool_call>",
+        "<tool",
+        "<",
+        '{"name": "f", "arguments": ',
+        '"name"',
+        '"arguments"',
+        hermes("g", NESTED),
+        hermes("h", "{}"),
+    ],
+    "mistral": [
+        "[TOOL_CALLS]",
+        "[TOOL_",
+        "[ARGS]",
+        "[CALL_ID]",
+        "get",
+        '[{"name": "f", "arguments": {}}]',
+        '{"name": "f", "arguments": ',
+        f"[TOOL_CALLS]s[ARGS]{NESTED}",
+    ],
+    "deepseek_v2": [
+        DS_CALLS,
+        DS_CALLS_END,
+        DS_CALL,
+        DS_END,
+        DS_SEP,
+        "function",
+        "\n```json\n",
+        "```",
+        "<｜tool▁",
+        deepseek("f", NESTED),
+        DS_CALLS + deepseek("g", "{}"),
+    ],
+    "llama3_json": [
+        "<|python_tag|>",
+        "<tool_call>",
+        "</tool_call>",
+        "<|py",
+        ";",
+        '{"name": "f", "parameters": {}}',
+        '{"name": "f", "arguments": ',
+        f'{{"name": "s", "parameters": {NESTED}}}',
+        '<tool_call>[{"name": "f", "arguments": {}}]</tool_call>',
+    ],
+}
+
+
+@st.composite
+def texts_and_cuts(draw, parser):
+    text = "".join(draw(st.lists(st.sampled_from(_PIECES[parser] + _COMMON), max_size=14)))
+    cuts = draw(st.lists(st.integers(0, len(text)), max_size=10))
+    return text, sorted(set(cuts))
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_any_chunking_gives_the_whole_text_parse(parser):
+    @settings(max_examples=300, deadline=None, derandomize=True)
+    @given(texts_and_cuts(parser))
+    def check(case):
+        text, cuts = case
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        whole_content, whole_calls = parse_tool_calls(parser, text)
+        got, deltas, calls = stream(parser, chunks)
+        assert got == (whole_content or "")
+        assert names_args(calls) == names_args(whole_calls)
+        check_deltas(deltas, calls)
+        if not whole_calls and parser in ("hermes", "deepseek_v2"):
+            assert whole_content == (text or None)  # no call: the text is untouched
+
+    check()
+
+
+def test_long_arguments_stream_in_linear_time():
+    import time
+
+    args = json.dumps({"code": "def f(x):\n    return {'a': [x, \"}\"]}\n" * 500})
+    text = hermes("run", args)
+    start = time.perf_counter()
+    _, deltas, calls = stream("hermes", list(text))  # ~19k one-character deltas
+    assert time.perf_counter() - start < 2.0
+    assert names_args(calls) == [("run", args)]
+    check_deltas(deltas, calls)
+
+
+# --- forced calls (tool_choice "required" or named) ------------------------------------------
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "now"}},  # no parameters: an empty object
+    {
+        "type": "function",
+        "function": {
+            "name": "ship",
+            "parameters": {  # as pydantic writes a nested model
+                "$defs": {
+                    "Address": {
+                        "type": "object",
+                        "properties": {"street": {"type": "string"}, "zip": {"type": "integer"}},
+                        "required": ["street", "zip"],
+                    }
+                },
+                "type": "object",
+                "properties": {"to": {"$ref": "#/$defs/Address"}},
+                "required": ["to"],
+            },
+        },
+    },
+]
+
+
+def valid(schema: dict, text: str) -> bool:
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
+
+
+def test_named_schema_is_the_functions_parameters():
+    schema = forced_calls_schema(TOOLS, "get_weather")
+    assert schema == TOOLS[0]["function"]["parameters"]
+    assert schema is not TOOLS[0]["function"]["parameters"]  # a copy
+    assert valid(schema, WEATHER)
+    assert not valid(schema, '{"unit": "celsius"}')
+    assert not valid(schema, '{"city": "Paris", "unit": "kelvin"}')
+    assert forced_calls_schema(TOOLS, "now") == {"type": "object", "properties": {}}
+    ship = forced_calls_schema(TOOLS, "ship")
+    assert valid(ship, '{"to": {"street": "Rue de Rivoli", "zip": 75001}}')
+    assert not valid(ship, '{"to": {"street": "Rue de Rivoli"}}')
+
+
+def test_named_forced_output_to_calls():
+    [call] = forced_calls(" " + WEATHER + "\n", "get_weather")
+    assert (call.name, call.arguments) == ("get_weather", WEATHER)
+    assert re.fullmatch(r"call_[A-Za-z0-9]{24}", call.id)
+    [call] = forced_calls("{}", "now", parser="mistral")
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", call.id)
+    for bad in ['{"city": "Par', "[1]", "{} {}", ""]:
+        with pytest.raises(ValueError):
+            forced_calls(bad, "get_weather")
+
+
+def test_required_schema_validates_forced_output():
+    schema = forced_calls_schema(TOOLS, None)
+    good = (
+        f'[{{"name": "get_weather", "parameters": {WEATHER}}}, {{"name": "now", "parameters": {{}}}},'
+        ' {"name": "ship", "parameters": {"to": {"street": "Main St", "zip": 1}}}]'
+    )
+    assert valid(schema, good)
+    for bad in [
+        "[]",  # at least one call
+        '[{"name": "get_weather", "parameters": {}}]',  # its required city
+        '[{"name": "unknown", "parameters": {}}]',
+        '[{"name": "now"}]',
+        '[{"name": "now", "parameters": {}, "extra": 1}]',
+        '[{"name": "ship", "parameters": {"to": {"street": "Main St"}}}]',  # through the $ref
+        '{"name": "now", "parameters": {}}',
+    ]:
+        assert not valid(schema, bad), bad
+    assert "$defs" in schema and "Address" in schema["$defs"]
+    calls = forced_calls(good, None)
+    assert names_args(calls) == [
+        ("get_weather", WEATHER),
+        ("now", "{}"),
+        ("ship", '{"to": {"street": "Main St", "zip": 1}}'),
+    ]
+    assert len({c.id for c in calls}) == 3
+    with pytest.raises(ValueError):
+        forced_calls('[{"name": "now", "parameters": {}}', None)  # cut short
+
+
+def test_forced_schema_errors():
+    with pytest.raises(ValueError, match="missing"):
+        forced_calls_schema(TOOLS, "missing")
+    with pytest.raises(ValueError):
+        forced_calls_schema([], None)
+    with pytest.raises(ValueError):
+        forced_calls_schema([{"type": "retrieval"}], None)
+    clash = {
+        "type": "function",
+        "function": {
+            "name": "other",
+            "parameters": {"$defs": {"Address": {"type": "string"}}, "type": "object"},
+        },
+    }
+    with pytest.raises(ValueError, match="Address"):
+        forced_calls_schema([*TOOLS, clash], None)
+
+
+# --- the parser each served architecture gets -----------------------------------------------
+
+QWEN_TEMPLATE = (  # the tool part of Qwen2.5's / Qwen3's template
+    "{%- if tools %}...<tools>...</tools>\\n\\nFor each function call, return a json object "
+    "with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>"
+    '\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call>'
+)
+MIXTRAL_8X22B_TEMPLATE = (
+    "{%- elif message.tool_calls is defined and message.tool_calls is not none %}"
+    '{{- "[TOOL_CALLS] [" }}{%- for tool_call in message.tool_calls %}'
+)
+DEEPSEEK_TEMPLATE = (
+    "{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + "
+    "'<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' }}"
+)
+LLAMA31_TEMPLATE = (
+    "{%- if builtin_tools is defined or tool_call.name in builtin_tools %}"
+    '{{- "<|python_tag|>" + tool_call.name + ".call(" }}'
+)
+SMOLLM2_TEMPLATE = (  # SmolLM2-135M-Instruct's, as its GGUF file carries it
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+OLMOE_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ '<|user|>\n' + message['content'] + '\n' }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "template", "parser"),
+    [
+        ("MixtralForCausalLM", MIXTRAL_8X22B_TEMPLATE, "mistral"),
+        ("MixtralForCausalLM", None, "mistral"),
+        ("MistralForCausalLM", None, "mistral"),
+        ("Qwen2MoeForCausalLM", QWEN_TEMPLATE, "hermes"),
+        ("Qwen2MoeForCausalLM", None, "hermes"),
+        ("Qwen3MoeForCausalLM", QWEN_TEMPLATE, "hermes"),
+        ("Qwen2ForCausalLM", QWEN_TEMPLATE, "hermes"),
+        ("OlmoeForCausalLM", OLMOE_TEMPLATE, "hermes"),
+        ("DeepseekV2ForCausalLM", DEEPSEEK_TEMPLATE, "deepseek_v2"),
+        ("DeepseekV2ForCausalLM", None, "deepseek_v2"),
+        ("DeepseekV3ForCausalLM", DEEPSEEK_TEMPLATE, "deepseek_v2"),
+        ("LlamaForCausalLM", LLAMA31_TEMPLATE, "llama3_json"),
+        ("LlamaForCausalLM", SMOLLM2_TEMPLATE, "llama3_json"),
+        ("LlamaForCausalLM", None, "llama3_json"),
+        ("SomethingNewForCausalLM", None, "hermes"),
+    ],
+)
+def test_parser_for(architecture, template, parser):
+    assert parser_for(architecture, template) == parser
+    assert parser in PARSERS
