@@ -41,7 +41,7 @@ from transformers import (
 )
 
 # Bump when the written files change, so stale cached demo models are rewritten.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]  # ids 0, 1, 2
 _CORPUS_CHARS = 8_000_000  # enough stdlib text for a 32k vocab; trains in ~3 s on 2 cores
@@ -53,12 +53,55 @@ _MARKER = "moeserve_demo.json"
 # (the final RMSNorm makes hidden states unit-scale) without changing anything else.
 _LOGIT_STD = 2.0
 
+# ChatML; with `tools` (as transformers' apply_chat_template passes them) it follows Qwen3's
+# template: the tools in the system turn (after the system message, if any), assistant
+# tool_calls as <tool_call> JSON blocks, tool results as <tool_response> blocks in one user
+# turn per run of tool messages. What the model answers is parsed by the "hermes" parser
+# (inference/tool_parsers.py). Chats without tools render as before.
+_TOOLS_PREAMBLE = (
+    "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>"
+)
+_TOOLS_INSTRUCTIONS = (
+    "\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call>'
+)
 CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{%- if message['content'] is string %}{%- set content = message['content'] %}"
-    "{%- else %}{%- set content = message['content'] | map(attribute='text') | join('') %}"
+    "{%- macro text(content) %}"
+    "{%- if content is string %}{{- content }}"
+    "{%- elif content is none %}"
+    "{%- else %}{{- content | map(attribute='text') | join('') }}"
     "{%- endif %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endmacro %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- text(messages[0]['content']) + '\\n\\n' }}"
+    "{%- endif %}"
+    '{{- "' + _TOOLS_PREAMBLE + '" }}'
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    '{{- "' + _TOOLS_INSTRUCTIONS + '<|im_end|>\\n" }}'
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if text(message['content']) %}{{- '\\n' + text(message['content']) }}{%- endif %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- if call['function'] is defined %}{%- set call = call['function'] %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{%- if call['arguments'] is string %}{{- call['arguments'] }}"
+    "{%- else %}{{- call['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or loop.previtem['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + text(message['content']) + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + text(message['content']) + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )

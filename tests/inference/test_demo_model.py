@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inference import demo_model
-from inference.demo_model import ARCHS, PRESETS, ensure_demo_model, write_demo_model
+from inference.demo_model import (
+    ARCHS,
+    CHAT_TEMPLATE,
+    PRESETS,
+    ensure_demo_model,
+    write_demo_model,
+)
+from inference.tool_parsers import parse_tool_calls, parser_for
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +107,132 @@ def test_unknown_preset_or_arch(tmp_path):
         write_demo_model(tmp_path, "huge")
     with pytest.raises(ValueError):
         write_demo_model(tmp_path, arch="llama")
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+TOOLS_BLOCK = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    + json.dumps(WEATHER_TOOL)
+    + "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+)
+
+
+def test_chat_template_renders_tools_as_qwen_does(tiny_dirs):
+    tok = AutoTokenizer.from_pretrained(tiny_dirs["qwen3_moe"])
+    user = {"role": "user", "content": "Weather in Paris?"}
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, user],
+        tools=[WEATHER_TOOL],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert text == (
+        "<|im_start|>system\nBe brief.\n\n" + TOOLS_BLOCK + "<|im_start|>user\n"
+        "Weather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    # no system message: the tools are the whole system turn
+    assert tok.apply_chat_template([user], tools=[WEATHER_TOOL], tokenize=False) == (
+        "<|im_start|>system\n" + TOOLS_BLOCK + "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+    )
+    # tools=[] is a plain chat
+    assert tok.apply_chat_template([user], tools=[], tokenize=False) == (
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+    )
+
+
+def test_chat_template_renders_tool_calls_and_results(tiny_dirs):
+    tok = AutoTokenizer.from_pretrained(tiny_dirs["deepseek_v2"])
+    messages = [
+        {"role": "user", "content": "Paris and Lyon?"},
+        {  # OpenAI's shape: arguments as a JSON string, content null
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                },
+                {  # arguments as a dict (transformers' own examples)
+                    "id": "call_2",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Lyon"}},
+                },
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "20 C"}]},
+        {"role": "assistant", "content": "Paris 18 C, Lyon 20 C."},
+        {"role": "user", "content": "And Nice?"},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "content": "22 C"},
+    ]
+    text = tok.apply_chat_template(
+        messages, tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True
+    )
+    assert text == (
+        "<|im_start|>system\n" + TOOLS_BLOCK + "<|im_start|>user\nParis and Lyon?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call>'
+        "<|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n18 C\n</tool_response>\n"
+        "<tool_response>\n20 C\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\nParis 18 C, Lyon 20 C.<|im_end|>\n"
+        "<|im_start|>user\nAnd Nice?<|im_end|>\n"
+        "<|im_start|>assistant\nChecking.\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n22 C\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_demo_checkpoints_parse_their_own_tool_calls(tiny_dirs, arch):
+    """Every demo architecture gets the template, its default parser is hermes, and the
+    assistant turn the template renders parses back into the same calls."""
+    path = tiny_dirs[arch]
+    config = json.loads((path / "config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(path)
+    assert tok.chat_template == CHAT_TEMPLATE
+    parser = parser_for(config["architectures"][0], tok.chat_template)
+    assert parser == "hermes"
+    args = {"city": "Zürich", "note": 'a "quoted" } brace'}
+    calls = [
+        {"type": "function", "function": {"name": "get_weather", "arguments": args}},
+        {"type": "function", "function": {"name": "now", "arguments": "{}"}},
+    ]
+    prompt = [{"role": "user", "content": "hi"}]
+    before = tok.apply_chat_template(prompt, tools=[WEATHER_TOOL], tokenize=False)
+    text = tok.apply_chat_template(
+        [*prompt, {"role": "assistant", "content": "Sure.", "tool_calls": calls}],
+        tools=[WEATHER_TOOL],
+        tokenize=False,
+    )
+    turn = text.removeprefix(before).removeprefix("<|im_start|>assistant\n")
+    content, parsed = parse_tool_calls(parser, turn.removesuffix("<|im_end|>\n"))
+    assert content == "Sure.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in parsed] == [
+        ("get_weather", args),
+        ("now", {}),
+    ]
