@@ -1,30 +1,25 @@
 """gRPC API (SPEC section 7): moeserve.v1.Inference on grpc.aio, plus health and reflection.
 
-The servicer (service/grpc_servicer.py) parses and renders; here every method is wrapped
-once: its SERVER span is opened, the API key checked, the raw request parsed (an
-undecodable message is INVALID_ARGUMENT, never INTERNAL), the generation methods get their
-service.generation.Generation, exceptions map to statuses (ServiceError subclasses carry their gRPC code, bad sampling fields name
-`params.<field>`, anything unexpected is logged and answered INTERNAL), and the
-Generation is finished with the status the caller gets.
+The servicer (service/grpc_servicer.py) parses and renders; `_wrap` does the rest once per
+method: the SERVER span, the API key, the raw request parsed (undecodable: INVALID_ARGUMENT),
+the generation methods' service.generation.Generation, exceptions mapped to statuses
+(unexpected ones logged, INTERNAL) and the Generation finished with the status sent.
 
-A deadline or a client cancel cancels the handler task; the Generation's update iterator is
-closed then, which aborts the request in the engine and frees its KV blocks before the next
-step. Health: service/grpc_health.py; `mark_not_serving(server)` flips it at once and for
-good (call it when draining starts); `stop_grpc_server` does so before stopping.
+A deadline or a client cancel cancels the handler task; closing the Generation's update
+iterator then aborts the request in the engine and frees its KV blocks before the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 import structlog
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -34,7 +29,6 @@ from service import validation
 from service.auth import check_bearer
 from service.errors import BadRequest, Overloaded, ServiceError, Unauthorized
 from service.generation import Generation
-from service.grpc_health import ServingHealth
 from service.grpc_servicer import SAMPLING_FIELDS, InferenceServicer
 from service.proto.moeserve.v1 import inference_pb2 as pb
 from service.state import ServingState
@@ -46,6 +40,7 @@ log = structlog.get_logger("service.grpc")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "moeserve.v1.Inference"
 MAX_SEND_BYTES = 16 << 20
 _GENERATION_METHODS = ("Generate", "GenerateStream")
+HEALTH_POLL_S = 0.2
 
 
 def _status(exc: Exception, method: str) -> tuple[grpc.StatusCode, str, tuple]:
@@ -167,64 +162,82 @@ def _inference_handler(state: ServingState) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
-@dataclass
-class _Extras:
-    health: ServingHealth
-    poller: asyncio.Task
+class ServingHealth(HealthServicer):
+    """grpc.health.v1.Health following `state.ready` (services "" and moeserve.v1.Inference):
+    NOT_SERVING while the engine is not running or the server drains. Check reads the state
+    live; Watch streams follow a HEALTH_POLL_S poll. Once draining it stays NOT_SERVING."""
+
+    def __init__(self, state: ServingState, services: tuple[str, ...]) -> None:
+        super().__init__()
+        self._state, self._services = state, services
+
+    async def sync(self) -> None:
+        serving = health_pb2.HealthCheckResponse.SERVING
+        status = serving if self._state.ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        if status != serving and not self._gracefully_shutting_down and self._state.draining:
+            await self.enter_graceful_shutdown()  # draining is for good
+        for service in self._services:
+            if self._server_status.get(service) != status:
+                await self.set(service, status)
+
+    async def Check(self, request, context):
+        await self.sync()
+        return await super().Check(request, context)
+
+    async def poll(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_POLL_S)
+            try:
+                await self.sync()
+            except Exception:  # health reporting must outlive a bad sync
+                log.exception("gRPC health sync failed")
 
 
-_EXTRAS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+class GrpcServer:
+    """moeserve.v1.Inference with health and reflection on one grpc.aio server, from `start`
+    to `stop`; `port` is the bound one (0 asked for a free port)."""
 
+    def __init__(self, server: grpc.aio.Server, health: ServingHealth, port: int) -> None:
+        self.server, self.health, self.port = server, health, port
+        self._poller = asyncio.get_running_loop().create_task(health.poll())
 
-async def start_grpc_server(
-    state: ServingState, host: str, port: int
-) -> tuple[grpc.aio.Server, int]:
-    """Starts the gRPC server; returns it and the bound port (port 0: a free port)."""
-    settings = state.settings
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", settings.max_body_bytes),
-            ("grpc.max_send_message_length", MAX_SEND_BYTES),
-            ("grpc.so_reuseport", 0),  # a taken port is an error, not a silently shared one
-        ],
-    )
-    server.add_generic_rpc_handlers((_inference_handler(state),))
-    health = ServingHealth(state, ("", SERVICE_NAME))
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        (
-            SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
-    )
-    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-    try:
-        bound = server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise RuntimeError(f"cannot bind the gRPC server to {address}: {exc}") from None
-    if not bound:
-        raise RuntimeError(f"cannot bind the gRPC server to {address}")
-    await health.sync()
-    await server.start()
-    _EXTRAS[server] = _Extras(health, asyncio.get_running_loop().create_task(health.poll()))
-    log.info("grpc server started", grpc_host=host, grpc_port=bound)
-    return server, bound
+    @classmethod
+    async def start(cls, state: ServingState, host: str, port: int) -> GrpcServer:
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", state.settings.max_body_bytes),
+                ("grpc.max_send_message_length", MAX_SEND_BYTES),
+                ("grpc.so_reuseport", 0),  # a taken port is an error, not a silently shared one
+            ],
+        )
+        server.add_generic_rpc_handlers((_inference_handler(state),))
+        health = ServingHealth(state, ("", SERVICE_NAME))
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        health_service = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        services = (SERVICE_NAME, health_service, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(services, server)
+        address = (
+            f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+        )
+        try:
+            bound = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise RuntimeError(f"cannot bind the gRPC server to {address}: {exc}") from None
+        if not bound:
+            raise RuntimeError(f"cannot bind the gRPC server to {address}")
+        await health.sync()
+        await server.start()
+        log.info("grpc server started", grpc_host=host, grpc_port=bound)
+        return cls(server, health, bound)
 
+    async def mark_not_serving(self) -> None:
+        """Health turns NOT_SERVING now and stays so (graceful shutdown has begun)."""
+        await self.health.enter_graceful_shutdown()
 
-async def mark_not_serving(server: grpc.aio.Server) -> None:
-    """Health turns NOT_SERVING now and stays so (graceful shutdown has begun)."""
-    extras = _EXTRAS.get(server)
-    if extras is not None:
-        await extras.health.enter_graceful_shutdown()
-
-
-async def stop_grpc_server(server: grpc.aio.Server, grace: float) -> None:
-    """Reports NOT_SERVING, then stops: in-flight RPCs get `grace` seconds, new ones are refused."""
-    await mark_not_serving(server)
-    extras = _EXTRAS.pop(server, None)
-    if extras is not None:
-        extras.poller.cancel()
-    await server.stop(grace)
-    log.info("grpc server stopped")
+    async def stop(self, grace: float) -> None:
+        """Reports NOT_SERVING, then stops: in-flight RPCs get `grace` seconds, new ones are
+        refused."""
+        await self.mark_not_serving()
+        self._poller.cancel()
+        await self.server.stop(grace)
+        log.info("grpc server stopped")

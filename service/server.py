@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from inference import AsyncLLMEngine, InvalidParameterError, ModelLoadError
 from service.app import create_app
+from service.grpc_server import GrpcServer
 from service.observability import Observability
 from service.settings import Settings
 from service.state import ServingState
@@ -68,7 +69,7 @@ class MoeServer:
         self.rest_port: int | None = None
         self.grpc_port: int | None = None
         self._uvicorn: _Uvicorn | None = None
-        self._grpc = None
+        self._grpc: GrpcServer | None = None
         self._sock: socket.socket | None = None
         self._shutdown: asyncio.Task | None = None
 
@@ -99,9 +100,8 @@ class MoeServer:
         )
         self._uvicorn = _Uvicorn(config)
         if s.grpc_port >= 0:
-            from service.grpc_server import start_grpc_server
-
-            self._grpc, self.grpc_port = await start_grpc_server(self.state, s.host, s.grpc_port)
+            self._grpc = await GrpcServer.start(self.state, s.host, s.grpc_port)
+            self.grpc_port = self._grpc.port
 
     async def run(self) -> int:
         """Serves until shut down (see `request_shutdown`); returns the exit code."""
@@ -142,9 +142,7 @@ class MoeServer:
         log.info("draining", in_flight=self.state.in_flight, drain_timeout_s=timeout)
         self.state.draining = True
         if self._grpc is not None:
-            from service.grpc_server import mark_not_serving
-
-            await mark_not_serving(self._grpc)
+            await self._grpc.mark_not_serving()
         if not await self.state.drain(timeout):
             log.warning(
                 "drain timed out; stopping with requests in flight", in_flight=self.state.in_flight
@@ -154,10 +152,8 @@ class MoeServer:
 
     async def _stop_grpc(self) -> None:
         if self._grpc is not None:
-            from service.grpc_server import stop_grpc_server
-
             server, self._grpc = self._grpc, None
-            await stop_grpc_server(server, 1.0)
+            await server.stop(1.0)
 
 
 def build_observability(engine: AsyncLLMEngine, settings: Settings, model: str) -> Observability:

@@ -10,7 +10,7 @@ from typing import Self
 import grpc
 
 from inference import AsyncLLMEngine
-from service.grpc_server import start_grpc_server, stop_grpc_server
+from service.grpc_server import GrpcServer
 from service.proto.moeserve.v1 import inference_pb2_grpc
 from service.settings import Settings
 from service.state import ServingState
@@ -50,7 +50,8 @@ class GrpcServerThread:
         )
         self.engine.start()
         self.state = ServingState(self.engine, self.settings, MODEL_NAME)
-        self.server, self.port = await start_grpc_server(self.state, "127.0.0.1", 0)
+        self.server = await GrpcServer.start(self.state, "127.0.0.1", 0)
+        self.port = self.server.port
 
     def run(self, coro, timeout: float = 30):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -61,7 +62,7 @@ class GrpcServerThread:
 
     def __exit__(self, *exc) -> None:
         self.channel.close()
-        self.run(stop_grpc_server(self.server, 0.5))
+        self.run(self.server.stop(0.5))
         self.run(self.engine.shutdown())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)

@@ -201,9 +201,7 @@ def test_graceful_stop_lets_in_flight_streams_finish(make_server):
         timeout=30,
     )
     next(stream)
-    from service.grpc_server import stop_grpc_server
-
-    stopper = threading.Thread(target=srv.run, args=(stop_grpc_server(srv.server, 10),))
+    stopper = threading.Thread(target=srv.run, args=(srv.server.stop(10),))
     stopper.start()
     rest = list(stream)
     stopper.join(15)

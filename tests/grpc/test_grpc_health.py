@@ -12,7 +12,6 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from service.grpc_server import mark_not_serving
 from service.proto.moeserve.v1 import inference_pb2 as pb
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -65,7 +64,7 @@ def test_health_turns_not_serving_when_draining_begins(make_server):
 def test_mark_not_serving_flips_health_at_once(make_server):
     srv = make_server()
     assert _check(srv.channel) == SERVING
-    srv.run(mark_not_serving(srv.server))
+    srv.run(srv.server.mark_not_serving())
     assert (
         _check(srv.channel) == NOT_SERVING
         and _check(srv.channel, "moeserve.v1.Inference") == NOT_SERVING
