@@ -1,17 +1,11 @@
 """One generation request from either API, from admission to its one summary line.
 
 The REST controllers and the gRPC servicer parse their wire format into a GenerationInput
-(service/validation.py), run it through a `Generation` and render the updates it yields; all
-the rest happens here, once for both:
-- admission: refused while draining (503 / UNAVAILABLE); the engine's own refusals (a full
-  queue: 429 / RESOURCE_EXHAUSTED; limits: 400 / INVALID_ARGUMENT) as service errors;
-- the request's telemetry (service/observability.py): server span attributes, the engine's
-  log context, metrics and the summary line, finished exactly once with the status computed
-  from the outcome;
-- the engine's outputs as updates: per choice what is new since the last update (a finished
-  choice reported once), and the usage so far;
-- in-flight accounting for the graceful drain, and aborting the request in the engine when
-  the caller stops reading.
+(service/validation.py), run it through a `Generation` and render the updates it yields.
+Everything else happens here, once for both: admission (503 / UNAVAILABLE while draining;
+the engine's refusals as service errors), the request's telemetry (service/observability.py)
+finished exactly once, per-choice deltas and usage, in-flight accounting for the drain, and
+aborting the request in the engine when the caller stops reading.
 """
 
 from __future__ import annotations
@@ -24,18 +18,10 @@ from opentelemetry.trace import Span
 
 from inference import CompletionOutput, RequestOutput
 from service.errors import ENGINE_ERRORS, Unavailable, from_engine_error, status_of
+from service.observability import RequestTelemetry
+from service.responses import Usage
 from service.state import ServingState
 from service.validation import GenerationInput
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,22 +39,21 @@ class Update:
 
 class Generation:
     """One request's life. `api` is "rest" or "grpc"; `request_id` the caller's
-    (validation.request_id) or a fresh one; `span` the server span the transport opened
-    (None: the request opens and ends one of its own, for direct callers)."""
+    (validation.request_id) or a fresh one; `span` the server span the transport opened."""
 
     def __init__(
         self,
         state: ServingState,
         api: str,
         request_id: str,
-        span: Span | None = None,
+        span: Span,
         response_id: str | None = None,
     ) -> None:
         self.state, self.request_id = state, request_id
         # what the API answers with as the response's id, and the engine's id of the request:
         # OpenAI's `id` ("cmpl-..."); gRPC has none, so there it is the request id
         self.response_id = response_id or request_id
-        self.telemetry = state.observability.request(api, request_id, span)
+        self.telemetry = RequestTelemetry(state.observability, api, request_id, span)
         self._done_choices: set[int] = set()
         self._finished = False
 
@@ -141,4 +126,7 @@ class Generation:
 
 
 def _usage(out: RequestOutput) -> Usage:
-    return Usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+    prompt, completion = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )

@@ -1,6 +1,11 @@
-"""Telemetry of the served model (SPEC section 8), built once at start-up (server.py): engine
-steps become metrics and step spans linked to the live requests' spans, and each generation
-request gets its RequestTelemetry (service/request_telemetry.py).
+"""Telemetry of the served model (SPEC section 8), built once at start-up (server.py).
+
+Engine steps become metrics and step spans linked to the live requests' spans. Each
+generation request gets a RequestTelemetry, owned by its service.generation.Generation: the
+GenAI attributes on its server span, the engine's `log_context` (trace_id, span_id,
+request_id) for the lines the engine logs on its behalf, and when it is over the phase
+spans, the request metrics (trace-id exemplars) and the one summary log line
+(telemetry.requests.finish_request).
 
 Telemetry never fails a request: the hooks catch and log their own errors (the engine guards
 its stats listeners the same way), export runs on the SDK's worker thread.
@@ -8,16 +13,33 @@ its stats listeners the same way), export runs on the SDK's worker thread.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.trace import Span, SpanContext, SpanKind
+from opentelemetry.trace import Span, SpanContext, Status, StatusCode
 
-from service.request_telemetry import RequestTelemetry
+from telemetry.logging import get_logger
 from telemetry.metrics import ServiceMetrics
-from telemetry.tracing import get_tracer, record_step_span
+from telemetry.requests import finish_request, finish_unserved_request, merged_times
+from telemetry.tracing import (
+    genai_request_attributes,
+    genai_response_attributes,
+    genai_span_name,
+    get_tracer,
+    record_step_span,
+    span_ids,
+)
 
+log = get_logger("service.observability")
+
+MAX_LIVE_SPANS = 16384  # request id -> span context for step-span links (bounded)
+# SamplingParams fields the GenAI request attributes take by the same name
+_GENAI_PARAMS = (
+    *("max_tokens", "temperature", "top_p", "top_k", "seed"),
+    *("frequency_penalty", "presence_penalty"),
+)
 # Routine decode steps (no prefill, no preemption, not slow) get a span one time in this many;
 # the others always do. At ~30 steps/s per replica, spans for every routine step were about
 # half of telemetry's CPU (building and OTLP-encoding them) for no diagnostic value.
@@ -81,16 +103,150 @@ class Observability:
         self._routine_steps += 1
         return self._routine_steps % ROUTINE_STEP_SPAN_EVERY == 1
 
-    # ---- requests -------------------------------------------------------------------------
-    def request(self, api: str, request_id: str, span: Span | None = None) -> RequestTelemetry:
-        """A request's telemetry; `span` is the server span its transport opened (REST: the
-        OpenTelemetryPlugin's, gRPC: grpc_server's), None for a span of its own, which the
-        request ends (direct callers, tests)."""
-        if span is not None or not self.enabled:  # disabled: a span that records nothing
-            span = span if span is not None else trace.INVALID_SPAN
-            return RequestTelemetry(self, api, request_id, span, owns_span=False)
-        parent = trace.get_current_span().get_span_context()
-        kind = SpanKind.INTERNAL if parent.is_valid else SpanKind.SERVER
-        return RequestTelemetry(
-            self, api, request_id, self.tracer.start_span(api, kind=kind), owns_span=True
+
+class RequestTelemetry:
+    """One API request's telemetry; `admit` when it enters the engine, `finish` once."""
+
+    def __init__(self, obs: Observability, api: str, request_id: str, span: Span) -> None:
+        """`span`: the server span the request's transport opened and ends (REST: the
+        OpenTelemetryPlugin's, gRPC: grpc_server's)."""
+        self.obs, self.api, self.request_id, self.span = obs, api, request_id, span
+        self.engine_request_id: str | None = None
+        self.output: Any = None
+        self.prompt_ids: list[int] | None = None
+        self.failure: BaseException | None = None
+        self.failed_status: str | None = None
+        self.abandoned = False  # the caller left before the end (disconnect, cancel, deadline)
+        self.done = False
+
+    # ---- while serving --------------------------------------------------------------------
+    def admit(self, engine_request_id: str, spec: Any, log_context: dict) -> dict:
+        """The request enters the engine (spec: its validation.GenerationInput): GenAI
+        attributes on the server span, the span context registered for step links; returns
+        the engine's log_context."""
+        self.engine_request_id = engine_request_id
+        self.prompt_ids = spec.prompt_ids
+        context = {**log_context, "request_id": self.request_id, "api": self.api}
+        try:
+            self._describe(engine_request_id, spec)
+            ids = span_ids(self.span)
+            if ids is not None:
+                context["trace_id"], context["span_id"] = ids
+                if len(self.obs.live) < MAX_LIVE_SPANS:
+                    self.obs.live[engine_request_id] = self.span.get_span_context()
+        except Exception:  # telemetry must never fail a request
+            log.exception("request telemetry failed", request_id=self.request_id)
+        return context
+
+    def _describe(self, engine_request_id: str, spec: Any) -> None:
+        span, model, params = self.span, self.obs.model, spec.params
+        if not span.is_recording():
+            return
+        span.update_name(genai_span_name(spec.operation, model))
+        request = {name: getattr(params, name) for name in _GENAI_PARAMS}
+        span.set_attributes(
+            genai_request_attributes(
+                spec.operation,
+                model,
+                choice_count=params.n,
+                stream=spec.stream,
+                stop_sequences=params.stop,
+                **request,
+            )
         )
+        span.set_attributes(
+            genai_response_attributes(response_id=engine_request_id, response_model=model)
+        )
+        span.set_attribute("moeserve.request_id", self.request_id)
+
+    def observe(self, output: Any) -> None:
+        self.output = output
+
+    def fail(self, exc: BaseException | None, status: str) -> None:
+        """Records a failure (first one wins); the exception goes on the span unless it is
+        the caller going away."""
+        if self.failed_status is not None:
+            return
+        self.failed_status = status
+        self.abandoned = exc is None or isinstance(exc, (asyncio.CancelledError, GeneratorExit))
+        if self.abandoned:
+            return
+        self.failure = exc
+        if self.span.is_recording():
+            self.span.record_exception(exc)
+
+    # ---- the end --------------------------------------------------------------------------
+    def finish(self, status: str) -> None:
+        """Once, when the API layer has answered: status is its view (HTTP / gRPC code);
+        a failure seen during generation takes precedence."""
+        if self.done:
+            return
+        self.done = True
+        if not self.obs.enabled:
+            return
+        try:
+            self._finish(self.failed_status or status)
+        except Exception:  # telemetry must never fail a request
+            log.exception("request telemetry failed", request_id=self.request_id)
+        finally:
+            if self.engine_request_id is not None:
+                self.obs.live.pop(self.engine_request_id, None)
+
+    def _finish(self, status: str) -> None:
+        obs, span, out = self.obs, self.span, self.output
+        if status != "ok" and span.is_recording():
+            exc = self.failure
+            span.set_attribute("error.type", type(exc).__name__ if exc is not None else status)
+            span.set_status(
+                Status(StatusCode.ERROR, f"{status}: {exc}" if exc is not None else status)
+            )
+        extra: dict[str, Any] = {"model": obs.model}
+        common = {"api": self.api, "request_id": self.request_id, "status": status, "logger": log}
+        times = merged_times(out.outputs) if out is not None else None
+        if times is None:  # never produced an output: rejected, invalid, aborted while queued
+            admitted = self.engine_request_id is not None
+            num_prompt = len(self.prompt_ids) if self.prompt_ids is not None else 0
+            if span.is_recording() and admitted:
+                span.set_attributes(
+                    genai_response_attributes(input_tokens=num_prompt, output_tokens=0)
+                )
+            if obs.log_prompts:
+                extra["prompt"] = self._prompt_text()
+            finish_unserved_request(
+                span,
+                num_prompt_tokens=num_prompt,
+                finish_reason="abort" if admitted and self.abandoned else None,
+                metrics=obs.metrics,
+                **common,
+                **extra,
+            )
+            return
+        reasons = [c.finish_reason for c in out.outputs]
+        finish_reason = (
+            reasons[0] if out.finished else "error" if self.failure is not None else "abort"
+        )
+        if out.finished and len(set(reasons)) > 1:
+            extra["finish_reasons"] = reasons
+        if obs.log_prompts:
+            extra["prompt"] = self._prompt_text(out.prompt_token_ids)
+            texts = [c.text for c in out.outputs]
+            extra["output"] = texts[0] if len(texts) == 1 else texts
+        finish_request(
+            span,
+            times=times,
+            num_prompt_tokens=len(out.prompt_token_ids),
+            num_output_tokens=sum(len(c.token_ids) for c in out.outputs),
+            finish_reason=finish_reason,
+            metrics=obs.metrics,
+            tracer=obs.tracer,
+            **common,
+            **extra,
+        )
+        if span.is_recording() and len(reasons) > 1:
+            span.set_attribute("gen_ai.response.finish_reasons", [r or "abort" for r in reasons])
+
+    def _prompt_text(self, ids: list[int] | None = None) -> str | None:
+        ids = ids if ids is not None else self.prompt_ids
+        if ids is None or self.obs.decode is None:
+            return None
+        return self.obs.decode(ids)

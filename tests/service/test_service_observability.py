@@ -114,8 +114,9 @@ def test_telemetry_off_serves_without_spans_metrics_or_request_logs(start_server
         assert http.get("/metrics").status_code == 404
 
 
-def test_generate_without_an_api_layer_owns_its_span(server):
-    """Direct callers (no REST/gRPC layer) still get the request span, metrics and summary."""
+def test_generation_fills_the_span_it_is_given(server):
+    """A Generation on a span its caller opened (as the transports do): phases under it,
+    GenAI attributes on it, metrics and the summary line."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -125,10 +126,12 @@ def test_generate_without_an_api_layer_owns_its_span(server):
 
     async def run() -> list:
         params = SamplingParams(max_tokens=3, n=2, ignore_eos=True)
-        gen = Generation(state, "rest", "direct-1")
+        span = provider.get_tracer("t").start_span("server")
+        gen = Generation(state, "rest", "direct-1", span)
         spec = GenerationInput([5, 6, 7], params, "text_completion", stream=False)
         updates = [u.output async for u in gen.updates(spec)]
         gen.finish()
+        span.end()
         return updates
 
     with capture_logs() as logs:
