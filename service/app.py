@@ -12,14 +12,14 @@ from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
+from litestar.plugins.opentelemetry import OpenTelemetryConfig, OpenTelemetryPlugin
 from litestar.types import Message, Scope
 from opentelemetry import trace
 
 from service import validation
 from service.controllers.common import REQUEST_ID_HEADER, bind_request_id, record_error, request_id
-from service.controllers.health import HealthController
-from service.controllers.metrics import MetricsController
 from service.controllers.openai import OpenAIController
+from service.controllers.probes import ProbesController
 from service.controllers.tokenize import TokenizeController
 from service.errors import Overloaded, ServiceError
 from service.openapi import TruthfulOpenAPI
@@ -29,16 +29,12 @@ from telemetry.tracing import inject_traceparent
 
 log = structlog.get_logger("service.app")
 
-_TYPES = {
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable",
+# (error type, code) of the HTTP errors Litestar raises itself; ours are ServiceErrors
+_HTTP_ERRORS = {
+    404: ("not_found_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
 }
-_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
 class _Request(Request):
@@ -55,8 +51,7 @@ def error_response(request: Request, exc: Exception) -> Response[ErrorResponse]:
     """Every error leaves in OpenAI's envelope; unexpected ones are logged and become 500."""
     headers: dict[str, str] = {}
     if isinstance(exc, ServiceError):
-        status = exc.status_code
-        body = ErrorBody(message=exc.message, type=exc.error_type, param=exc.param, code=exc.code)
+        status, body = exc.status_code, exc.envelope()
         if isinstance(exc, Overloaded):
             headers["retry-after"] = str(exc.retry_after_s)
     elif isinstance(exc, HTTPException):
@@ -65,16 +60,18 @@ def error_response(request: Request, exc: Exception) -> Response[ErrorResponse]:
         if status == 413:
             limit = request.app.state.serving.settings.max_body_bytes
             message = f"request body exceeds the limit of {limit} bytes"
-        kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-        body = ErrorBody(message=message, type=kind, code=_CODES.get(status))
+        default = ("invalid_request_error" if status < 500 else "server_error", None)
+        kind, code = _HTTP_ERRORS.get(status, default)
+        body = ErrorResponse(error=ErrorBody(message=message, type=kind, code=code))
         headers.update({k: v for k, v in (exc.headers or {}).items() if k.lower() == "allow"})
     else:
         log.exception(
             "unhandled error", path=request.url.path, request_id=request_id(request.scope)
         )
-        status, body = 500, ErrorBody(message="internal server error", type="server_error")
+        body = ErrorResponse(error=ErrorBody(message="internal server error", type="server_error"))
+        status = 500
     record_error(request.scope, exc)
-    return Response(ErrorResponse(error=body), status_code=status, headers=headers)
+    return Response(body, status_code=status, headers=headers)
 
 
 async def _add_request_id(message: Message, scope: Scope) -> None:
@@ -113,19 +110,13 @@ def _telemetry_config(state: ServingState) -> dict:
     obs = state.observability
     if not obs.enabled:
         return {}
-    middleware = [bind_request_id]
-    try:
-        from litestar.plugins.opentelemetry import OpenTelemetryConfig, OpenTelemetryPlugin
-    except ImportError as exc:  # opentelemetry-instrumentation-asgi missing: serve untraced
-        log.warning("REST requests are not traced", error=str(exc))
-        return {"middleware": middleware}
     config = OpenTelemetryConfig(
         tracer_provider=obs.tracer_provider,
         exclude=_UNTRACED_PATHS,
         exclude_spans=["receive", "send"],
         scope_span_details_extractor=_span_details,
     )
-    return {"plugins": [OpenTelemetryPlugin(config)], "middleware": middleware}
+    return {"plugins": [OpenTelemetryPlugin(config)], "middleware": [bind_request_id]}
 
 
 def create_app(state: ServingState) -> Litestar:
@@ -134,7 +125,7 @@ def create_app(state: ServingState) -> Litestar:
         lambda t: tokenizer.decode([t], skip_special_tokens=False)
     )
     return Litestar(
-        route_handlers=[OpenAIController, TokenizeController, HealthController, MetricsController],
+        route_handlers=[OpenAIController, TokenizeController, ProbesController],
         state=State({"serving": state, "started_at": int(time.time()), "token_text": token_text}),
         request_class=_Request,
         exception_handlers={Exception: error_response},

@@ -37,16 +37,20 @@ def _import_gguf(ns: argparse.Namespace) -> int:
 def _anomaly_webhook(ns: argparse.Namespace) -> int:
     from telemetry.anomaly import run
 
-    run(
-        host=ns.host,
-        port=ns.port,
-        prometheus_url=ns.prometheus_url,
-        forward_url=ns.forward_url,
-        window_s=ns.window_s,
-        step_s=ns.step_s,
-        onset_lookback_s=ns.onset_lookback_s,
-    )
+    run(**{k: v for k, v in vars(ns).items() if k not in ("command", "func")})
     return 0
+
+
+# flag, type, default, help
+_WEBHOOK_FLAGS = (
+    ("--host", str, "127.0.0.1", None),
+    ("--port", int, 9095, None),
+    ("--prometheus-url", str, "http://127.0.0.1:9090", None),
+    ("--forward-url", str, None, "forward enriched incidents to this webhook"),
+    ("--window-s", float, 1800, "history pulled per alert (seconds)"),
+    ("--step-s", float, 15, "resolution of that history (seconds)"),
+    ("--onset-lookback-s", float, 300, "how far before the alert the anomaly may start (seconds)"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,24 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     imp.set_defaults(func=_import_gguf)
 
     hook = sub.add_parser("anomaly-webhook", help="Alertmanager webhook that explains what moved")
-    hook.add_argument("--host", default="127.0.0.1")
-    hook.add_argument("--port", type=int, default=9095)
-    hook.add_argument("--prometheus-url", default="http://127.0.0.1:9090")
-    hook.add_argument(
-        "--forward-url", default=None, help="forward enriched incidents to this webhook"
-    )
-    hook.add_argument(
-        "--window-s", type=float, default=1800, help="history pulled per alert (seconds)"
-    )
-    hook.add_argument(
-        "--step-s", type=float, default=15, help="resolution of that history (seconds)"
-    )
-    hook.add_argument(
-        "--onset-lookback-s",
-        type=float,
-        default=300,
-        help="how far before the alert the anomaly may have started (seconds)",
-    )
+    for flag, kind, default, help_text in _WEBHOOK_FLAGS:
+        hook.add_argument(flag, type=kind, default=default, help=help_text)
     hook.set_defaults(func=_anomaly_webhook)
     return parser
 

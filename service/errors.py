@@ -7,6 +7,7 @@ import asyncio
 import grpc
 
 from inference import EngineDeadError, InvalidParameterError, QueueFullError
+from service.responses import ErrorBody, ErrorResponse
 from telemetry.metrics import status_from_http
 
 
@@ -19,33 +20,26 @@ class ServiceError(Exception):
         super().__init__(message)
         self.message, self.param, self.code = message, param, code
 
+    def envelope(self) -> ErrorResponse:
+        """The error as OpenAI's error body."""
+        body = ErrorBody(
+            message=self.message, type=self.error_type, param=self.param, code=self.code
+        )
+        return ErrorResponse(error=body)
+
 
 class BadRequest(ServiceError):
-    status_code, grpc_code, error_type = (
-        400,
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "invalid_request_error",
-    )
+    status_code, error_type = 400, "invalid_request_error"
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class Unauthorized(ServiceError):
-    status_code, grpc_code, error_type = (
-        401,
-        grpc.StatusCode.UNAUTHENTICATED,
-        "authentication_error",
-    )
+    status_code, error_type = 401, "authentication_error"
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
 
 
 class NotFound(ServiceError):
     status_code, grpc_code, error_type = 404, grpc.StatusCode.NOT_FOUND, "not_found_error"
-
-
-class PayloadTooLarge(ServiceError):
-    status_code, grpc_code, error_type = (
-        413,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        "invalid_request_error",
-    )
 
 
 class Overloaded(ServiceError):

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import grpc
 
 from inference import SamplingParams
-from inference.outputs import TokenLogprobs
+from inference.outputs import CompletionOutput, TokenLogprobs
 from service import validation
 from service.errors import BadRequest
 from service.generation import Generation, Update
@@ -37,15 +37,10 @@ class InferenceServicer:
                 "params.n must be 1 for Generate; use GenerateStream for n > 1", param="params.n"
             )
         final = await gen.final(spec)
-        sample = final.output.outputs[0]
-        return pb.GenerateResponse(
-            text=sample.text,
-            token_ids=sample.token_ids,
-            finish_reason=sample.finish_reason or "",
-            usage=_usage(final),
-            request_id=gen.request_id,
-            logprobs=_logprobs(sample.logprobs or []),
-        )
+        c = final.output.outputs[0]
+        response = _response(gen, c, c.text, c.token_ids, c.logprobs or [])
+        response.usage.CopyFrom(_usage(final))
+        return response
 
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, gen: Generation
@@ -53,14 +48,7 @@ class InferenceServicer:
         spec = await self._parse(request, stream=True)
         async for update in gen.updates(spec):
             chunks = [
-                pb.GenerateResponse(
-                    text=c.delta_text,
-                    token_ids=c.delta_token_ids,
-                    finish_reason=c.finish_reason or "",
-                    index=c.index,
-                    request_id=gen.request_id,
-                    logprobs=_logprobs(c.delta_logprobs),
-                )
+                _response(gen, c, c.delta_text, c.delta_token_ids, c.delta_logprobs)
                 for c in update.choices
             ]
             if update.finished:
@@ -127,6 +115,19 @@ def _sampling_params(p: pb.SamplingParams) -> SamplingParams:
             else (getattr(p, name) if p.HasField(name) else None)
             for name in SAMPLING_FIELDS
         }
+    )
+
+
+def _response(
+    gen: Generation, c: CompletionOutput, text: str, ids: list[int], logprobs: list[TokenLogprobs]
+) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        text=text,
+        token_ids=ids,
+        finish_reason=c.finish_reason or "",
+        index=c.index,
+        request_id=gen.request_id,
+        logprobs=_logprobs(logprobs),
     )
 
 

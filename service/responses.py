@@ -45,10 +45,7 @@ class TopLogprob(_Body, kw_only=True):
     bytes: list[int] | None
 
 
-class ChatTokenLogprob(_Body, kw_only=True):
-    token: str
-    logprob: float | None
-    bytes: list[int] | None
+class ChatTokenLogprob(TopLogprob, kw_only=True):
     top_logprobs: list[TopLogprob]
 
 

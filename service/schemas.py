@@ -8,6 +8,7 @@ always send them keep working; see `unsupported_fields()`.
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -76,15 +77,7 @@ class _SamplingFields(_Request, kw_only=True):
     stop_token_ids: list[sp.TokenId] | None = None
     ignore_eos: bool | None = None
     # OpenAI fields accepted only with their neutral value
-    logit_bias: Annotated[
-        Any,
-        Meta(
-            extra_json_schema={
-                "anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}],
-                "description": _NOT_IMPL,
-            }
-        ),
-    ] = None
+    logit_bias: _neutral(None, {}) = None
 
 
 _MaxTokens = Annotated[
@@ -144,29 +137,29 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     response_format: _neutral(None, {"type": "text"}) = None
 
 
-# Neutral values of the OpenAI fields we accept but do not implement.
-_NEUTRAL: dict[str, tuple] = {
-    "logit_bias": (None, {}),
-    "echo": (None, False),
-    "suffix": (None, ""),
-    "best_of": (None, 1),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-}
-
-
 def _same(a: Any, b: Any) -> bool:
     """JSON equality: 1.0 is 1, but 0 is not false."""
     return a == b and isinstance(a, bool) == isinstance(b, bool)
+
+
+@functools.cache
+def _neutral_values(schema: type[msgspec.Struct]) -> dict[str, list]:
+    """The `_neutral` fields of a request schema and their accepted values."""
+    fields = msgspec.inspect.type_info(schema).fields
+    return {
+        f.name: f.type.extra_json_schema["enum"]
+        for f in fields
+        if isinstance(f.type, msgspec.inspect.Metadata)
+        and (f.type.extra_json_schema or {}).get("description") == _NOT_IMPL
+    }
 
 
 def unsupported_fields(req: msgspec.Struct) -> list[str]:
     """Names of set fields whose value asks for a feature this server does not implement."""
     return [
         name
-        for name, neutral in _NEUTRAL.items()
-        if hasattr(req, name) and not any(_same(getattr(req, name), v) for v in neutral)
+        for name, neutral in _neutral_values(type(req)).items()
+        if not any(_same(getattr(req, name), v) for v in neutral)
     ]
 
 

@@ -6,6 +6,8 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
+from inference.config import EngineConfig
+
 
 @dataclass(slots=True)
 class Settings:
@@ -31,14 +33,9 @@ class Settings:
     telemetry: bool = True  # hidden: MOESERVE_TELEMETRY=0 turns spans, metrics, request logs off
 
     def engine_limits(self) -> dict:
-        return {
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "max_model_len": self.max_model_len,
-            "kv_cache_tokens": self.kv_cache_tokens,
-            "max_waiting": self.max_waiting,
-            "compile": self.compile,
-        }
+        """The flags that are EngineConfig fields (same names)."""
+        engine = {f.name for f in fields(EngineConfig)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in engine}
 
 
 _HELP = {

@@ -30,8 +30,6 @@ from service.openapi import errors
 from service.responses import (
     ChatCompletionResponse,
     CompletionResponse,
-    ErrorBody,
-    ErrorResponse,
     ModelCard,
     ModelList,
 )
@@ -51,7 +49,20 @@ _SAMPLING = (
     *("n", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k"),
     *("min_p", "min_tokens", "repetition_penalty", "stop_token_ids", "ignore_eos"),
 )
-_GENERATION_ERRORS = errors(400, 401, 404, 413, 429, 503)
+
+
+def _generation_route(path: str, operation_id: str, response: type, id_prefix: str):
+    """A generation route: JSON or SSE, run inside its Generation (generation_lifecycle)."""
+    return post(
+        path,
+        operation_id=operation_id,
+        status_code=200,
+        responses={
+            200: ResponseSpec(response, description="The response, or its SSE chunks"),
+            **errors(400, 401, 404, 413, 429, 503),
+        },
+        middleware=[generation_lifecycle(id_prefix)],
+    )
 
 
 def _sse(payload: msgspec.Struct) -> bytes:
@@ -110,12 +121,9 @@ async def _respond(
                     break
                 update = await updates.__anext__()
             if at_end:
-                yield _sse(render.chunk([], render.usage(update.usage)))
+                yield _sse(render.chunk([], update.usage))
         except ServiceError as exc:  # e.g. the engine died mid-stream: tell the client
-            error = ErrorBody(
-                message=exc.message, type=exc.error_type, param=exc.param, code=exc.code
-            )
-            yield _sse(ErrorResponse(error=error))
+            yield _sse(exc.envelope())
         finally:
             await updates.aclose()  # client gone: the generation is aborted here
         yield b"data: [DONE]\n\n"
@@ -140,16 +148,7 @@ class OpenAIController(Controller):
         )
         return ModelList(data=[card])
 
-    @post(
-        "/completions",
-        operation_id="createCompletion",
-        status_code=200,
-        responses={
-            200: ResponseSpec(CompletionResponse, description="The completion, or its SSE chunks"),
-            **_GENERATION_ERRORS,
-        },
-        middleware=[generation_lifecycle("cmpl")],
-    )
+    @_generation_route("/completions", "createCompletion", CompletionResponse, "cmpl")
     async def create_completion(self, request: Request, data: CompletionRequest) -> Response:
         """Text completion (OpenAI `/v1/completions`), JSON or SSE."""
         state, gen = serving_state(request), generation(request)
@@ -161,15 +160,8 @@ class OpenAIController(Controller):
         render = CompletionRender(request, gen.response_id, params.n, data.logprobs is not None)
         return await _respond(request, gen, spec, data.stream_options, render)
 
-    @post(
-        "/chat/completions",
-        operation_id="createChatCompletion",
-        status_code=200,
-        responses={
-            200: ResponseSpec(ChatCompletionResponse, description="The reply, or its SSE chunks"),
-            **_GENERATION_ERRORS,
-        },
-        middleware=[generation_lifecycle("chatcmpl")],
+    @_generation_route(
+        "/chat/completions", "createChatCompletion", ChatCompletionResponse, "chatcmpl"
     )
     async def create_chat_completion(
         self, request: Request, data: ChatCompletionRequest

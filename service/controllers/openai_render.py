@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import msgspec
 from litestar import Request
 
-from inference.outputs import TokenLogprobs
-from service import generation
+from inference.outputs import CompletionOutput, TokenLogprobs
 from service.controllers.common import serving_state
 from service.generation import Update
 from service.responses import (
@@ -34,21 +34,29 @@ class Render:
     (the final update as the response), `chunks` (an update as the stream's chunk choices,
     each with the usage it reports) and `chunk` (choices and usage as one SSE chunk)."""
 
+    chunk_type: type[msgspec.Struct]  # the body of a stream's chunk
+
     def __init__(self, request: Request, response_id: str) -> None:
         self.response_id, self.created = response_id, int(time.time())
         self.model = serving_state(request).model_name
         self.decode: Callable[[int], str] = request.app.state.token_text
 
-    @staticmethod
-    def usage(u: generation.Usage) -> Usage:
-        return Usage(
-            prompt_tokens=u.prompt_tokens,
-            completion_tokens=u.completion_tokens,
-            total_tokens=u.total_tokens,
+    def body(self, body: type[msgspec.Struct], choices: list, usage: Usage | None):
+        return body(
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
         )
+
+    def chunk(self, choices: list, usage: Usage | None):
+        return self.body(self.chunk_type, choices, usage)
 
 
 class CompletionRender(Render):
+    chunk_type = CompletionResponse
+
     def __init__(self, request: Request, response_id: str, n: int, logprobs: bool) -> None:
         super().__init__(request, response_id)
         self.logprobs = logprobs
@@ -69,66 +77,51 @@ class CompletionRender(Render):
             text_offset=text_offset,
         )
 
+    def _choice(self, c: CompletionOutput, text: str, logprobs: list[TokenLogprobs]):
+        return CompletionChoice(
+            index=c.index,
+            text=text,
+            logprobs=self._logprobs(c.index, logprobs),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+
     def whole(self, final: Update) -> CompletionResponse:
-        choices = [
-            CompletionChoice(
-                index=c.index,
-                text=c.text,
-                logprobs=self._logprobs(c.index, c.logprobs or []),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-            for c in final.output.outputs
-        ]
-        return self.chunk(choices, self.usage(final.usage))
+        choices = [self._choice(c, c.text, c.logprobs or []) for c in final.output.outputs]
+        return self.chunk(choices, final.usage)
 
     def chunks(self, update: Update) -> list[tuple[CompletionChoice, Usage]]:
-        usage = self.usage(update.usage)
         return [
-            (
-                CompletionChoice(
-                    index=c.index,
-                    text=c.delta_text,
-                    logprobs=self._logprobs(c.index, c.delta_logprobs),
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                ),
-                usage,
-            )
-            for c in update.choices
+            (self._choice(c, c.delta_text, c.delta_logprobs), update.usage) for c in update.choices
         ]
-
-    def chunk(self, choices: list, usage: Usage | None) -> CompletionResponse:
-        return CompletionResponse(
-            id=self.response_id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage,
-        )
 
 
 class ChatRender(Render):
+    chunk_type = ChatCompletionChunk
+
     def __init__(self, request: Request, response_id: str, logprobs: bool) -> None:
         super().__init__(request, response_id)
         self.logprobs = logprobs
         self.opened: set[int] = set()  # choices whose role chunk has gone out
 
-    def _top(self, token_id: int, logprob: float) -> TopLogprob:
+    def _token(self, kind: type[TopLogprob], token_id: int, logprob: float, **more):
         text = self.decode(token_id)
-        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+        return kind(token=text, logprob=logprob, bytes=list(text.encode()), **more)
 
     def _logprobs(self, entries: list[TokenLogprobs]) -> ChatLogprobs | None:
         if not self.logprobs:
             return None
-        content = []
-        for e in entries:
-            t = self._top(e.token_id, e.logprob)
-            top = [self._top(x.token_id, x.logprob) for x in e.top]
-            content.append(
-                ChatTokenLogprob(token=t.token, logprob=t.logprob, bytes=t.bytes, top_logprobs=top)
-            )
-        return ChatLogprobs(content=content)
+        return ChatLogprobs(
+            content=[
+                self._token(
+                    ChatTokenLogprob,
+                    e.token_id,
+                    e.logprob,
+                    top_logprobs=[self._token(TopLogprob, t.token_id, t.logprob) for t in e.top],
+                )
+                for e in entries
+            ]
+        )
 
     def whole(self, final: Update) -> ChatCompletionResponse:
         choices = [
@@ -141,23 +134,13 @@ class ChatRender(Render):
             )
             for c in final.output.outputs
         ]
-        return ChatCompletionResponse(
-            id=self.response_id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=self.usage(final.usage),
-        )
+        return self.body(ChatCompletionResponse, choices, final.usage)
 
     def chunks(self, update: Update) -> list[tuple[ChatChunkChoice, Usage]]:
         """OpenAI opens each choice with a chunk of the role, which reports no completion
         token yet (as vLLM does)."""
-        usage = self.usage(update.usage)
-        opening = Usage(
-            prompt_tokens=usage.prompt_tokens,
-            completion_tokens=0,
-            total_tokens=usage.prompt_tokens,
-        )
+        usage, prompt = update.usage, update.usage.prompt_tokens
+        opening = Usage(prompt_tokens=prompt, completion_tokens=0, total_tokens=prompt)
         new = {c.index: c for c in update.choices}
         result = []
         for index in (c.index for c in update.output.outputs):
@@ -176,12 +159,3 @@ class ChatRender(Render):
                 )
                 result.append((choice, usage))
         return result
-
-    def chunk(self, choices: list, usage: Usage | None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=self.response_id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage,
-        )

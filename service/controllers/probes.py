@@ -1,15 +1,22 @@
-"""Probes: /health (liveness) and /ready (readiness, with the engine's load)."""
+"""Probes and scrapes, outside the API key and the drain: /health (liveness), /ready
+(readiness, with the engine's load) and /metrics (SPEC section 8: Prometheus text, or
+OpenMetrics with the latency histograms' trace-id exemplars when the Accept header asks for
+application/openmetrics-text)."""
 
 from __future__ import annotations
+
+import asyncio
 
 from litestar import Controller, Request, Response, get
 from litestar.openapi import ResponseSpec
 
 from service.controllers.common import serving_state
+from service.errors import NotFound
 from service.responses import HealthResponse, ReadyResponse
+from telemetry.metrics import render_metrics
 
 
-class HealthController(Controller):
+class ProbesController(Controller):
     path = "/"
     tags = ("Probes",)
 
@@ -47,3 +54,15 @@ class HealthController(Controller):
             kv_blocks_used=engine.kv_blocks_used,
         )
         return Response(body, status_code=200 if state.ready else 503)
+
+    @get("/metrics", operation_id="metrics", include_in_schema=False)
+    async def metrics(self, request: Request) -> Response[bytes]:
+        """Prometheus exposition of every moeserve_* metric."""
+        metrics = serving_state(request).observability.metrics
+        if metrics is None:
+            raise NotFound("metrics are disabled on this server", code="metrics_disabled")
+        # Off the event loop: the per-expert series make a scrape of a large model take a while.
+        body, content_type = await asyncio.to_thread(
+            render_metrics, metrics.registry, request.headers.get("accept")
+        )
+        return Response(body, media_type=content_type)
