@@ -14,7 +14,7 @@ Families (`PARSERS`; `parser_for` picks one from a checkpoint):
     objects (tokenizers v2-v7: Mixtral-8x22B-Instruct, Mistral-7B-Instruct-v0.3; an "id"
     member may be present), or `[TOOL_CALLS]name[ARGS]{...}` and
     `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}` per call (v11+), as mistral-common decodes them.
-  - "deepseek_v2" (DeepSeek-V2/V2.5/V3): `<｜tool▁calls▁begin｜>` then per call
+  - "deepseek" (DeepSeek-V2/V2.5/V3): `<｜tool▁calls▁begin｜>` then per call
     `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>`
     (separated by newlines) and `<｜tool▁calls▁end｜>` (the V2.5/V3 chat templates; vLLM's
     and SGLang's deepseekv3 parsers); the V3.1 form `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}`
@@ -498,7 +498,7 @@ class _Family:
 _FAMILIES: dict[str, _Family] = {
     "hermes": _Family((HERMES_OPEN,), _hermes_unit),
     "mistral": _Family((MISTRAL_CALLS,), _mistral_unit, short_ids=True),
-    "deepseek_v2": _Family((DS_CALLS_BEGIN,), _deepseek_unit, _deepseek_more),
+    "deepseek": _Family((DS_CALLS_BEGIN,), _deepseek_unit, _deepseek_more),
     "llama3_json": _Family((HERMES_OPEN, LLAMA_PYTHON_TAG), _llama_unit, _llama_more, True),
 }
 PARSERS: tuple[str, ...] = tuple(_FAMILIES)
@@ -668,8 +668,8 @@ _ARCH_PARSERS = {
     "Qwen2MoeForCausalLM": "hermes",
     "Qwen3ForCausalLM": "hermes",
     "Qwen3MoeForCausalLM": "hermes",
-    "DeepseekV2ForCausalLM": "deepseek_v2",
-    "DeepseekV3ForCausalLM": "deepseek_v2",
+    "DeepseekV2ForCausalLM": "deepseek",
+    "DeepseekV3ForCausalLM": "deepseek",
     "LlamaForCausalLM": "llama3_json",
 }
 
@@ -682,7 +682,7 @@ def parser_for(architecture: str, chat_template: str | None) -> str:
     if MISTRAL_CALLS in template:
         return "mistral"
     if DS_CALLS_BEGIN in template or DS_CALL_BEGIN in template:
-        return "deepseek_v2"
+        return "deepseek"
     if LLAMA_PYTHON_TAG in template:
         return "llama3_json"
     if HERMES_OPEN in template:  # Llama-architecture ChatML models (SmolLM2) list calls

@@ -150,15 +150,15 @@ CASES = [
     ("mistral", "[TOOL_CALLS]get weather[ARGS]{}", "same", []),
     ("mistral", "[TOOL_CALLS]f[ARGS]{'a': 1}", "same", []),
     ("mistral", "Use [TOOL_ or [TOOL_CALLS without the bracket", "same", []),
-    # deepseek_v2: DeepSeek-V2.5/V3 tool-call tokens
+    # deepseek: DeepSeek-V2.5/V3 tool-call tokens
     (
-        "deepseek_v2",
+        "deepseek",
         DS_CALLS + deepseek("get_weather", WEATHER) + DS_CALLS_END,
         None,
         [("get_weather", WEATHER)],
     ),
     (
-        "deepseek_v2",
+        "deepseek",
         DS_CALLS
         + deepseek("get_weather", WEATHER)
         + "\n"
@@ -168,26 +168,26 @@ CASES = [
         [("get_weather", WEATHER), ("search", NESTED)],
     ),
     (
-        "deepseek_v2",
+        "deepseek",
         "Checking both.\n" + DS_CALLS + deepseek("a", "{}") + deepseek("b", '{"k": [1]}'),
         "Checking both.\n",
         [("a", "{}"), ("b", '{"k": [1]}')],
     ),
     (  # the V3.1 form: NAME<sep>{...}
-        "deepseek_v2",
+        "deepseek",
         f"{DS_CALLS}{DS_CALL}get_weather{DS_SEP}{WEATHER}{DS_END}{DS_CALLS_END}",
         None,
         [("get_weather", WEATHER)],
     ),
     (
-        "deepseek_v2",
+        "deepseek",
         f"{DS_CALLS}{DS_CALL}function{DS_SEP}f\n{{}}\n{DS_END}{DS_CALLS_END}",  # no ```json
         "same",
         [],
     ),
-    ("deepseek_v2", DS_CALLS + deepseek("f", '{"a": }') + DS_CALLS_END, "same", []),
+    ("deepseek", DS_CALLS + deepseek("f", '{"a": }') + DS_CALLS_END, "same", []),
     (  # the first call stands when the second is broken; the rest is content
-        "deepseek_v2",
+        "deepseek",
         DS_CALLS + deepseek("a", "{}") + "\n" + deepseek("b", "[1]") + DS_CALLS_END,
         "\n" + deepseek("b", "[1]") + DS_CALLS_END,
         [("a", "{}")],
@@ -359,7 +359,7 @@ _PIECES = {
         '{"name": "f", "arguments": ',
         f"[TOOL_CALLS]s[ARGS]{NESTED}",
     ],
-    "deepseek_v2": [
+    "deepseek": [
         DS_CALLS,
         DS_CALLS_END,
         DS_CALL,
@@ -405,7 +405,7 @@ def test_any_chunking_gives_the_whole_text_parse(parser):
         assert got == (whole_content or "")
         assert names_args(calls) == names_args(whole_calls)
         check_deltas(deltas, calls)
-        if not whole_calls and parser in ("hermes", "deepseek_v2"):
+        if not whole_calls and parser in ("hermes", "deepseek"):
             assert whole_content == (text or None)  # no call: the text is untouched
 
     check()
@@ -582,9 +582,9 @@ OLMOE_TEMPLATE = (
         ("Qwen3MoeForCausalLM", QWEN_TEMPLATE, "hermes"),
         ("Qwen2ForCausalLM", QWEN_TEMPLATE, "hermes"),
         ("OlmoeForCausalLM", OLMOE_TEMPLATE, "hermes"),
-        ("DeepseekV2ForCausalLM", DEEPSEEK_TEMPLATE, "deepseek_v2"),
-        ("DeepseekV2ForCausalLM", None, "deepseek_v2"),
-        ("DeepseekV3ForCausalLM", DEEPSEEK_TEMPLATE, "deepseek_v2"),
+        ("DeepseekV2ForCausalLM", DEEPSEEK_TEMPLATE, "deepseek"),
+        ("DeepseekV2ForCausalLM", None, "deepseek"),
+        ("DeepseekV3ForCausalLM", DEEPSEEK_TEMPLATE, "deepseek"),
         ("LlamaForCausalLM", LLAMA31_TEMPLATE, "llama3_json"),
         ("LlamaForCausalLM", SMOLLM2_TEMPLATE, "llama3_json"),
         ("LlamaForCausalLM", None, "llama3_json"),
