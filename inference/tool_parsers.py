@@ -512,6 +512,11 @@ def _new_id(short: bool) -> str:
     return "call_" + "".join(secrets.choice(_ALNUM) for _ in range(24))
 
 
+def new_call_id(parser: str) -> str:
+    """A fresh tool-call id in `parser`'s family's form (Mistral's are 9 characters)."""
+    return _new_id(_family(parser).short_ids)
+
+
 def _family(parser: str) -> _Family:
     try:
         return _FAMILIES[parser]

@@ -55,10 +55,14 @@ class Unavailable(ServiceError):
     status_code, grpc_code, error_type = 503, grpc.StatusCode.UNAVAILABLE, "service_unavailable"
 
 
-def from_engine_error(exc: Exception) -> ServiceError:
-    """Maps the engine's exceptions onto service errors (anything else stays unexpected)."""
+def from_engine_error(exc: Exception, constraint_field: str | None = None) -> ServiceError:
+    """Maps the engine's exceptions onto service errors (anything else stays unexpected); an
+    error in the grammar constraint names `constraint_field`, the API's field it came from."""
     if isinstance(exc, InvalidParameterError):
-        return BadRequest(str(exc), param=exc.param)
+        param = exc.param
+        if constraint_field and param.startswith("structured_outputs"):
+            return BadRequest(f"{constraint_field}: {exc.message}", param=constraint_field)
+        return BadRequest(str(exc), param=param)
     if isinstance(exc, QueueFullError):
         return Overloaded(str(exc), code="queue_full")
     if isinstance(exc, EngineDeadError):

@@ -83,7 +83,7 @@ class Generation:
                     self._finished = out.finished
                     yield Update(out, self._new(out), _usage(out))
             except ENGINE_ERRORS as exc:
-                raise from_engine_error(exc) from exc
+                raise from_engine_error(exc, spec.constraint_field) from exc
             finally:
                 await outputs.aclose()
                 state.leave()

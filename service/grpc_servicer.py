@@ -7,17 +7,20 @@ renders what the Generation yields; errors, statuses and telemetry are handled a
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import grpc
 
-from inference import SamplingParams
+from inference import InvalidParameterError, SamplingParams, StructuredOutputs
 from inference.outputs import CompletionOutput, TokenLogprobs
 from service import validation
 from service.errors import BadRequest
 from service.generation import Generation, Update
 from service.proto.moeserve.v1 import inference_pb2 as pb
+from service.schemas import ChatMessage, FunctionCall, MessageToolCall, chat_message_dicts
 from service.state import ServingState
+from service.tools import TOOL_CHOICES, ChoiceToolCalls, ToolPlan, single_constraint, tool_plan
 from service.validation import GenerationInput
 
 _REPEATED = ("stop", "stop_token_ids")
@@ -31,7 +34,7 @@ class InferenceServicer:
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, gen: Generation
     ) -> pb.GenerateResponse:
-        spec = await self._parse(request, stream=False)
+        spec, plan = await self._parse(request, stream=False)
         if spec.params.n > 1:
             raise BadRequest(
                 "params.n must be 1 for Generate; use GenerateStream for n > 1", param="params.n"
@@ -39,18 +42,30 @@ class InferenceServicer:
         final = await gen.final(spec)
         c = final.output.outputs[0]
         response = _response(gen, c, c.text, c.token_ids, c.logprobs or [])
+        if plan is not None:
+            content, calls = plan.calls(c.text)
+            response.text = content or ""
+            response.tool_calls.extend(
+                pb.ToolCall(index=i, id=t.id, name=t.name, arguments=t.arguments)
+                for i, t in enumerate(calls)
+            )
+            response.finish_reason = plan.finish_reason(calls, c.finish_reason) or ""
         response.usage.CopyFrom(_usage(final))
         return response
 
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, gen: Generation
     ) -> None:
-        spec = await self._parse(request, stream=True)
+        spec, plan = await self._parse(request, stream=True)
+        streams: dict[int, ChoiceToolCalls] = {}
         async for update in gen.updates(spec):
             chunks = [
                 _response(gen, c, c.delta_text, c.delta_token_ids, c.delta_logprobs)
                 for c in update.choices
             ]
+            if plan is not None:
+                for chunk, c in zip(chunks, update.choices):
+                    _tool_deltas(chunk, c, streams.setdefault(c.index, ChoiceToolCalls(plan)))
             if update.finished:
                 if not chunks:
                     chunks.append(pb.GenerateResponse(request_id=gen.request_id))
@@ -62,7 +77,7 @@ class InferenceServicer:
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         validation.one_of(("text", request.text), ("messages", request.messages))
-        ids = await self._prompt_ids(request.text, request.messages)  # as Generate tokenizes
+        ids = await self._prompt_ids(request.text, request.messages, None)  # as Generate does
         tokenizer = self.state.engine.tokenizer
         return pb.TokenizeResponse(
             token_ids=ids,
@@ -89,32 +104,111 @@ class InferenceServicer:
             device=engine.device,
         )
 
-    async def _parse(self, request: pb.GenerateRequest, stream: bool) -> GenerationInput:
+    async def _parse(
+        self, request: pb.GenerateRequest, stream: bool
+    ) -> tuple[GenerationInput, ToolPlan | None]:
         validation.one_of(("prompt", request.prompt), ("messages", request.messages))
-        params = _sampling_params(request.params)
-        ids = await self._prompt_ids(request.prompt, request.messages)
-        return GenerationInput(
-            ids, params, "chat" if request.messages else "text_completion", stream
+        plan = _tool_plan(request, self.state.tool_parser)
+        if plan is not None and not request.messages:
+            raise BadRequest("tools need messages (a chat)", param="tools")
+        forced = plan.structured_outputs() if plan is not None else None
+        constraint, field = single_constraint(
+            ("structured_output", _structured_output(request)), ("tools", forced)
         )
+        params = _sampling_params(request.params, constraint)
+        tools = plan.template_tools if plan is not None else None
+        ids = await self._prompt_ids(request.prompt, request.messages, tools)
+        operation = "chat" if request.messages else "text_completion"
+        return GenerationInput(ids, params, operation, stream, field), plan
 
-    async def _prompt_ids(self, text: str, messages: Sequence[pb.ChatMessage]) -> list[int]:
+    async def _prompt_ids(
+        self, text: str, messages: Sequence[pb.ChatMessage], tools: list[dict] | None
+    ) -> list[int]:
         tokenizer = self.state.engine.tokenizer
         if not messages:
             return await validation.text_ids(tokenizer, text)
         return await validation.chat_ids(
-            tokenizer, [{"role": m.role, "content": m.content} for m in messages]
+            tokenizer, chat_message_dicts([_chat_message(m) for m in messages]), tools=tools
         )
 
 
-def _sampling_params(p: pb.SamplingParams) -> SamplingParams:
-    """Unset optional scalars and empty lists take the engine's defaults."""
+def _sampling_params(p: pb.SamplingParams, constraint: StructuredOutputs | None) -> SamplingParams:
+    """Unset optional scalars and empty lists and maps take the engine's defaults."""
+    fields = {
+        name: (list(getattr(p, name)) or None)
+        if name in _REPEATED
+        else (getattr(p, name) if p.HasField(name) else None)
+        for name in SAMPLING_FIELDS - {"logit_bias"}
+    }
     return validation.sampling_params(
-        **{
-            name: (list(getattr(p, name)) or None)
-            if name in _REPEATED
-            else (getattr(p, name) if p.HasField(name) else None)
-            for name in SAMPLING_FIELDS
-        }
+        **fields, logit_bias=dict(p.logit_bias) or None, structured_outputs=constraint
+    )
+
+
+def _structured_output(request: pb.GenerateRequest) -> StructuredOutputs | None:
+    so = request.structured_output
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        return None
+    value = {
+        "json_schema": ("json", so.json_schema),
+        "json_object": ("json_object", so.json_object),
+        "regex": ("regex", so.regex),
+        "choice": ("choice", list(so.choice.options)),
+        "grammar": ("grammar", so.grammar),
+    }[kind]
+    try:
+        return StructuredOutputs(**dict([value]))
+    except InvalidParameterError as exc:
+        raise BadRequest(f"structured_output: {exc.message}", param="structured_output") from None
+
+
+def _tool_plan(request: pb.GenerateRequest, parser: str) -> ToolPlan | None:
+    tools = []
+    for i, t in enumerate(request.tools):
+        function = {"name": t.name, "description": t.description or None}
+        try:
+            function["parameters"] = json.loads(t.parameters) if t.parameters else None
+        except ValueError as exc:
+            raise BadRequest(f"not JSON: {exc}", param=f"tools[{i}].parameters") from None
+        if function["parameters"] is not None and not isinstance(function["parameters"], dict):
+            raise BadRequest("must be a JSON Schema object", param=f"tools[{i}].parameters")
+        tools.append({"type": "function", "function": {k: v for k, v in function.items() if v}})
+    choice = request.tool_choice
+    which = choice.WhichOneof("choice")
+    if which == "mode" and choice.mode not in TOOL_CHOICES:
+        raise BadRequest(f"must be one of {', '.join(TOOL_CHOICES)}", param="tool_choice.mode")
+    named = choice.function if which == "function" else None
+    parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else None
+    mode = choice.mode if which == "mode" else None
+    return tool_plan(tools or None, mode, named, parallel, parser)
+
+
+def _chat_message(m: pb.ChatMessage) -> ChatMessage:
+    calls = [
+        MessageToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+        for c in m.tool_calls
+    ]
+    return ChatMessage(
+        role=m.role,
+        content=m.content,
+        name=m.name or None,
+        tool_calls=calls or None,
+        tool_call_id=m.tool_call_id or None,
+    )
+
+
+def _tool_deltas(chunk: pb.GenerateResponse, c: CompletionOutput, calls: ChoiceToolCalls) -> None:
+    """A streamed message's text as content and tool-call deltas (see service/tools.py)."""
+    content, deltas = calls.feed(c.delta_text)
+    if c.finish_reason:
+        rest, more = calls.finish()
+        content, deltas = content + rest, deltas + more
+        chunk.finish_reason = calls.plan.finish_reason(calls.calls, c.finish_reason) or ""
+    chunk.text = content
+    chunk.tool_calls.extend(
+        pb.ToolCall(index=d.index, id=d.id or "", name=d.name or "", arguments=d.arguments)
+        for d in deltas
     )
 
 

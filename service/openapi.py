@@ -38,6 +38,15 @@ _STRUCT_RULES = {
             {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
         ]
     },
+    "StructuredOutputsBody": {
+        "oneOf": [
+            *(
+                {"required": [k], "properties": {k: {"not": {"type": "null"}}}}
+                for k in ("json", "regex", "choice", "grammar")
+            ),
+            {"required": ["json_object"], "properties": {"json_object": {"const": True}}},
+        ]
+    },
     "ChatCompletionRequest": {
         "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},

@@ -53,9 +53,21 @@ class ChatLogprobs(_Body, kw_only=True):
     content: list[ChatTokenLogprob] | None
 
 
-class AssistantMessage(_Body, kw_only=True):
-    role: str = "assistant"
-    content: str | None = None
+class FunctionCallBody(_Body, kw_only=True):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class ToolCallBody(_Body, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCallBody
+
+
+class AssistantMessage(_Body, kw_only=True, omit_defaults=True):
+    role: str  # "assistant"
+    content: str | None
+    tool_calls: list[ToolCallBody] | None = None
 
 
 class ChatChoice(_Body, kw_only=True):
@@ -75,9 +87,24 @@ class ChatCompletionResponse(_Body, kw_only=True):
     usage: Usage | None = None
 
 
+class FunctionDelta(_Body, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDeltaBody(_Body, kw_only=True, omit_defaults=True):
+    """A streamed tool call: id, type and name on its first delta, arguments after."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta | None = None
+
+
 class DeltaMessage(_Body, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDeltaBody] | None = None
 
 
 class ChatChunkChoice(_Body, kw_only=True):

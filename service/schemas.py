@@ -54,6 +54,75 @@ _PROMPT_LIST = {
 }
 
 
+# ---- structured outputs and tools (SPEC section 12) ----------------------------------------
+_TokenIdKey = Annotated[str, Meta(pattern="^[0-9]{1,9}$", description="a token id")]
+_JsonSchema = Annotated[dict[str, Any], Meta(description="a JSON Schema")]
+
+
+class TextFormat(_Request, tag_field="type", tag="text"):
+    pass
+
+
+class JsonObjectFormat(_Request, tag_field="type", tag="json_object"):
+    pass
+
+
+class JsonSchema(_Request, kw_only=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str | None = None
+    schema: _JsonSchema | None = None  # absent: any JSON object
+    strict: bool | None = None  # the output always follows the schema: strict or not
+
+
+class JsonSchemaFormat(_Request, kw_only=True, tag_field="type", tag="json_schema"):
+    json_schema: JsonSchema
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
+
+
+class StructuredOutputsBody(_Request, kw_only=True):
+    """vLLM's `structured_outputs` extra body: exactly one of its fields."""
+
+    json: _JsonSchema | str | None = None
+    regex: Annotated[str, Meta(min_length=1)] | None = None
+    choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    grammar: Annotated[str, Meta(min_length=1, description="Lark or GBNF")] | None = None
+    json_object: bool | None = None
+
+
+class FunctionDefinition(_Request, kw_only=True, omit_defaults=True):
+    name: Annotated[str, Meta(pattern="^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: _JsonSchema | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request, kw_only=True, omit_defaults=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(_Request, kw_only=True):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Request, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class MessageToolCall(_Request, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class _SamplingFields(_Request, kw_only=True):
     """Fields both generation endpoints share (OpenAI names plus vLLM's extensions); the
     ranges are SamplingParams' own (inference/sampling_params.py)."""
@@ -76,8 +145,10 @@ class _SamplingFields(_Request, kw_only=True):
     repetition_penalty: sp.RepetitionPenalty | None = None
     stop_token_ids: list[sp.TokenId] | None = None
     ignore_eos: bool | None = None
-    # OpenAI fields accepted only with their neutral value
-    logit_bias: _neutral(None, {}) = None
+    # structured outputs (service/tools.py turns them into the engine's StructuredOutputs)
+    logit_bias: dict[_TokenIdKey, sp.LogitBias] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
 
 _MaxTokens = Annotated[
@@ -106,11 +177,13 @@ class ChatMessage(_Request, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]  # validation.CHAT_ROLES
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_call_id: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 def chat_message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as the chat template takes them (text parts joined)."""
+    """Messages as the chat template takes them: text parts joined, earlier tool calls'
+    arguments as objects where they parse (templates write `arguments | tojson`)."""
     out = []
     for m in messages:
         content = (
@@ -121,8 +194,21 @@ def chat_message_dicts(messages: list[ChatMessage]) -> list[dict]:
         d = {"role": m.role, "content": content}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            d["tool_calls"] = [_call_dict(c) for c in m.tool_calls]
         out.append(d)
     return out
+
+
+def _call_dict(call: MessageToolCall) -> dict:
+    try:
+        arguments = msgspec.json.decode(call.function.arguments)
+    except msgspec.DecodeError:
+        arguments = call.function.arguments
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -131,10 +217,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: _MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[sp.Logprobs, Meta(description="needs logprobs: true")] | None = None
-    tools: _neutral(None, []) = None
-    tool_choice: _neutral(None, "none") = None
-    parallel_tool_calls: bool | None = None  # accepted and ignored: no tool calls are made
-    response_format: _neutral(None, {"type": "text"}) = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def _same(a: Any, b: Any) -> bool:

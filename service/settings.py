@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, fields
 
 from inference.config import EngineConfig
+from inference.tool_parsers import PARSERS
 
 
 @dataclass(slots=True)
@@ -29,6 +30,7 @@ class Settings:
     log_format: str | None = None  # json | console; default: console on a TTY, JSON otherwise
     log_prompts: bool = False
     demo_preset: str = "small"
+    tool_call_parser: str = "auto"  # the model's tool-call syntax; auto: from the checkpoint
     drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     telemetry: bool = True  # hidden: MOESERVE_TELEMETRY=0 turns spans, metrics, request logs off
 
@@ -51,6 +53,8 @@ _HELP = {
     "max_body_bytes": "request body size limit (413 beyond)",
     "log_prompts": "include prompt and output text in logs",
     "demo_preset": "preset of the demo model (tiny|small)",
+    "tool_call_parser": "the model's tool-call syntax under tool_choice auto "
+    "(auto: from the checkpoint's architecture and chat template)",
     "drain_timeout": "grace period for in-flight requests after SIGTERM (seconds)",
 }
 _HIDDEN = {"telemetry"}  # for benchmarks (telemetry on against off), not for operators
@@ -59,6 +63,7 @@ _CHOICES = {
     "dtype": ["auto", "float32", "bfloat16", "float16"],
     "log_format": ["json", "console"],
     "demo_preset": ["tiny", "small"],
+    "tool_call_parser": ["auto", *PARSERS],
 }
 
 

@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from inference import AsyncLLMEngine
+from inference.tool_parsers import parser_for
 from service.observability import Observability
 from service.settings import Settings
 
@@ -19,6 +20,14 @@ class ServingState:
     in_flight: int = 0
     observability: Observability = field(default_factory=Observability.disabled)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def tool_parser(self) -> str:
+        """The tool-call syntax the model writes: --tool-call-parser, or its family's (auto)."""
+        if self.settings.tool_call_parser != "auto":
+            return self.settings.tool_call_parser
+        template = getattr(self.engine.tokenizer, "chat_template", None)
+        return parser_for(self.engine.args.architecture, template)
 
     @property
     def ready(self) -> bool:

@@ -19,6 +19,7 @@ from service.errors import BadRequest, NotFound
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _FIELD_PATH = re.compile(r"at `\$\.([^`]+)`")  # `$.messages[0].role` -> messages[0].role
+_KEY_PATH = re.compile(r"at `key` in `\$\.([^`]+)`")  # a dict's key: the dict's path
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
 
@@ -31,6 +32,8 @@ class GenerationInput:
     params: SamplingParams
     operation: str  # the GenAI operation: "chat" or "text_completion"
     stream: bool
+    # the API's name of the field params.structured_outputs came from, for its errors
+    constraint_field: str | None = None
 
 
 def request_id(given: str | None, fresh_prefix: str = "") -> str:
@@ -76,7 +79,7 @@ def _field_error(exc: msgspec.ValidationError, fallback: str | None) -> BadReque
     unknown = _UNKNOWN_FIELD.search(text)
     if unknown:
         return BadRequest(text, param=unknown.group(1))
-    path = _FIELD_PATH.search(text)
+    path = _FIELD_PATH.search(text) or _KEY_PATH.search(text)
     if path:
         return BadRequest(f"{path.group(1)}: {text.split(' - at ')[0]}", param=path.group(1))
     missing = text.partition("missing required field `")[2].rstrip("`")
@@ -128,9 +131,10 @@ def token_ids(prompt: list) -> list[int]:
 
 
 async def chat_ids(
-    tokenizer, messages: list[dict], add_generation_prompt: bool = True
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
 ) -> list[int]:
-    """messages ({role, content, name?}) through the model's chat template -> token ids."""
+    """messages ({role, content, name?, tool_calls?, tool_call_id?}) and the tools on offer
+    through the model's chat template -> token ids."""
     if not messages:
         raise BadRequest("messages must not be empty", param="messages")
     for i, m in enumerate(messages):
@@ -145,13 +149,13 @@ async def chat_ids(
             param="messages",
             code="no_chat_template",
         )
-    return await asyncio.to_thread(_render_chat, tokenizer, messages, add_generation_prompt)
+    return await asyncio.to_thread(_render_chat, tokenizer, messages, add_generation_prompt, tools)
 
 
-def _render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+def _render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, tools) -> list[int]:
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
         )
     except (jinja2.TemplateError, TypeError, ValueError) as exc:  # raise_exception() too
         raise BadRequest(

@@ -15,6 +15,7 @@ from litestar import Controller, Request, Response, get, post
 from litestar.openapi import ResponseSpec
 from litestar.response import Stream
 
+from inference import InvalidParameterError, StructuredOutputs
 from service import validation
 from service.auth import reject_while_draining, require_api_key
 from service.controllers.common import (
@@ -36,11 +37,15 @@ from service.responses import (
 from service.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    NamedToolChoice,
     StreamOptions,
     chat_message_dicts,
     unsupported_fields,
 )
 from service.state import ServingState
+from service.tools import ToolPlan, single_constraint, tool_plan
 from service.validation import GenerationInput
 
 _encode = msgspec.json.Encoder().encode
@@ -69,13 +74,51 @@ def _sse(payload: msgspec.Struct) -> bytes:
     return b"data: " + _encode(payload) + b"\n\n"
 
 
-def _sampling(data: Any, **fields: Any):
+def _sampling(data: Any, constraint: StructuredOutputs | None, **fields: Any):
     bad = unsupported_fields(data)
     if bad:
         raise BadRequest(f"{bad[0]} is not supported by this server", param=bad[0])
     stop = [data.stop] if isinstance(data.stop, str) else data.stop
+    bias = data.logit_bias and {int(token): b for token, b in data.logit_bias.items()}
     return validation.sampling_params(
-        stop=stop, **fields, **{n: getattr(data, n) for n in _SAMPLING}
+        stop=stop,
+        logit_bias=bias or None,
+        structured_outputs=constraint,
+        **fields,
+        **{n: getattr(data, n) for n in _SAMPLING},
+    )
+
+
+def _constraint(data: Any, plan: ToolPlan | None) -> tuple[StructuredOutputs | None, str | None]:
+    """The request's grammar constraint and the field it came from: `response_format`,
+    vLLM's `structured_outputs`, or a tool_choice that forces a call; at most one of them."""
+    rf, body, so = data.response_format, data.structured_outputs, None
+    if isinstance(rf, JsonSchemaFormat) and rf.json_schema.schema is not None:
+        so = StructuredOutputs(json=rf.json_schema.schema)
+    elif isinstance(rf, (JsonObjectFormat, JsonSchemaFormat)):
+        so = StructuredOutputs(json_object=True)
+    extra = None
+    if body is not None:
+        given = {k: v for k, v in msgspec.structs.asdict(body).items() if v is not None}
+        try:
+            extra = StructuredOutputs(**given)
+        except InvalidParameterError as exc:
+            raise BadRequest(exc.message, param="structured_outputs") from None
+    forced = plan.structured_outputs() if plan is not None else None
+    return single_constraint(
+        ("response_format", so), ("structured_outputs", extra), ("tools", forced)
+    )
+
+
+def _tool_plan(data: ChatCompletionRequest, parser: str) -> ToolPlan | None:
+    choice = data.tool_choice
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    return tool_plan(
+        msgspec.to_builtins(data.tools) if data.tools else None,
+        None if named else choice,
+        named,
+        data.parallel_tool_calls,
+        parser,
     )
 
 
@@ -154,9 +197,10 @@ class OpenAIController(Controller):
         state, gen = serving_state(request), generation(request)
         validation.check_model(state.model_name, data.model)
         max_tokens = data.max_tokens if data.max_tokens is not None else 16
-        params = _sampling(data, max_tokens=max_tokens, logprobs=data.logprobs)
+        constraint, field = _constraint(data, None)
+        params = _sampling(data, constraint, max_tokens=max_tokens, logprobs=data.logprobs)
         ids = await _completion_ids(state, data.prompt)
-        spec = GenerationInput(ids, params, "text_completion", data.stream)
+        spec = GenerationInput(ids, params, "text_completion", data.stream, field)
         render = CompletionRender(request, gen.response_id, params.n, data.logprobs is not None)
         return await _respond(request, gen, spec, data.stream_options, render)
 
@@ -171,13 +215,17 @@ class OpenAIController(Controller):
         validation.check_model(state.model_name, data.model)
         if data.top_logprobs is not None and not data.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
-        ids = await validation.chat_ids(state.engine.tokenizer, chat_message_dicts(data.messages))
+        plan = _tool_plan(data, state.tool_parser)
+        constraint, field = _constraint(data, plan)
+        messages = chat_message_dicts(data.messages)
+        tools = plan.template_tools if plan else None
+        ids = await validation.chat_ids(state.engine.tokenizer, messages, tools=tools)
         max_tokens = next(
             (m for m in (data.max_completion_tokens, data.max_tokens) if m is not None),
             max(state.engine.max_model_len - len(ids), 1),  # OpenAI's default: the context
         )
         logprobs = (data.top_logprobs or 0) if data.logprobs else None
-        params = _sampling(data, max_tokens=max_tokens, logprobs=logprobs)
-        spec = GenerationInput(ids, params, "chat", data.stream)
-        render = ChatRender(request, gen.response_id, data.logprobs)
+        params = _sampling(data, constraint, max_tokens=max_tokens, logprobs=logprobs)
+        spec = GenerationInput(ids, params, "chat", data.stream, field)
+        render = ChatRender(request, gen.response_id, data.logprobs, plan)
         return await _respond(request, gen, spec, data.stream_options, render)

@@ -24,9 +24,14 @@ from service.responses import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    FunctionCallBody,
+    FunctionDelta,
+    ToolCallBody,
+    ToolCallDeltaBody,
     TopLogprob,
     Usage,
 )
+from service.tools import ChoiceToolCalls, ToolPlan
 
 
 class Render:
@@ -99,10 +104,13 @@ class CompletionRender(Render):
 class ChatRender(Render):
     chunk_type = ChatCompletionChunk
 
-    def __init__(self, request: Request, response_id: str, logprobs: bool) -> None:
+    def __init__(
+        self, request: Request, response_id: str, logprobs: bool, tools: ToolPlan | None
+    ) -> None:
         super().__init__(request, response_id)
-        self.logprobs = logprobs
+        self.logprobs, self.tools = logprobs, tools
         self.opened: set[int] = set()  # choices whose role chunk has gone out
+        self.streams: dict[int, ChoiceToolCalls] = {}  # each streamed choice's tool calls
 
     def _token(self, kind: type[TopLogprob], token_id: int, logprob: float, **more):
         text = self.decode(token_id)
@@ -124,17 +132,47 @@ class ChatRender(Render):
         )
 
     def whole(self, final: Update) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=AssistantMessage(content=c.text),
-                logprobs=self._logprobs(c.logprobs or []),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        choices = []
+        for c in final.output.outputs:
+            content, calls = self.tools.calls(c.text) if self.tools else (c.text, [])
+            bodies = [
+                ToolCallBody(id=t.id, function=FunctionCallBody(name=t.name, arguments=t.arguments))
+                for t in calls
+            ]
+            message = AssistantMessage(role="assistant", content=content, tool_calls=bodies or None)
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=self._logprobs(c.logprobs or []),
+                    finish_reason=self._finish_reason(calls, c.finish_reason),
+                    stop_reason=c.stop_reason,
+                )
             )
-            for c in final.output.outputs
-        ]
         return self.body(ChatCompletionResponse, choices, final.usage)
+
+    def _finish_reason(self, calls: list, engine_reason: str | None) -> str | None:
+        return self.tools.finish_reason(calls, engine_reason) if self.tools else engine_reason
+
+    def _delta(self, c: CompletionOutput) -> DeltaMessage:
+        """A choice's new text as content and tool-call deltas (a call goes out whole)."""
+        if self.tools is None:
+            return DeltaMessage(content=c.delta_text or None)
+        stream = self.streams.setdefault(c.index, ChoiceToolCalls(self.tools))
+        content, deltas = stream.feed(c.delta_text)
+        if c.finish_reason:
+            rest, more = stream.finish()
+            content, deltas = content + rest, deltas + more
+        calls = [
+            ToolCallDeltaBody(
+                index=d.index,
+                id=d.id,
+                type="function" if d.id else None,
+                function=FunctionDelta(name=d.name, arguments=d.arguments),
+            )
+            for d in deltas
+        ]
+        return DeltaMessage(content=content or None, tool_calls=calls or None)
 
     def chunks(self, update: Update) -> list[tuple[ChatChunkChoice, Usage]]:
         """OpenAI opens each choice with a chunk of the role, which reports no completion
@@ -150,12 +188,15 @@ class ChatRender(Render):
                 result.append((ChatChunkChoice(index=index, delta=role), opening))
             c = new.get(index)
             if c is not None:
-                delta = DeltaMessage(content=c.delta_text) if c.delta_text else DeltaMessage()
+                delta = self._delta(c)
+                calls = self.streams[index].calls if self.tools else []
                 choice = ChatChunkChoice(
                     index=index,
                     delta=delta,
                     logprobs=self._logprobs(c.delta_logprobs),
-                    finish_reason=c.finish_reason,
+                    finish_reason=self._finish_reason(calls, c.finish_reason),
                 )
+                if self.tools and choice == ChatChunkChoice(index=index, delta=DeltaMessage()):
+                    continue  # text held back while it may be a call: nothing to send yet
                 result.append((choice, usage))
         return result

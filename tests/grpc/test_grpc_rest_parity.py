@@ -165,10 +165,16 @@ BAD_SAMPLING: dict[str, list[dict]] = {
     "repetition_penalty": [{"repetition_penalty": 0.0}, {"repetition_penalty": 10.5}],
     "logprobs": [{"logprobs": 21}],
     "n": [{"n": 0}, {"n": 17}],
+    "logit_bias": [{"logit_bias": {1: 100.5}}, {"logit_bias": {2**20: 1.0}}],  # range, vocabulary
 }
 NO_RULE = {"ignore_eos": "a bool has no invalid value"}
-# A case about one element of a list names the element's path, on both APIs.
-ELEMENT_FIELD = {repr({"stop": [""]}): "stop[0]"}
+# Not a proto SamplingParams field: GenerateRequest.structured_output; rows of its own below.
+ELSEWHERE = {"structured_outputs"}
+# A case about one element of a list (or a value of a map) names its path, on both APIs.
+ELEMENT_FIELD = {
+    repr({"stop": [""]}): "stop[0]",
+    repr({"logit_bias": {1: 100.5}}): "logit_bias[...]",
+}
 
 
 def _chat_sampling(values: dict) -> tuple[dict, str | None]:
@@ -197,6 +203,12 @@ def _sampling_rows() -> list[Rule]:
 
 
 _SYSTEM = [{"role": "system", "content": "be brief"}, *_USER]
+_TOOL = {"type": "function", "function": {"name": "get_weather"}}
+_PB_TOOL = pb.Tool(name="get_weather")
+_BAD_SCHEMA_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "x", "schema": {"type": "wat"}},
+}
 
 RULES: list[Rule] = [
     # request id (validation.request_id): header x-request-id on REST, field request_id on gRPC
@@ -274,6 +286,52 @@ RULES: list[Rule] = [
         generate(messages=_USER, params={"max_tokens": MAX_MODEL_LEN}),
     ),
     *_sampling_rows(),
+    # structured outputs and tools (service/tools.py; the grammar compiles in the engine)
+    rule(
+        "structured: regex does not compile",
+        "structured_outputs",
+        completion(structured_outputs={"regex": "(("}),
+        chat(structured_outputs={"regex": "(("}),
+        generate(field="structured_output", structured_output=pb.StructuredOutput(regex="((")),
+    ),
+    rule(
+        "structured: JSON schema is not one",
+        "response_format",
+        chat(response_format=_BAD_SCHEMA_FORMAT),
+        generate(
+            field="structured_output",
+            structured_output=pb.StructuredOutput(json_schema='{"type": "wat"}'),
+        ),
+    ),
+    rule(
+        "structured: no kind set",
+        "structured_outputs",
+        completion(structured_outputs={"regex": None}),
+        generate(field="structured_output", structured_output=pb.StructuredOutput(choice={})),
+    ),
+    rule(
+        "tools: tool_choice without tools",
+        "tool_choice",
+        chat(tool_choice="required"),
+        generate(messages=_USER, tool_choice=pb.ToolChoice(mode="required")),
+    ),
+    rule(
+        "tools: named function not among them",
+        "tool_choice",
+        chat(tools=[_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}),
+        generate(messages=_USER, tools=[_PB_TOOL], tool_choice=pb.ToolChoice(function="nope")),
+    ),
+    rule(
+        "tools: forced call and a response format",
+        "tools",
+        chat(tools=[_TOOL], tool_choice="required", response_format={"type": "json_object"}),
+        generate(
+            messages=_USER,
+            tools=[_PB_TOOL],
+            tool_choice=pb.ToolChoice(mode="required"),
+            structured_output=pb.StructuredOutput(json_object=True),
+        ),
+    ),
     # Tokenize: the proto's `text` is REST's `prompt`
     rule(
         "tokenize: neither text nor messages",
@@ -434,7 +492,7 @@ def test_table_covers_every_sampling_field():
         f.name for f in msgspec.inspect.type_info(SamplingParams).fields if f.name not in NO_RULE
     }
     assert checked, "cannot read the rules of SamplingParams.__post_init__"
-    assert checked <= set(BAD_SAMPLING), checked - set(BAD_SAMPLING)
+    assert checked - ELSEWHERE <= set(BAD_SAMPLING), checked - set(BAD_SAMPLING) - ELSEWHERE
     # every row of BAD_SAMPLING reached the table
     sampling_rows = {r.field.split("[")[0] for r in RULES if r.name.startswith("params:")}
     assert sampling_rows == set(BAD_SAMPLING)
