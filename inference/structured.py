@@ -87,9 +87,8 @@ class Constraints:
     """One step's constraints for the sampled rows: a bitmask (or its pending fill) and the
     logit_bias entries, applied to the logits in one batched pass each."""
 
-    def __init__(self, manager: StructuredOutputManager, num_rows: int) -> None:
+    def __init__(self, manager: StructuredOutputManager) -> None:
         self.manager = manager
-        self.num_rows = num_rows
         self.bitmask: torch.Tensor | None = None  # [num_rows, words], -1 on free rows
         self.pending: Future | None = None
         self.bias: tuple[list[int], list[int], list[float]] | None = None  # rows, ids, values
@@ -98,6 +97,7 @@ class Constraints:
         """logits + bias, with what the grammar forbids at -inf. `inplace=False` leaves the
         given tensor as it is (the sampler keeps the raw logits for logprobs)."""
         started = time.perf_counter()
+        totals = self.manager.totals
         if self.bias is not None:
             rows, ids, values = self.bias
             index = (
@@ -110,14 +110,18 @@ class Constraints:
             else:
                 logits, inplace = logits.index_put(index, vals, accumulate=True), True
         if self.pending is not None:
+            waited = time.perf_counter()
             self.pending.result()
             self.pending = None
+            totals["wait"] += time.perf_counter() - waited
         if self.bitmask is not None:
             # torch.where over a fresh tensor: 4x faster than masked_fill_ on the CPU when
             # nearly every token is forbidden (0.7 against 3.2 ms for 32 x 32000)
             disallowed = _disallowed(self.bitmask, logits.shape[1], logits.device)
             logits = torch.where(disallowed, float("-inf"), logits)
-        self.manager.step_s += time.perf_counter() - started
+        spent = time.perf_counter() - started
+        totals["apply"] += spent
+        self.manager.step_s += spent
         return logits
 
 
@@ -151,6 +155,11 @@ class StructuredOutputManager:
         self.cache_size = cache_size
         self.overlap = overlap
         self.step_s = 0.0
+        # seconds since start-up, for profiles (bench/structured_bench.py): fill (on the step's
+        # path: the fill itself, or handing it to the helper thread), fill_work (the fills
+        # themselves, wherever they ran), wait (for an overlapped fill), apply (bias, unpack,
+        # mask; includes wait), advance (matchers consuming the sampled tokens)
+        self.totals = dict.fromkeys(("fill", "fill_work", "wait", "apply", "advance"), 0.0)
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._executor = None
         self._filler: ThreadPoolExecutor | None = None
@@ -218,7 +227,7 @@ class StructuredOutputManager:
         biased = [i for i, s in enumerate(seqs) if s.params.logit_bias]
         if not matchers and not biased:
             return None
-        c = Constraints(self, len(seqs))
+        c = Constraints(self)
         if biased:
             rows, ids, values = [], [], []
             for i in biased:
@@ -236,13 +245,17 @@ class StructuredOutputManager:
                 c.pending = self._filler.submit(self._fill, matchers, c.bitmask)
             else:
                 self._fill(matchers, c.bitmask)
-            self.step_s += time.perf_counter() - started
+            spent = time.perf_counter() - started
+            self.totals["fill"] += spent
+            self.step_s += spent
         return c
 
     def _fill(self, matchers: list, bitmask: torch.Tensor) -> None:
+        started = time.perf_counter()
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
+        self.totals["fill_work"] += time.perf_counter() - started
 
     def advance(self, matcher, token: int) -> str | None:
         """Feeds the sampled token to the matcher: None to go on, "stop" when the grammar is
@@ -250,7 +263,9 @@ class StructuredOutputManager:
         started = time.perf_counter()
         ok = matcher.consume_token(token)
         done = matcher.is_stopped()
-        self.step_s += time.perf_counter() - started
+        spent = time.perf_counter() - started
+        self.totals["advance"] += spent
+        self.step_s += spent
         if not ok:
             log.error("grammar refused a sampled token", token=token, error=matcher.get_error())
             return "error"

@@ -467,3 +467,29 @@ def test_bitmask_unpacking_matches_the_bits():
         [[(int(w) >> b) & 1 for w in row for b in range(32)] for row in bitmask.tolist()]
     )
     assert torch.equal(got, bits[:, :150] == 0)
+
+
+def test_overlapped_fill_gives_the_same_outputs(engine):
+    """The bitmask filled on a helper thread while the forward pass runs (manager.overlap)
+    is the same bitmask: seeded constrained requests come out identical."""
+    requests = {
+        f"o{i}": (
+            PROMPTS[i % 2],
+            SamplingParams(
+                max_tokens=100, seed=90 + i, n=2, structured_outputs=StructuredOutputs(json=SCHEMA)
+            ),
+        )
+        for i in range(3)
+    }
+    on_path = _run(engine, requests)
+    engine.structured.overlap = True
+    try:
+        overlapped = _run(engine, requests)
+    finally:
+        engine.structured.overlap = False
+    for rid in requests:
+        assert [c.token_ids for c in overlapped[rid].outputs] == [
+            c.token_ids for c in on_path[rid].outputs
+        ]
+        for c in overlapped[rid].outputs:
+            jsonschema.validate(json.loads(c.text), SCHEMA)
