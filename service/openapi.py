@@ -48,8 +48,25 @@ _STRUCT_RULES = {
         ]
     },
     "ChatCompletionRequest": {
-        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
-        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+        "allOf": [
+            {
+                "if": {
+                    "required": ["top_logprobs"],
+                    "properties": {"top_logprobs": {"type": "integer"}},
+                },
+                "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+            },
+            {  # a tool_choice other than "none" needs tools
+                "if": {
+                    "required": ["tool_choice"],
+                    "properties": {"tool_choice": {"not": {"enum": [None, "none"]}}},
+                },
+                "then": {
+                    "required": ["tools"],
+                    "properties": {"tools": {"type": "array", "minItems": 1}},
+                },
+            },
+        ]
     },
 }
 _REF = "#/components/schemas/"

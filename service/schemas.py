@@ -86,7 +86,7 @@ class StructuredOutputsBody(_Request, kw_only=True):
 
     json: _JsonSchema | str | None = None
     regex: Annotated[str, Meta(min_length=1)] | None = None
-    choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    choice: Annotated[list[NonEmptyStr], Meta(min_length=1)] | None = None
     grammar: Annotated[str, Meta(min_length=1, description="Lark or GBNF")] | None = None
     json_object: bool | None = None
 
@@ -255,6 +255,7 @@ class TokenizeRequest(_Request, kw_only=True):
     model: str | None = None
     prompt: NonEmptyStr | None = None
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    tools: list[Tool] | None = None  # rendered with the messages, as chat completions does
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 from litestar import Controller, Request, post
 
 from service import validation
@@ -35,8 +36,9 @@ class TokenizeController(Controller):
         )
         tokenizer = state.engine.tokenizer
         if data.messages is not None:
+            tools = msgspec.to_builtins(data.tools) if data.tools else None
             ids = await validation.chat_ids(
-                tokenizer, chat_message_dicts(data.messages), data.add_generation_prompt
+                tokenizer, chat_message_dicts(data.messages), data.add_generation_prompt, tools
             )
         else:
             ids = await validation.text_ids(tokenizer, data.prompt, data.add_special_tokens)

@@ -3,7 +3,11 @@ tokens + max_tokens fit in the context, or that min_tokens <= max_tokens (the do
 both in words); a schema-valid generated request that breaks them is brought inside before it
 is sent (every phase calls this hook; generation filters do not run in the coverage phase):
 the prompt is cut (measured by the server's own /tokenize), max_tokens and min_tokens capped.
-Generations are also capped at GENERATE tokens, so that the run stays short on 2 cores."""
+Nor can it state which strings a regex, grammar or JSON Schema compiler takes: generated ones
+are replaced by ones that compile (their refusal is tested in test_service_structured.py),
+tools keep distinct names, a named tool_choice names one of them and a forcing tool_choice
+comes without another constraint. Generations are also capped at GENERATE tokens, so that
+the run stays short on 2 cores."""
 
 from __future__ import annotations
 
@@ -24,12 +28,43 @@ def _prompt_tokens(body: dict) -> int | None:
     if isinstance(prompt, list):
         return len(prompt)
     query = {"prompt": prompt} if isinstance(prompt, str) else {"messages": body.get("messages")}
+    if body.get("tools") and body.get("tool_choice") != "none":  # rendered with the messages
+        query["tools"] = body["tools"]
     r = httpx.post(f"{URL}/tokenize", json=query, headers={"authorization": f"Bearer {KEY}"})
     return r.json()["count"] if r.status_code == 200 else None
 
 
 def _int(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == int(value)
+
+
+def _constraints_inside(body: dict) -> None:
+    so = body.get("structured_outputs")
+    if isinstance(so, dict):
+        fixes = {"json": {"type": "object"}, "regex": "[ab]{1,3}", "grammar": 'start: "a"'}
+        for key, valid in fixes.items():
+            if so.get(key) is not None:
+                so[key] = valid
+    rf = body.get("response_format")
+    schema = rf.get("json_schema") if isinstance(rf, dict) else None
+    if isinstance(schema, dict) and schema.get("schema") is not None:
+        schema["schema"] = {"type": "object"}
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools:
+        for i, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if isinstance(function, dict):
+                function["name"] = f"f{i}"
+                if function.get("parameters") is not None:
+                    function["parameters"] = {"type": "object"}
+        choice = body.get("tool_choice")
+        if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+            choice["function"]["name"] = "f0"
+        if choice not in (None, "none", "auto"):
+            body.pop("response_format", None)
+            body.pop("structured_outputs", None)
+    if body.get("response_format") not in (None, {"type": "text"}):
+        body.pop("structured_outputs", None)
 
 
 @schemathesis.hook
@@ -42,10 +77,13 @@ def before_call(ctx, case, kwargs) -> None:
         or not case.meta.generation.mode.is_positive
     ):
         return
+    _constraints_inside(body)
     count = _prompt_tokens(body)
     if count is not None and count >= MAX_MODEL_LEN - GENERATE:  # keep the last message
         if isinstance(body.get("messages"), list):
             body["messages"] = body["messages"][-1:]
+            if body.pop("tools", None) is not None:  # a forcing tool_choice would need them
+                body.pop("tool_choice", None)
         elif isinstance(body.get("prompt"), (str, list)):
             body["prompt"] = body["prompt"][: MAX_MODEL_LEN // 8]
         count = _prompt_tokens(body)
