@@ -129,6 +129,9 @@ class RequestTelemetry:
         context = {**log_context, "request_id": self.request_id, "api": self.api}
         try:
             self._describe(engine_request_id, spec)
+            constraint = spec.params.structured_outputs
+            if constraint is not None and self.obs.metrics is not None:
+                self.obs.metrics.count_structured(constraint.kind)
             ids = span_ids(self.span)
             if ids is not None:
                 context["trace_id"], context["span_id"] = ids

@@ -1,6 +1,6 @@
 """Request telemetry inside the service (in-process servers): outcomes in requests_total,
-the summary line with and without --log-prompts, telemetry switched off, and a Generation
-run without an API layer (it then owns the request's span)."""
+the summary line with and without --log-prompts, telemetry switched off, a Generation on a
+span its caller opened, and a constrained request's count, compile histogram and span."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from inference import SamplingParams
+from inference import SamplingParams, StructuredOutputs
 from service.generation import Generation
 from service.observability import Observability
 from service.state import ServingState
@@ -155,6 +155,41 @@ def test_generation_fills_the_span_it_is_given(server):
         request.context.trace_id, "032x"
     )
     assert not obs.live  # the step-link map forgets finished requests
+
+
+def test_a_constrained_request_is_counted_and_its_grammar_compile_traced(server):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    metrics = ServiceMetrics(CollectorRegistry(), "m", 1, 4, 8)
+    obs = Observability("m", metrics=metrics, tracer=provider.get_tracer("t"))
+    state = ServingState(server.engine, server.settings, "m", observability=obs)
+    constraint = StructuredOutputs(regex="[ab]{3}")
+
+    async def run() -> str:
+        span = provider.get_tracer("t").start_span("server")
+        gen = Generation(state, "rest", "constrained-1", span)
+        params = SamplingParams(max_tokens=5, structured_outputs=constraint)
+        final = await gen.final(GenerationInput([5, 6, 7], params, "text_completion", False))
+        gen.finish()
+        span.end()
+        return final.output.text
+
+    text = asyncio.run_coroutine_threadsafe(run(), server.loop).result(30)
+    assert len(text) == 3 and set(text) <= {"a", "b"}
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    request = spans["text_completion m"]
+    assert spans["grammar_compile"].parent.span_id == request.context.span_id
+    sample = metrics.registry.get_sample_value
+    assert sample("moeserve_structured_requests_total", {"model": "m", "kind": "regex"}) == 1
+    compiled = [
+        s.value
+        for family in metrics.registry.collect()
+        if family.name == "moeserve_grammar_compile_seconds"
+        for s in family.samples
+        if s.name.endswith("_count")
+    ]
+    assert sum(compiled) == 1
 
 
 def _step(duration_s: float, prefill: int = 0, preemptions: int = 0):
