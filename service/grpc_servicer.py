@@ -150,15 +150,9 @@ def _structured_output(request: pb.GenerateRequest) -> StructuredOutputs | None:
     kind = so.WhichOneof("kind")
     if kind is None:
         return None
-    value = {
-        "json_schema": ("json", so.json_schema),
-        "json_object": ("json_object", so.json_object),
-        "regex": ("regex", so.regex),
-        "choice": ("choice", list(so.choice.options)),
-        "grammar": ("grammar", so.grammar),
-    }[kind]
-    try:
-        return StructuredOutputs(**dict([value]))
+    value = list(so.choice.options) if kind == "choice" else getattr(so, kind)
+    try:  # the proto's json_schema is StructuredOutputs' json
+        return StructuredOutputs(**{"json" if kind == "json_schema" else kind: value})
     except InvalidParameterError as exc:
         raise BadRequest(f"structured_output: {exc.message}", param="structured_output") from None
 
