@@ -6,6 +6,7 @@ Single-threaded by design; AsyncLLMEngine drives it in a process of its own (eng
 from __future__ import annotations
 
 import time
+from concurrent import futures
 from pathlib import Path
 
 import structlog
@@ -25,8 +26,8 @@ from inference.prompts import Prompt, check_token_ids, tokenize_prompt
 from inference.sampler import Sampler
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
-from inference.sequence import Sequence
-from inference.structured import StructuredOutputManager
+from inference.sequence import Sequence, SequenceStatus
+from inference.structured import CompileJob, StructuredOutputManager
 
 log = structlog.get_logger("inference.engine")
 
@@ -131,6 +132,10 @@ class LLMEngine:
             self.structured,
         )
         self.requests: dict[str, list[Sequence]] = {}
+        # requests whose grammar compiles off the step path, and those it failed for
+        self._compiling: dict[str, tuple[CompileJob, list[Sequence]]] = {}
+        self._rejected: list[tuple[str, InvalidParameterError]] = []
+        self.on_compile_done = None  # called (from the compiler thread) as such a compile ends
         self._aborted: list[FinishedSequence] = []  # reported with the next step's stats
         if compile:
             self._warm_up()
@@ -190,11 +195,12 @@ class LLMEngine:
             ids = prompt_token_ids
         else:
             ids = self.tokenize_prompt(prompt, params)
-        compiled = None
+        job = None
         if params.structured_outputs is not None:
             # ~1-2 ms for a schema of a few fields (bench/results/structured_backends.json),
-            # microseconds from the cache: compiled here, between two steps
-            compiled, compile_s, cache_hit = self.structured.compile(params.structured_outputs)
+            # microseconds from the cache; a grammar that takes longer than the manager's
+            # sync_compile_s goes on compiling off the step path and its request waits for it
+            job = self.structured.start_compile(params.structured_outputs)
         seqs = []
         for i in range(params.n):
             gen = None
@@ -210,22 +216,72 @@ class LLMEngine:
                 log_context,
             )
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
-            if compiled is not None:  # one matcher per sequence (n > 1: each its own)
-                seq.matcher = compiled.deep_copy()
+            if job is not None:
                 seq.times.arrival = arrival
-                seq.times.grammar_compile_s, seq.times.grammar_cache_hit = compile_s, cache_hit
             seqs.append(seq)
-            self.scheduler.add(seq)
         self.requests[request_id] = seqs
+        if job is None or job.matcher is not None:
+            self._admit(seqs, job)
+        else:
+            self._compiling[request_id] = (job, seqs)
+            if self.on_compile_done is not None:
+                job.future.add_done_callback(lambda _: self.on_compile_done())
+
+    def _admit(self, seqs: list[Sequence], job: CompileJob | None) -> None:
+        for seq in seqs:
+            if job is not None:  # one matcher per sequence (n > 1: each its own)
+                seq.matcher = job.matcher.deep_copy()
+                seq.times.grammar_compile_s = job.seconds
+                seq.times.grammar_cache_hit = job.cache_hit
+            self.scheduler.add(seq)
+
+    def _poll_compiles(self) -> None:
+        """Requests whose grammar finished compiling join the scheduler; those whose grammar
+        failed leave the engine, their errors kept for take_rejected()."""
+        for request_id, (job, seqs) in list(self._compiling.items()):
+            try:
+                if not self.structured.finish(job):
+                    continue
+            except InvalidParameterError as exc:
+                del self._compiling[request_id]
+                self.requests.pop(request_id, None)
+                self._rejected.append((request_id, exc))
+                log.info("request rejected", param=exc.param, **seqs[0].log_context)
+                continue
+            del self._compiling[request_id]
+            self._admit(seqs, job)
+
+    def take_rejected(self) -> list[tuple[str, InvalidParameterError]]:
+        """Requests whose grammar failed after add_request had returned (it compiled past
+        sync_compile_s): (request_id, error) each, once. They produce no output."""
+        self._poll_compiles()
+        rejected, self._rejected = self._rejected, []
+        return rejected
+
+    @property
+    def is_only_compiling(self) -> bool:
+        """Nothing to step but requests waiting for their grammar (wait for on_compile_done)."""
+        return bool(self._compiling) and not self.scheduler.has_work and not self._aborted
+
+    def wait_for_compiles(self, timeout: float | None = None) -> None:
+        """Blocks until one of the pending grammars is compiled (or `timeout` seconds)."""
+        pending = [job.future for job, _ in self._compiling.values()]
+        if pending:
+            futures.wait(pending, timeout, return_when=futures.FIRST_COMPLETED)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finishes every sequence of the request with reason "abort" and frees its blocks now."""
         seqs = self.requests.pop(request_id, None)
         if seqs is None:
             return None
+        compiling = self._compiling.pop(request_id, None) is not None
         for seq in seqs:
             if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
+                if compiling:  # never reached the scheduler
+                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                    seq.times.finished = time.monotonic()
+                else:
+                    self.scheduler.finish(seq, "abort")
                 seq.matcher = None
                 self._aborted.append(_finished(seq))
         log.info("request aborted", **seqs[0].log_context)
@@ -243,6 +299,8 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> tuple[list[RequestOutput], StepStats]:
         started, started_ns = time.monotonic(), time.time_ns()
+        if self._compiling:
+            self._poll_compiles()
         sched = self.scheduler.schedule()
         result = self.runner.run(sched) if sched.scheduled else None
         now = time.monotonic()
@@ -277,7 +335,8 @@ class LLMEngine:
             started_unix_ns=started_ns,
             duration_s=time.monotonic() - started,
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting)
+            + sum(len(seqs) for _, seqs in self._compiling.values()),
             batch_size=len(sched.scheduled),
             num_prefill_tokens=sum(n for _, n in sched.scheduled if n > 1),
             num_decode_tokens=sum(1 for _, n in sched.scheduled if n == 1),
@@ -376,6 +435,14 @@ class LLMEngine:
             self.add_request(rid, prompt, params)
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
+            for request_id, error in self.take_rejected():
+                if request_id in ids:
+                    for rid in ids:
+                        self.abort(rid)
+                    raise error
+            if self.is_only_compiling:
+                self.wait_for_compiles()
+                continue
             outputs, _ = self.step()
             for out in outputs:
                 if out.finished:

@@ -152,6 +152,8 @@ class EngineCore:
         self.inputs: queue.SimpleQueue = queue.SimpleQueue()
         self.wakeup = threading.Event()
         self.stopping = False
+        # a grammar compiling off the step path wakes the loop when it is done
+        engine.on_compile_done = self.wakeup.set
 
     def _read_inputs(self) -> None:
         decoder = msgspec.msgpack.Decoder(ToCore)
@@ -199,7 +201,12 @@ class EngineCore:
                 self._apply_inputs()
                 if self.stopping:
                     return
+                for request_id, exc in self.engine.take_rejected():  # late grammar errors
+                    self._send(Rejected(request_id, exc.param, exc.message))
                 if not self.engine.has_unfinished and not self.engine.has_pending_stats:
+                    self.wakeup.wait()
+                    continue
+                if self.engine.is_only_compiling:  # woken by the compile or new input
                     self.wakeup.wait()
                     continue
                 outputs, stats = self.engine.step()

@@ -26,6 +26,8 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 
 import llguidance
 import llguidance.torch
@@ -44,6 +46,10 @@ log = structlog.get_logger("inference.structured")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 256  # compiled grammars kept (a pristine matcher each: tens of KB)
 MAX_MESSAGE = 600  # characters of a compiler error passed on to the client
+# add_request waits this long for a compile (a schema of a few fields takes 1-2 ms, and its
+# errors are raised from add_request); a larger grammar (100 nested properties: ~140 ms)
+# finishes on the compiler thread while the steps go on, and its request joins the batch then
+SYNC_COMPILE_S = 0.02
 
 
 def grammar_source(so: StructuredOutputs) -> tuple[str, str]:
@@ -138,6 +144,19 @@ def _disallowed(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torc
     return bits.view(packed.shape[0], -1)[:, :vocab] == 0
 
 
+@dataclass(slots=True, eq=False)
+class CompileJob:
+    """One request's grammar being compiled: done once `matcher` is set."""
+
+    param: str  # the field errors name
+    grammar: str  # llguidance grammar text (the cache key)
+    started: float  # perf_counter
+    future: Future | None = None
+    matcher: object | None = None  # the pristine compiled matcher (sequences deep-copy it)
+    seconds: float | None = None
+    cache_hit: bool | None = None
+
+
 class StructuredOutputManager:
     """Compiles grammars (cached) for LLMEngine.add_request and builds each step's
     Constraints for the ModelRunner; `step_s` accumulates the step's bitmask cost."""
@@ -150,6 +169,7 @@ class StructuredOutputManager:
         *,
         overlap: bool = False,
         cache_size: int = CACHE_SIZE,
+        sync_compile_s: float = SYNC_COMPILE_S,
     ) -> None:
         self.vocab_size = vocab_size
         self.cache_size = cache_size
@@ -161,6 +181,9 @@ class StructuredOutputManager:
         # mask; includes wait), advance (matchers consuming the sampled tokens)
         self.totals = dict.fromkeys(("fill", "fill_work", "wait", "apply", "advance"), 0.0)
         self._cache: OrderedDict[str, object] = OrderedDict()
+        self._inflight: dict[str, Future] = {}
+        self._compiler: ThreadPoolExecutor | None = None
+        self.sync_compile_s = sync_compile_s
         self._executor = None
         self._filler: ThreadPoolExecutor | None = None
         # llguidance's tokenizer view takes ~0.4 s for a 32k vocabulary: built on a thread of
@@ -199,25 +222,72 @@ class StructuredOutputManager:
         return self._tokenizer
 
     # ---- compiling (LLMEngine.add_request) ---------------------------------------------------
-    def compile(self, so: StructuredOutputs) -> tuple[object, float, bool]:
-        """(pristine compiled matcher, seconds it took, cache hit) for a request's constraint;
-        InvalidParameterError (param "structured_outputs.<kind>") when it does not compile."""
+    def start_compile(self, so: StructuredOutputs) -> CompileJob:
+        """Starts compiling a request's constraint on the compiler thread and waits for it up to
+        `sync_compile_s`; a cache hit is done at once. InvalidParameterError (param
+        "structured_outputs.<kind>") for a constraint that fails by then; a job still running
+        finishes off the step path (`finish`)."""
         started = time.perf_counter()
-        param, grammar = grammar_source(so)
+        param = f"structured_outputs.{so.kind}"
+        try:
+            param, grammar = grammar_source(so)
+        except InvalidParameterError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the request is at fault and
+            # must not reach the engine loop, which would die of it
+            raise InvalidParameterError(param, f"cannot be compiled: {exc}") from None
+        job = CompileJob(param, grammar, started)
         compiled = self._cache.get(grammar)
         if compiled is not None:
             self._cache.move_to_end(grammar)
-            return compiled, time.perf_counter() - started, True
+            job.matcher, job.seconds, job.cache_hit = compiled, time.perf_counter() - started, True
+            return job
+        job.future = self._inflight.get(grammar)
+        if job.future is None:  # the same grammar twice at once compiles once
+            if self._compiler is None:
+                self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+            job.future = self._inflight[grammar] = self._compiler.submit(self._build, grammar)
+        self.finish(job, self.sync_compile_s)
+        return job
+
+    def _build(self, grammar: str) -> tuple[object, float]:
+        """On the compiler thread (llguidance drops the GIL while it compiles)."""
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        return matcher, time.perf_counter()
+
+    def finish(self, job: CompileJob, timeout: float | None = 0.0) -> bool:
+        """Whether the job is done (waiting for it up to `timeout` seconds, None: as long as it
+        takes); raises InvalidParameterError when its grammar did not compile."""
+        if job.matcher is not None:
+            return True
+        try:
+            matcher, ended = job.future.result(timeout)
+        except FutureTimeout:
+            return False
+        except InvalidParameterError:
+            self._inflight.pop(job.grammar, None)
+            raise
+        except Exception as exc:  # noqa: BLE001 - as in start_compile
+            self._inflight.pop(job.grammar, None)
+            raise InvalidParameterError(job.param, f"cannot be compiled: {exc}") from None
+        self._inflight.pop(job.grammar, None)
         if matcher.is_error():
             message = matcher.get_error().strip()
             if len(message) > MAX_MESSAGE:
                 message = message[:MAX_MESSAGE] + "..."
-            raise InvalidParameterError(param, f"does not compile: {message}")
-        self._cache[grammar] = matcher
+            raise InvalidParameterError(job.param, f"does not compile: {message}")
+        self._cache[job.grammar] = matcher
+        self._cache.move_to_end(job.grammar)
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
-        return matcher, time.perf_counter() - started, False
+        job.matcher, job.seconds, job.cache_hit = matcher, max(ended - job.started, 0.0), False
+        return True
+
+    def compile(self, so: StructuredOutputs) -> tuple[object, float, bool]:
+        """(pristine compiled matcher, seconds it took, cache hit), waiting as long as it takes."""
+        job = self.start_compile(so)
+        self.finish(job, None)
+        return job.matcher, job.seconds, job.cache_hit
 
     # ---- each step (ModelRunner.run) ---------------------------------------------------------
     def constraints(self, seqs: list) -> Constraints | None:

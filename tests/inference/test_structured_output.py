@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import threading
+import time
+from multiprocessing.connection import Connection
 
 import jsonschema
 import msgspec
@@ -19,7 +23,15 @@ from inference import (
     SamplingParams,
     StructuredOutputs,
 )
-from inference.engine_core import AddRequest, ToCore
+from inference.engine_core import (
+    AddRequest,
+    EngineCore,
+    FromCore,
+    Rejected,
+    Shutdown,
+    StepResult,
+    ToCore,
+)
 
 SCHEMA = {
     "type": "object",
@@ -98,6 +110,7 @@ def test_json_object_parses_to_a_dict(engine):
         max_tokens=80,
         temperature=1.0,
         n=4,
+        seed=11,
         logit_bias={close: 8.0},
         structured_outputs=StructuredOutputs(json_object=True),
     )
@@ -258,9 +271,8 @@ def test_prefix_cached_prompt_constrained(engine):
 
 
 def test_abort_frees_matchers_and_blocks(engine):
-    params = SamplingParams(
-        max_tokens=200, n=2, structured_outputs=StructuredOutputs(json_object=True)
-    )
+    long = StructuredOutputs(regex="[a-z]{300}")  # cannot end within these steps
+    params = SamplingParams(max_tokens=200, n=2, structured_outputs=long)
     engine.add_request("x", PROMPTS[0], params)
     for _ in range(4):
         engine.step()
@@ -285,6 +297,8 @@ def test_abort_frees_matchers_and_blocks(engine):
         ),
         (StructuredOutputs(json="{not json"), "structured_outputs.json", "not valid JSON"),
         (StructuredOutputs(json="[1, 2]"), "structured_outputs.json", "JSON object"),
+        # keys no JSON schema can have (msgpack allows them): refused, the engine lives on
+        (StructuredOutputs(json={1: "a", "type": "object"}), "structured_outputs.json", "compiled"),
         (StructuredOutputs(regex="a(b"), "structured_outputs.regex", "unclosed group"),
         (StructuredOutputs(choice=[]), "structured_outputs.choice", "at least one"),
         (StructuredOutputs(choice=["a", ""]), "structured_outputs.choice", "non-empty"),
@@ -493,3 +507,122 @@ def test_overlapped_fill_gives_the_same_outputs(engine):
         ]
         for c in overlapped[rid].outputs:
             jsonschema.validate(json.loads(c.text), SCHEMA)
+
+
+def _big_schema(n: int = 60) -> dict:
+    """A schema that takes tens of milliseconds to compile (past sync_compile_s)."""
+    item = {
+        "type": "object",
+        "properties": {f"f{j}": {"type": ["string", "integer"], "maxLength": 4} for j in range(8)},
+        "required": ["f0"],
+        "additionalProperties": False,
+    }
+    one = {"anyOf": [item, {"type": "array", "items": item, "maxItems": 2}]}
+    return {
+        "type": "object",
+        "properties": {f"p{i}": one for i in range(n)},
+        "additionalProperties": False,
+    }
+
+
+def test_a_slow_compile_runs_off_the_step_path(engine):
+    """A grammar that takes longer than sync_compile_s: add_request returns, the running
+    requests keep stepping, the request joins the batch once compiled; a grammar that fails
+    there is rejected once (take_rejected) and produces no output."""
+    engine.add_request("running", PROMPTS[1], SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    started = time.perf_counter()
+    engine.add_request(
+        "big",
+        PROMPTS[0],
+        SamplingParams(max_tokens=12, structured_outputs=StructuredOutputs(json=_big_schema())),
+    )
+    assert time.perf_counter() - started < 0.5 and "big" in engine._compiling
+    progressed = 0
+    while "big" in engine._compiling:
+        before = len(engine.requests["running"][0].token_ids)
+        engine.step()
+        progressed += len(engine.requests["running"][0].token_ids) - before
+    assert progressed > 0  # the batch went on while the grammar compiled
+    big = engine.requests["big"][0]
+    assert big.matcher is not None and big.times.grammar_cache_hit is False
+    assert big.times.grammar_compile_s > 0
+    engine.abort("running")
+    final = _run(engine, {})
+    big = final["big"]
+    if big.finish_reason == "stop":
+        jsonschema.validate(json.loads(big.text), _big_schema())
+    else:
+        assert big.finish_reason == "length" and big.text.startswith("{")
+
+    size = engine.structured.sync_compile_s
+    engine.structured.sync_compile_s = 0.0  # every compile goes off the path
+    try:
+        bad = SamplingParams(structured_outputs=StructuredOutputs(json={"type": "nonsense"}))
+        engine.add_request("late-bad", PROMPTS[0], bad)  # no error yet
+        engine.wait_for_compiles()
+        [(rid, error)] = engine.take_rejected()
+        assert rid == "late-bad" and error.param == "structured_outputs.json"
+        assert "late-bad" not in engine.requests and engine.take_rejected() == []
+        with pytest.raises(InvalidParameterError) as info:  # generate() raises it
+            engine.generate(
+                PROMPTS[:1], SamplingParams(structured_outputs=StructuredOutputs(regex="b("))
+            )
+        assert info.value.param == "structured_outputs.regex"
+        assert not engine.has_unfinished
+        params = SamplingParams(
+            max_tokens=30, n=2, structured_outputs=StructuredOutputs(regex="[a-c]{4}x")
+        )
+        [out] = engine.generate(PROMPTS[:1], params)
+        assert all(re.fullmatch("[a-c]{4}x", c.text) for c in out.outputs)
+        # aborted while compiling: finished, reported once, nothing left behind
+        engine.add_request(
+            "gone",
+            PROMPTS[0],
+            SamplingParams(structured_outputs=StructuredOutputs(regex="[d-f]{9}")),
+        )
+        assert engine.abort("gone").finish_reason == "abort"
+        _, stats = engine.step()
+        assert [f.finish_reason for f in stats.finished] == ["abort"]
+        engine.wait_for_compiles()
+        assert engine.take_rejected() == [] and not engine.has_unfinished
+    finally:
+        engine.structured.sync_compile_s = size
+
+
+def test_engine_core_sends_late_grammar_errors_and_waits_for_compiles(engine):
+    """The core loop (in this process, on a socket pair): a grammar failing after add_request
+    returned comes back as Rejected, one that compiles late is served, and the loop sleeps
+    (no empty steps) while only compiles are pending."""
+    ours, theirs = socket.socketpair()
+    core = EngineCore(engine, Connection(theirs.detach()), msgspec.msgpack.Encoder())
+    conn = Connection(ours.detach())
+    size, engine.structured.sync_compile_s = engine.structured.sync_compile_s, 0.0
+    thread = threading.Thread(target=core.run, daemon=True)
+    thread.start()
+    try:
+        encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(FromCore)
+        bad = SamplingParams(structured_outputs=StructuredOutputs(json={"type": "nonsense"}))
+        good = SamplingParams(max_tokens=30, structured_outputs=StructuredOutputs(regex="[x-z]{5}"))
+        conn.send_bytes(encoder.encode(AddRequest("bad", [5, 6, 7], bad)))
+        conn.send_bytes(encoder.encode(AddRequest("good", [5, 6, 7], good)))
+        rejected, finished, steps = [], None, 0
+        while finished is None:
+            assert conn.poll(30), "the core went quiet"
+            message = decoder.decode(conn.recv_bytes())
+            if isinstance(message, Rejected):
+                rejected.append((message.request_id, message.param))
+            else:
+                assert isinstance(message, StepResult), message
+                steps += 1
+                assert message.stats.batch_size > 0  # no empty steps while compiling
+                finished = next((o for o in message.outputs if o.finished), None)
+        assert rejected == [("bad", "structured_outputs.json")] and steps >= 1
+        assert finished.request_id == "good" and re.fullmatch("[x-z]{5}", finished.text)
+        conn.send_bytes(encoder.encode(Shutdown()))
+        thread.join(10)
+        assert not thread.is_alive()
+    finally:
+        engine.structured.sync_compile_s = size
+        engine.on_compile_done = None
+        conn.close()
