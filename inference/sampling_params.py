@@ -42,8 +42,9 @@ class StructuredOutputs(
     json: a JSON schema (a dict, or its JSON text); json_object: any JSON object; regex: a
     regular expression the whole output matches; choice: the output is one of these strings;
     grammar: a Lark grammar as llguidance takes it (GBNF is converted). Whether the schema,
-    regex or grammar compiles is checked where the grammar is compiled (LLEngine.add_request,
-    InvalidParameterError naming e.g. "structured_outputs.json").
+    regex or grammar compiles is checked where the grammar is compiled: LLMEngine.add_request
+    raises InvalidParameterError naming e.g. "structured_outputs.json" (a grammar still
+    compiling after 20 ms fails later, as the engine core's Rejected for that request).
     """
 
     json: Any = None
