@@ -725,6 +725,28 @@ def overview() -> dict[str, Any]:
 
     g.row("Logs and traces")
     g.add(
+        timeseries(
+            "Trace export",
+            "Spans per second the trace exporter delivered, and spans lost before delivery by "
+            "reason: queue_full (the exporter fell behind), export_failed (the collector was "
+            "down, refused or timed out). Requests never wait for the exporter; drops alert "
+            "as MoeserveTraceExportFailing.",
+            [
+                prom(
+                    f"sum(rate(moeserve_trace_spans_exported_total{{{SEL}}}[{RATE}]))",
+                    "exported",
+                ),
+                prom(
+                    f"sum by (reason) (rate(moeserve_trace_spans_dropped_total{{{SEL}}}[{RATE}]))",
+                    "dropped: {{reason}}",
+                ),
+            ],
+            "short",
+        ),
+        24,
+        6,
+    )
+    g.add(
         {
             "type": "logs",
             "title": "Logs of $model",

@@ -28,6 +28,7 @@ __all__ = [
     "ExpertLoadCollector",
     "RequestLatencies",
     "ServiceMetrics",
+    "SpanExportCollector",
     "render_metrics",
     "request_latencies",
     "status_from_grpc",
@@ -143,7 +144,12 @@ class ServiceMetrics:
         max_waiting: int,
         *,
         imbalance_window_steps: int = IMBALANCE_WINDOW_STEPS,
+        span_export: Any = None,
     ) -> None:
+        """`span_export`: the `SpanExportStats` the trace-export counters read (default: the
+        process's, telemetry.tracing.SPAN_EXPORT)."""
+        if span_export is None:
+            from telemetry.tracing import SPAN_EXPORT as span_export
         self.registry = registry
         self.model = model
         self.num_layers = num_layers
@@ -269,6 +275,8 @@ class ServiceMetrics:
         # moeserve_moe_expert_tokens_total and moeserve_moe_expert_imbalance.
         self.experts = ExpertLoadCollector(model, num_layers, num_experts, imbalance_window_steps)
         registry.register(self.experts)
+        # moeserve_trace_spans_exported_total and moeserve_trace_spans_dropped_total{reason}.
+        registry.register(SpanExportCollector(model, span_export))
 
     # ------------------------------------------------------------------ engine steps
 
@@ -409,6 +417,42 @@ class ExpertLoadCollector(Collector):
                 tokens.add_metric((self.model, name, str(expert)), count)
             imbalance.add_metric((self.model, name), self.imbalance(layer))
         return tokens, imbalance
+
+
+class SpanExportCollector(Collector):
+    """What became of the process's ended spans, read from a `SpanExportStats` at scrape
+    time: exported, or dropped (queue_full: the exporter fell behind; export_failed: the
+    collector was down, refused or timed out). A rising drop rate is the exporter alert's
+    signal; requests never wait for the exporter."""
+
+    def __init__(self, model: str, stats: Any) -> None:
+        self.model, self.stats = model, stats
+
+    def _families(self) -> tuple[CounterMetricFamily, CounterMetricFamily]:
+        exported = CounterMetricFamily(
+            "moeserve_trace_spans_exported",
+            "Spans the trace exporter delivered.",
+            labels=("model",),
+        )
+        dropped = CounterMetricFamily(
+            "moeserve_trace_spans_dropped",
+            "Spans lost before delivery: queue_full (the exporter fell behind and the "
+            "bounded span queue was full) or export_failed (the collector was down, "
+            "refused the batch or timed out).",
+            labels=("model", "reason"),
+        )
+        return exported, dropped
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families()
+
+    def collect(self) -> Iterable[Metric]:
+        exported, dropped = self._families()
+        n_exported, n_dropped = self.stats.snapshot()
+        exported.add_metric((self.model,), n_exported)
+        for reason, count in n_dropped.items():
+            dropped.add_metric((self.model, reason), count)
+        return exported, dropped
 
 
 def _api(api: str) -> str:

@@ -16,8 +16,11 @@ themselves):
 With no exporter the provider is still a real SDK provider, so spans record and carry
 trace ids for logs and exemplars; they are just not exported. Export runs on the
 BatchSpanProcessor's worker thread with a bounded queue: a slow or dead collector
-drops spans, it never blocks or fails a request. "console" writes one JSON span per
-line to stderr (stdout belongs to the JSON logs).
+drops spans, it never blocks or fails a request. What happens to ended spans is counted
+process-wide in `SPAN_EXPORT` (exported; dropped because the queue was full or the export
+failed), which /metrics serves as moeserve_trace_spans_exported_total and
+moeserve_trace_spans_dropped_total{reason}. "console" writes one JSON span per line to
+stderr (stdout belongs to the JSON logs).
 """
 
 from __future__ import annotations
@@ -32,17 +35,21 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
     SpanExporter,
+    SpanExportResult,
 )
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind
 from opentelemetry.util.types import AttributeValue
 
 __all__ = [
+    "DROP_REASONS",
     "GENAI_PROVIDER",
+    "SPAN_EXPORT",
+    "SpanExportStats",
     "build_tracer_provider",
     "configure_tracing",
     "extract_context",
@@ -66,6 +73,83 @@ MAX_STEP_LINKS = 128
 _provider: TracerProvider | None = None
 _global_set = False
 _lock = threading.Lock()
+
+DROP_REASONS = ("queue_full", "export_failed")
+
+
+class SpanExportStats:
+    """Counts of what the batch span processors did with ended spans: `exported` (the
+    exporter reported success) and `dropped[reason]`: "queue_full" (the processor's bounded
+    queue was full when the span ended: the exporter is not keeping up) or "export_failed"
+    (the exporter gave up on the batch: collector down, refused, timed out). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.exported = 0
+        self.dropped = dict.fromkeys(DROP_REASONS, 0)
+
+    def add_exported(self, n: int) -> None:
+        with self._lock:
+            self.exported += n
+
+    def add_dropped(self, reason: str, n: int) -> None:
+        with self._lock:
+            self.dropped[reason] += n
+
+    def snapshot(self) -> tuple[int, dict[str, int]]:
+        with self._lock:
+            return self.exported, dict(self.dropped)
+
+
+SPAN_EXPORT = SpanExportStats()  # the process's counts, served on /metrics
+
+
+class _CountingExporter(SpanExporter):
+    """Wraps an exporter: each batch counts as exported or as dropped (export_failed)."""
+
+    def __init__(self, inner: SpanExporter, stats: SpanExportStats) -> None:
+        self.inner, self.stats = inner, stats
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        try:
+            result = self.inner.export(spans)
+        except Exception:
+            self.stats.add_dropped("export_failed", len(spans))
+            raise
+        if result is SpanExportResult.SUCCESS:
+            self.stats.add_exported(len(spans))
+        else:
+            self.stats.add_dropped("export_failed", len(spans))
+        return result
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+class _CountingBatchSpanProcessor(BatchSpanProcessor):
+    """A BatchSpanProcessor that counts the spans its full queue drops (the SDK only logs
+    them). The queue is the SDK's bounded deque (opentelemetry-sdk >= 1.33); on another
+    layout nothing is counted as queue_full, and spans flow as before."""
+
+    def __init__(self, exporter: SpanExporter, stats: SpanExportStats) -> None:
+        super().__init__(_CountingExporter(exporter, stats))
+        self._stats = stats
+        self._queue = getattr(getattr(self, "_batch_processor", None), "_queue", None)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        queue = self._queue
+        if (
+            queue is not None
+            and queue.maxlen is not None
+            and len(queue) >= queue.maxlen
+            and span.context is not None
+            and span.context.trace_flags.sampled
+        ):
+            self._stats.add_dropped("queue_full", 1)
+        super().on_end(span)
 
 
 # --------------------------------------------------------------------------- set-up
@@ -123,7 +207,7 @@ def build_tracer_provider(
 
     `exporters=None` chooses them from OTEL_TRACES_EXPORTER (see module doc); an explicit
     list (e.g. an InMemorySpanExporter in tests) replaces that choice. Each exporter gets
-    its own BatchSpanProcessor (bounded queue, drops when full).
+    its own BatchSpanProcessor (bounded queue, drops when full), counted in `SPAN_EXPORT`.
     """
     name = service_name or os.environ.get("OTEL_SERVICE_NAME") or "moeserve"
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
@@ -131,7 +215,7 @@ def build_tracer_provider(
         factories = {"otlp": _otlp_exporter, "console": _console_exporter}
         exporters = [factories[n]() for n in _exporter_names()]
     for exporter in exporters:
-        provider.add_span_processor(BatchSpanProcessor(exporter))
+        provider.add_span_processor(_CountingBatchSpanProcessor(exporter, SPAN_EXPORT))
     return provider
 
 
