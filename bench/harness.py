@@ -356,6 +356,29 @@ class ServerProcess(ManagedProcess):
         """The first log record whose "event" is `event`."""
         return self.wait_for(lambda r: r.get("event") == event, timeout=timeout)[0]
 
+    def engine_core_pid(self) -> int | None:
+        """The pid of the server's engine core process (`python -m inference.engine_core`),
+        None when it has none (not started yet, or gone)."""
+        for pid in child_pids(self.pid):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"inference.engine_core" in cmdline:
+                return pid
+        return None
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of process `pid` (Linux /proc; [] when it is gone)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
 
 # --- server-sent events -------------------------------------------------------------------
 
@@ -405,7 +428,11 @@ class InProcessServer:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self.loop.call_soon_threadsafe(self.server.request_shutdown)
+        if self._thread.is_alive():  # not when it has exited by itself (its engine died)
+            try:
+                self.loop.call_soon_threadsafe(self.server.request_shutdown)
+            except RuntimeError:  # its loop closed meanwhile
+                pass
         self._thread.join(30)
         assert not self._thread.is_alive(), "server thread did not stop"
 

@@ -3,6 +3,12 @@ one process and one event loop, with a graceful drain on SIGTERM/SIGINT.
 
 Shutdown order: stop admitting (/ready 503, new requests 503 on both APIs), let in-flight
 requests finish within `drain_timeout`, stop uvicorn and gRPC, stop the engine, exit 0.
+
+When the engine core process dies (killed, OOM, crashed) the server cannot serve again: its
+streams end with an engine_dead error event, /health, /ready and new requests answer 503
+for ENGINE_DEAD_EXIT_DELAY_S, then the process exits with EXIT_ENGINE_DEAD so that its
+supervisor (docker compose `restart: unless-stopped`, Kubernetes `restartPolicy: Always`)
+starts a fresh one (vLLM's API server exits the same way).
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ from telemetry.metrics import ServiceMetrics
 from telemetry.tracing import configure_tracing, shutdown_tracing
 
 log = get_logger("service.server")
+
+EXIT_ENGINE_DEAD = 3
+ENGINE_DEAD_EXIT_DELAY_S = 2.0  # probes and streams see the 503s / error events first
+ENGINE_WATCH_INTERVAL_S = 0.2
 
 
 class _Uvicorn(uvicorn.Server):
@@ -72,6 +82,7 @@ class MoeServer:
         self._grpc: GrpcServer | None = None
         self._sock: socket.socket | None = None
         self._shutdown: asyncio.Task | None = None
+        self._engine_died = False
 
     async def start(self) -> None:
         s = self.settings
@@ -118,15 +129,39 @@ class MoeServer:
                 model=self.state.model_name,
                 max_model_len=self.state.engine.max_model_len,
             )
+        watch = asyncio.ensure_future(self._watch_engine())
         try:
             await task
         finally:
+            watch.cancel()
             if self._shutdown is not None and not self._shutdown.done():
                 await asyncio.gather(self._shutdown, return_exceptions=True)
             await self._stop_grpc()  # no-op if the drain stopped it already
             await self.state.engine.shutdown()
             log.info("server stopped")
+        if self._engine_died:
+            return EXIT_ENGINE_DEAD
         return 0 if server.started else 1
+
+    async def _watch_engine(self) -> None:
+        """Exits the server (EXIT_ENGINE_DEAD) once the engine core has died outside a
+        shutdown, after ENGINE_DEAD_EXIT_DELAY_S of 503s."""
+        engine = self.state.engine
+        while engine.is_alive and self._shutdown is None:
+            await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+        if self._shutdown is not None:
+            return  # a drain stops the engine on purpose
+        self._engine_died = True
+        log.error(
+            "engine core died; exiting so that the supervisor restarts the server",
+            exit_code=EXIT_ENGINE_DEAD,
+            exit_in_s=ENGINE_DEAD_EXIT_DELAY_S,
+        )
+        await asyncio.sleep(ENGINE_DEAD_EXIT_DELAY_S)
+        if self._grpc is not None:
+            await self._grpc.mark_not_serving()
+        self._uvicorn.should_exit = True
+        await self._stop_grpc()
 
     def request_shutdown(self) -> None:
         """Starts the graceful drain; a second call forces an immediate exit."""

@@ -175,3 +175,32 @@ def test_engine_core_death_fails_streams_and_turns_ready_503(start_server):
             "status": "engine_dead",
             "engine_alive": False,
         }
+
+
+def test_engine_core_death_exits_the_server_for_its_supervisor(tiny_model_dir):
+    """With its engine core gone the server cannot serve again: after a short window of
+    503s it exits with EXIT_ENGINE_DEAD, so that docker compose (`restart: unless-stopped`)
+    or Kubernetes starts a fresh one; the compose healthcheck alone would never restart it."""
+    from service.server import ENGINE_DEAD_EXIT_DELAY_S, EXIT_ENGINE_DEAD
+
+    with ServerProcess(
+        tiny_model_dir, "--device", "cpu", "--dtype", "float32", stop_timeout=15
+    ) as srv:
+        core = srv.engine_core_pid()
+        assert core is not None
+        os.kill(core, signal.SIGKILL)
+        killed = time.monotonic()
+        health = None
+        with httpx.Client(base_url=srv.url, timeout=5) as c:
+            while time.monotonic() - killed < ENGINE_DEAD_EXIT_DELAY_S:
+                try:
+                    health = c.get("/health")
+                except httpx.TransportError:
+                    break
+                if health.status_code == 503:
+                    break
+                time.sleep(0.05)
+        assert health is not None and health.status_code == 503, health
+        assert srv.proc.wait(30) == EXIT_ENGINE_DEAD
+        assert time.monotonic() - killed >= ENGINE_DEAD_EXIT_DELAY_S - 0.5
+        srv.wait_for_event("engine core died; exiting so that the supervisor restarts the server")
