@@ -15,9 +15,9 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from conftest import make_settings
 
 from bench.harness import InProcessServer
+from tests.service.conftest import make_settings
 
 WEATHER = {
     "type": "function",
