@@ -7,9 +7,12 @@ a boolean "disallowed" tensor and applied to the logits by the sampler (`Constra
 sampled token advances the matcher. Compiled grammars are cached by their source (a bounded
 LRU of pristine matchers, each new sequence gets a deep copy: microseconds).
 
-Why llguidance, not xgrammar (bench/structured_backends.py, bench/NOTES.md): compiling a
-schema takes ~1.4 ms against 10-15 ms, a batched fill of 32 rows costs about the same
-(0.4-0.6 ms), and the wheel has no dependencies (xgrammar's pulls triton).
+Why llguidance, not xgrammar (bench/structured_backends.py, bench/NOTES.md): it compiles a
+schema in 1.3-2.8 ms against xgrammar's 11-15 ms (the first request's latency) and its wheel
+has no dependencies (xgrammar's pulls triton, pydantic and apache-tvm-ffi). xgrammar fills
+one row's mask 6-9x faster (17-24 against 130-160 us on average, having precomputed at
+compile time), but in the engine the whole mask work is 2-3% of a 32-row step, so that gap
+is worth at most ~2% of throughput.
 
 The bitmask is applied with numpy's unpackbits and torch.where rather than
 `llguidance.torch.apply_token_bitmask_inplace`: that one is torch.compile'd, and on the CPU
