@@ -224,8 +224,9 @@ class LLMEngine:
             self._admit(seqs, job)
         else:
             self._compiling[request_id] = (job, seqs)
-            if self.on_compile_done is not None:
-                job.future.add_done_callback(lambda _: self.on_compile_done())
+            done = self.on_compile_done
+            if done is not None:
+                job.future.add_done_callback(lambda _: done())
 
     def _admit(self, seqs: list[Sequence], job: CompileJob | None) -> None:
         for seq in seqs:
@@ -435,11 +436,13 @@ class LLMEngine:
             self.add_request(rid, prompt, params)
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
-            for request_id, error in self.take_rejected():
-                if request_id in ids:
-                    for rid in ids:
-                        self.abort(rid)
-                    raise error
+            rejected = self.take_rejected()
+            mine = [error for request_id, error in rejected if request_id in ids]
+            self._rejected.extend(r for r in rejected if r[0] not in ids)  # someone else's
+            if mine:
+                for rid in ids:
+                    self.abort(rid)
+                raise mine[0]
             if self.is_only_compiling:
                 self.wait_for_compiles()
                 continue
