@@ -45,7 +45,9 @@ def _clean_env(monkeypatch):
 
 
 def _exporters(provider):
-    return [p.span_exporter for p in provider._active_span_processor._span_processors]
+    """The exporters the provider's processors feed (inside the export-counting wrapper)."""
+    exporters = [p.span_exporter for p in provider._active_span_processor._span_processors]
+    return [getattr(e, "inner", e) for e in exporters]
 
 
 def _times(**kw):
