@@ -30,24 +30,12 @@ from pathlib import Path
 import torch
 
 from bench.engine_bench import make_prompts
-from bench.structured_backends import cpu_name
+from bench.structured_backends import SCHEMA, cpu_name  # one schema for both benches
 from inference import LLMEngine, SamplingParams, StructuredOutputs
 from inference.demo_model import ensure_demo_model
 from inference.model_zoo import resolve_model
 
 RESULTS = Path(__file__).parent / "results"
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "color": {"enum": ["red", "green", "blue"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
-    },
-    "required": ["name", "age", "color", "tags"],
-    "additionalProperties": False,
-}
 
 
 def run(engine: LLMEngine, prompts, params: list[SamplingParams]) -> tuple[float, dict, list]:

@@ -114,15 +114,27 @@ def test_telemetry_off_serves_without_spans_metrics_or_request_logs(start_server
         assert http.get("/metrics").status_code == 404
 
 
-def test_generation_fills_the_span_it_is_given(server):
-    """A Generation on a span its caller opened (as the transports do): phases under it,
-    GenAI attributes on it, metrics and the summary line."""
+def _observed(server):
+    """A ServingState on the shared engine whose telemetry lands in memory: (span exporter,
+    tracer provider, metrics, Observability, state)."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     metrics = ServiceMetrics(CollectorRegistry(), "m", 1, 4, 8)
     obs = Observability("m", metrics=metrics, tracer=provider.get_tracer("t"))
-    state = ServingState(server.engine, server.settings, "m", observability=obs)
+    return (
+        exporter,
+        provider,
+        metrics,
+        obs,
+        ServingState(server.engine, server.settings, "m", observability=obs),
+    )
+
+
+def test_generation_fills_the_span_it_is_given(server):
+    """A Generation on a span its caller opened (as the transports do): phases under it,
+    GenAI attributes on it, metrics and the summary line."""
+    exporter, provider, metrics, obs, state = _observed(server)
 
     async def run() -> list:
         params = SamplingParams(max_tokens=3, n=2, ignore_eos=True)
@@ -158,12 +170,7 @@ def test_generation_fills_the_span_it_is_given(server):
 
 
 def test_a_constrained_request_is_counted_and_its_grammar_compile_traced(server):
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    metrics = ServiceMetrics(CollectorRegistry(), "m", 1, 4, 8)
-    obs = Observability("m", metrics=metrics, tracer=provider.get_tracer("t"))
-    state = ServingState(server.engine, server.settings, "m", observability=obs)
+    exporter, provider, metrics, _, state = _observed(server)
     constraint = StructuredOutputs(regex="[ab]{3}")
 
     async def run() -> str:
