@@ -13,10 +13,16 @@ _PROMPT_CONTEXT = 8  # prompt tokens given to the decoder for leading-space hand
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str]) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool = True,
+    ) -> None:
         self._backend = tokenizer.backend_tokenizer  # tokenizers.Tokenizer of a fast tokenizer
         self._stream = DecodeStream(
-            ids=prompt_token_ids[-_PROMPT_CONTEXT:], skip_special_tokens=True
+            ids=prompt_token_ids[-_PROMPT_CONTEXT:], skip_special_tokens=skip_special_tokens
         )
         self.stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1

@@ -215,7 +215,9 @@ class LLMEngine:
                 gen,
                 log_context,
             )
-            seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+            seq.detok = IncrementalDetokenizer(
+                self.tokenizer, ids, params.stop, params.skip_special_tokens
+            )
             if job is not None:
                 seq.times.arrival = arrival
             seqs.append(seq)
@@ -363,13 +365,15 @@ class LLMEngine:
         p = seq.params
         # the grammar: "stop" once complete (only EOS may follow), "error" if it refused
         grammar = None if seq.matcher is None else self.structured.advance(seq.matcher, token)
-        matched = seq.detok.add(token)
+        ends = token in self.eos_token_ids and not p.ignore_eos
+        # an ending EOS adds no text, also where special tokens are kept (skip_special_tokens)
+        matched = None if ends else seq.detok.add(token)
         reason = None
         if matched is not None:
             reason, seq.stop_reason = "stop", matched
         elif token in p.stop_token_ids:
             reason, seq.stop_reason = "stop", token
-        elif token in self.eos_token_ids and not p.ignore_eos:
+        elif ends:
             reason = "stop"
         elif grammar is not None:
             reason = grammar

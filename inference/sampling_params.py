@@ -78,6 +78,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop: StopList = []
     stop_token_ids: list[TokenId] = []
     ignore_eos: bool = False
+    # False keeps special tokens' text (a tool-call marker such as Mistral's [TOOL_CALLS])
+    skip_special_tokens: bool = True
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: RepetitionPenalty = 1.0

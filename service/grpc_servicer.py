@@ -115,7 +115,7 @@ class InferenceServicer:
         constraint, field = single_constraint(
             ("structured_output", _structured_output(request)), ("tools", forced)
         )
-        params = _sampling_params(request.params, constraint)
+        params = _sampling_params(request.params, constraint, plan)
         tools = plan.template_tools if plan is not None else None
         ids = await self._prompt_ids(request.prompt, request.messages, tools)
         operation = "chat" if request.messages else "text_completion"
@@ -132,7 +132,9 @@ class InferenceServicer:
         )
 
 
-def _sampling_params(p: pb.SamplingParams, constraint: StructuredOutputs | None) -> SamplingParams:
+def _sampling_params(
+    p: pb.SamplingParams, constraint: StructuredOutputs | None, plan: ToolPlan | None
+) -> SamplingParams:
     """Unset optional scalars and empty lists and maps take the engine's defaults."""
     fields = {
         name: (list(getattr(p, name)) or None)
@@ -140,6 +142,8 @@ def _sampling_params(p: pb.SamplingParams, constraint: StructuredOutputs | None)
         else (getattr(p, name) if p.HasField(name) else None)
         for name in SAMPLING_FIELDS - {"logit_bias"}
     }
+    if plan is not None:
+        fields["skip_special_tokens"] = plan.skip_special_tokens(fields["skip_special_tokens"])
     return validation.sampling_params(
         **fields, logit_bias=dict(p.logit_bias) or None, structured_outputs=constraint
     )

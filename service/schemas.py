@@ -145,6 +145,7 @@ class _SamplingFields(_Request, kw_only=True):
     repetition_penalty: sp.RepetitionPenalty | None = None
     stop_token_ids: list[sp.TokenId] | None = None
     ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
     # structured outputs (service/tools.py turns them into the engine's StructuredOutputs)
     logit_bias: dict[_TokenIdKey, sp.LogitBias] | None = None
     response_format: ResponseFormat | None = None

@@ -43,6 +43,11 @@ class ToolPlan:
         """What the chat template is told: nothing under "none", so the model is not asked."""
         return None if self.choice == "none" else self.tools
 
+    def skip_special_tokens(self, asked: bool | None) -> bool | None:
+        """Under "auto" the text keeps special tokens unless the request says otherwise: a
+        family's call marker may be one (Mistral's [TOOL_CALLS]); an ending EOS adds none."""
+        return False if asked is None and self.choice == "auto" else asked
+
     def structured_outputs(self) -> StructuredOutputs | None:
         if not self.forced:
             return None

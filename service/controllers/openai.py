@@ -53,7 +53,7 @@ _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _SAMPLING = (
     *("n", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k"),
     *("min_p", "min_tokens", "repetition_penalty", "stop_token_ids", "ignore_eos"),
-)
+)  # skip_special_tokens: the tool plan may decide it (service/tools.py)
 
 
 def _generation_route(path: str, operation_id: str, response: type, id_prefix: str):
@@ -80,6 +80,7 @@ def _sampling(data: Any, constraint: StructuredOutputs | None, **fields: Any):
         raise BadRequest(f"{bad[0]} is not supported by this server", param=bad[0])
     stop = [data.stop] if isinstance(data.stop, str) else data.stop
     bias = data.logit_bias and {int(token): b for token, b in data.logit_bias.items()}
+    fields.setdefault("skip_special_tokens", data.skip_special_tokens)
     return validation.sampling_params(
         stop=stop,
         logit_bias=bias or None,
@@ -225,7 +226,11 @@ class OpenAIController(Controller):
             max(state.engine.max_model_len - len(ids), 1),  # OpenAI's default: the context
         )
         logprobs = (data.top_logprobs or 0) if data.logprobs else None
-        params = _sampling(data, constraint, max_tokens=max_tokens, logprobs=logprobs)
+        asked = data.skip_special_tokens
+        skip = plan.skip_special_tokens(asked) if plan else asked
+        params = _sampling(
+            data, constraint, max_tokens=max_tokens, logprobs=logprobs, skip_special_tokens=skip
+        )
         spec = GenerationInput(ids, params, "chat", data.stream, field)
         render = ChatRender(request, gen.response_id, data.logprobs, plan)
         return await _respond(request, gen, spec, data.stream_options, render)

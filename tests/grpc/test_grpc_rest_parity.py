@@ -167,7 +167,10 @@ BAD_SAMPLING: dict[str, list[dict]] = {
     "n": [{"n": 0}, {"n": 17}],
     "logit_bias": [{"logit_bias": {1: 100.5}}, {"logit_bias": {2**20: 1.0}}],  # range, vocabulary
 }
-NO_RULE = {"ignore_eos": "a bool has no invalid value"}
+NO_RULE = {
+    "ignore_eos": "a bool has no invalid value",
+    "skip_special_tokens": "a bool has no invalid value",
+}
 # Not a proto SamplingParams field: GenerateRequest.structured_output; rows of its own below.
 ELSEWHERE = {"structured_outputs"}
 # A case about one element of a list (or a value of a map) names its path, on both APIs.

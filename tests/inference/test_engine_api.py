@@ -116,6 +116,23 @@ def test_eos_and_stop_token_ids_finish_with_stop(engine):
     )
 
 
+def test_skip_special_tokens_false_keeps_their_text_but_not_an_ending_eos(engine):
+    tok = engine.tokenizer
+    special = tok.convert_tokens_to_ids("<|im_start|>")  # special, not an end of sequence
+    assert special in tok.all_special_ids and special not in engine.eos_token_ids
+    eos = next(iter(engine.eos_token_ids))
+    for skip in (True, False):
+        params = SamplingParams(
+            max_tokens=3, temperature=0, logit_bias={special: 100.0}, skip_special_tokens=skip
+        )
+        [out] = engine.generate([[5, 6, 7]], params)
+        assert out.token_ids == [special] * 3
+        assert out.text == ("" if skip else "<|im_start|>" * 3)
+        ended = SamplingParams(max_tokens=3, logit_bias={eos: 100.0}, skip_special_tokens=skip)
+        [out] = engine.generate([[5, 6, 7]], ended)
+        assert out.token_ids == [eos] and out.text == "" and out.finish_reason == "stop"
+
+
 def test_n_samples_and_seed_reproducibility(engine):
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=123, n=3, ignore_eos=True)
     [a] = engine.generate(["hello there"], params)

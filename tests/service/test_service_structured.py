@@ -270,6 +270,17 @@ def test_auto_reads_each_familys_own_tool_call_syntax(client, model, parser):
     ]
 
 
+def test_auto_keeps_special_tokens_a_call_marker_may_be(client, model, srv):
+    """Mistral's [TOOL_CALLS] is a special token in its tokenizers: under tool_choice auto the
+    text keeps special tokens (here the demo tokenizer's <|im_start|>, forced out)."""
+    special = srv.state.engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    body = {"model": model, "messages": USER, "max_tokens": 2, "logit_bias": {str(special): 100}}
+    plain = client.chat.completions.create(**body)
+    auto = client.chat.completions.create(**body, tools=[WEATHER])
+    assert plain.choices[0].message.content in (None, "")
+    assert auto.choices[0].message.content == "<|im_start|>" * 2
+
+
 def _reassemble(stream) -> tuple[str, list[dict], str | None]:
     content, calls, finish = "", {}, None
     for chunk in stream:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)service/proto/moeserve/v1/inference.proto\x12\x0bmoeserve.v1\"{\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.moeserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\x9c\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x17\n\nignore_eos\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x0b\x88\x01\x01\x12\x0e\n\x01n\x18\x0f \x01(\rH\x0c\x88\x01\x01\x12>\n\nlogit_bias\x18\x10 \x03(\x0b\x32*.moeserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x04\n\x02_n\"\x93\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.moeserve.v1.ChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"F\n\x08ToolCall\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xd2\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.moeserve.v1.ChatMessage\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.moeserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x38\n\x11structured_output\x18\x05 \x01(\x0b\x32\x1d.moeserve.v1.StructuredOutput\x12 \n\x05tools\x18\x06 \x03(\x0b\x32\x11.moeserve.v1.Tool\x12,\n\x0btool_choice\x18\x07 \x01(\x0b\x32\x17.moeserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x08 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.moeserve.v1.TopLogprob\"\xe8\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.moeserve.v1.Usage\x12\r\n\x05index\x18\x05 \x01(\r\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.moeserve.v1.TokenLogprob\x12)\n\ntool_calls\x18\x08 \x03(\x0b\x32\x15.moeserve.v1.ToolCall\"K\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.moeserve.v1.ChatMessage\"[\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\"\x12\n\x10ModelInfoRequest\"\xe4\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x13\n\x0bnum_experts\x18\x07 \x01(\r\x12\x1d\n\x15num_experts_per_token\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t2\xba\x02\n\tInference\x12G\n\x08Generate\x12\x1c.moeserve.v1.GenerateRequest\x1a\x1d.moeserve.v1.GenerateResponse\x12O\n\x0eGenerateStream\x12\x1c.moeserve.v1.GenerateRequest\x1a\x1d.moeserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.moeserve.v1.TokenizeRequest\x1a\x1d.moeserve.v1.TokenizeResponse\x12J\n\tModelInfo\x12\x1d.moeserve.v1.ModelInfoRequest\x1a\x1e.moeserve.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)service/proto/moeserve/v1/inference.proto\x12\x0bmoeserve.v1\"{\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.moeserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\xd6\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x17\n\nignore_eos\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x0b\x88\x01\x01\x12\x0e\n\x01n\x18\x0f \x01(\rH\x0c\x88\x01\x01\x12>\n\nlogit_bias\x18\x10 \x03(\x0b\x32*.moeserve.v1.SamplingParams.LogitBiasEntry\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x04\n\x02_nB\x16\n\x14_skip_special_tokens\"\x93\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.moeserve.v1.ChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"F\n\x08ToolCall\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xd2\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.moeserve.v1.ChatMessage\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.moeserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x38\n\x11structured_output\x18\x05 \x01(\x0b\x32\x1d.moeserve.v1.StructuredOutput\x12 \n\x05tools\x18\x06 \x03(\x0b\x32\x11.moeserve.v1.Tool\x12,\n\x0btool_choice\x18\x07 \x01(\x0b\x32\x17.moeserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x08 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.moeserve.v1.TopLogprob\"\xe8\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.moeserve.v1.Usage\x12\r\n\x05index\x18\x05 \x01(\r\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.moeserve.v1.TokenLogprob\x12)\n\ntool_calls\x18\x08 \x03(\x0b\x32\x15.moeserve.v1.ToolCall\"K\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.moeserve.v1.ChatMessage\"[\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\"\x12\n\x10ModelInfoRequest\"\xe4\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x13\n\x0bnum_experts\x18\x07 \x01(\r\x12\x1d\n\x15num_experts_per_token\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t2\xba\x02\n\tInference\x12G\n\x08Generate\x12\x1c.moeserve.v1.GenerateRequest\x1a\x1d.moeserve.v1.GenerateResponse\x12O\n\x0eGenerateStream\x12\x1c.moeserve.v1.GenerateRequest\x1a\x1d.moeserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.moeserve.v1.TokenizeRequest\x1a\x1d.moeserve.v1.TokenizeResponse\x12J\n\tModelInfo\x12\x1d.moeserve.v1.ModelInfoRequest\x1a\x1e.moeserve.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,37 +36,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=58
   _globals['_CHATMESSAGE']._serialized_end=181
   _globals['_SAMPLINGPARAMS']._serialized_start=184
-  _globals['_SAMPLINGPARAMS']._serialized_end=852
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=619
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=667
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=855
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1002
-  _globals['_CHOICE']._serialized_start=1004
-  _globals['_CHOICE']._serialized_end=1029
-  _globals['_TOOL']._serialized_start=1031
-  _globals['_TOOL']._serialized_end=1092
-  _globals['_TOOLCHOICE']._serialized_start=1094
-  _globals['_TOOLCHOICE']._serialized_end=1152
-  _globals['_TOOLCALL']._serialized_start=1154
-  _globals['_TOOLCALL']._serialized_end=1224
-  _globals['_GENERATEREQUEST']._serialized_start=1227
-  _globals['_GENERATEREQUEST']._serialized_end=1565
-  _globals['_USAGE']._serialized_start=1567
-  _globals['_USAGE']._serialized_end=1624
-  _globals['_TOPLOGPROB']._serialized_start=1626
-  _globals['_TOPLOGPROB']._serialized_end=1673
-  _globals['_TOKENLOGPROB']._serialized_start=1675
-  _globals['_TOKENLOGPROB']._serialized_end=1762
-  _globals['_GENERATERESPONSE']._serialized_start=1765
-  _globals['_GENERATERESPONSE']._serialized_end=1997
-  _globals['_TOKENIZEREQUEST']._serialized_start=1999
-  _globals['_TOKENIZEREQUEST']._serialized_end=2074
-  _globals['_TOKENIZERESPONSE']._serialized_start=2076
-  _globals['_TOKENIZERESPONSE']._serialized_end=2167
-  _globals['_MODELINFOREQUEST']._serialized_start=2169
-  _globals['_MODELINFOREQUEST']._serialized_end=2187
-  _globals['_MODELINFORESPONSE']._serialized_start=2190
-  _globals['_MODELINFORESPONSE']._serialized_end=2418
-  _globals['_INFERENCE']._serialized_start=2421
-  _globals['_INFERENCE']._serialized_end=2735
+  _globals['_SAMPLINGPARAMS']._serialized_end=910
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=653
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=701
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=913
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1060
+  _globals['_CHOICE']._serialized_start=1062
+  _globals['_CHOICE']._serialized_end=1087
+  _globals['_TOOL']._serialized_start=1089
+  _globals['_TOOL']._serialized_end=1150
+  _globals['_TOOLCHOICE']._serialized_start=1152
+  _globals['_TOOLCHOICE']._serialized_end=1210
+  _globals['_TOOLCALL']._serialized_start=1212
+  _globals['_TOOLCALL']._serialized_end=1282
+  _globals['_GENERATEREQUEST']._serialized_start=1285
+  _globals['_GENERATEREQUEST']._serialized_end=1623
+  _globals['_USAGE']._serialized_start=1625
+  _globals['_USAGE']._serialized_end=1682
+  _globals['_TOPLOGPROB']._serialized_start=1684
+  _globals['_TOPLOGPROB']._serialized_end=1731
+  _globals['_TOKENLOGPROB']._serialized_start=1733
+  _globals['_TOKENLOGPROB']._serialized_end=1820
+  _globals['_GENERATERESPONSE']._serialized_start=1823
+  _globals['_GENERATERESPONSE']._serialized_end=2055
+  _globals['_TOKENIZEREQUEST']._serialized_start=2057
+  _globals['_TOKENIZEREQUEST']._serialized_end=2132
+  _globals['_TOKENIZERESPONSE']._serialized_start=2134
+  _globals['_TOKENIZERESPONSE']._serialized_end=2225
+  _globals['_MODELINFOREQUEST']._serialized_start=2227
+  _globals['_MODELINFOREQUEST']._serialized_end=2245
+  _globals['_MODELINFORESPONSE']._serialized_start=2248
+  _globals['_MODELINFORESPONSE']._serialized_end=2476
+  _globals['_INFERENCE']._serialized_start=2479
+  _globals['_INFERENCE']._serialized_end=2793
 # @@protoc_insertion_point(module_scope)
