@@ -9,7 +9,7 @@ from typing import Any
 import structlog
 from litestar import Litestar, Request, Response
 from litestar.datastructures import State
-from litestar.exceptions import HTTPException
+from litestar.exceptions import HTTPException, InternalServerException
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.plugins.opentelemetry import OpenTelemetryConfig, OpenTelemetryPlugin
@@ -17,7 +17,13 @@ from litestar.types import Message, Scope
 from opentelemetry import trace
 
 from service import validation
-from service.controllers.common import REQUEST_ID_HEADER, bind_request_id, record_error, request_id
+from service.controllers.common import (
+    REQUEST_ID_HEADER,
+    ClientClosedRequest,
+    bind_request_id,
+    record_error,
+    request_id,
+)
 from service.controllers.openai import OpenAIController
 from service.controllers.probes import ProbesController
 from service.controllers.tokenize import TokenizeController
@@ -37,7 +43,21 @@ _HTTP_ERRORS = {
 }
 
 
+# what Litestar raises (as a 500) when the client hangs up before its body is in
+_CLIENT_GONE = "client disconnected prematurely"
+
+
 class _Request(Request):
+    async def body(self) -> bytes:
+        """The body; a client that leaves before sending all of it ends the request as a
+        client error (499), as one leaving before its answer does, not as a server error."""
+        try:
+            return await super().body()
+        except InternalServerException as exc:
+            if exc.detail == _CLIENT_GONE:
+                raise ClientClosedRequest("the client closed the connection mid-body") from exc
+            raise
+
     async def json(self) -> Any:
         """The body decoded once, strictly, into the route's schema (validation.decode_body);
         Litestar's own decoding coerces ("5" -> 5) and lets deep nesting crash."""

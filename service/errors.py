@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from litestar.exceptions import HTTPException
 
 from inference import EngineDeadError, InvalidParameterError, QueueFullError
 from service.responses import ErrorBody, ErrorResponse
@@ -74,8 +75,10 @@ ENGINE_ERRORS = (InvalidParameterError, QueueFullError, EngineDeadError)
 
 
 def status_of(exc: BaseException) -> str:
-    """The requests_total status of an exception a request ends with."""
-    if isinstance(exc, ServiceError):
+    """The requests_total status of an exception a request ends with: its HTTP status for
+    ours and for Litestar's own (a body over the limit is a 413, an empty one a 400: the
+    client's error, not the server's)."""
+    if isinstance(exc, (ServiceError, HTTPException)):
         return status_from_http(exc.status_code)
     if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
         return "client_error"  # the caller went away (disconnect, cancel, deadline)

@@ -5,6 +5,8 @@ span its caller opened, and a constrained request's count, compile histogram and
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 
 import httpx
 import pytest
@@ -46,6 +48,32 @@ def test_summary_line_has_no_text_without_log_prompts(server, http):
     assert line["status"] == "ok" and line["completion_tokens"] == 3 and line["api"] == "rest"
     assert "prompt" not in line and "output" not in line
     assert "secret prompt" not in repr(logs)
+
+
+def test_refused_bodies_count_as_client_errors(server, http):
+    """Bodies Litestar refuses itself (over the limit: 413; empty: 400) and a client leaving
+    in the middle of its body are the client's doing: requests_total{status="client_error"},
+    never server_error (that would page MoeserveHighErrorRatio on malformed traffic)."""
+    labels = {"finish_reason": "none"}
+    before = {
+        s: _requests_total(server, status=s, **labels) for s in ("client_error", "server_error")
+    }
+    limit = server.settings.max_body_bytes
+    assert http.post(COMP, json={"prompt": "x" * (limit + 10)}).status_code == 413
+    empty = http.post(COMP, content=b"", headers={"content-type": "application/json"})
+    assert empty.status_code == 400
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    head = (
+        f"POST {COMP} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body) + 100}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", server.server.rest_port), timeout=10) as sock:
+        sock.sendall(head + body)  # 100 bytes short, then gone
+    deadline = time.monotonic() + 10
+    while _requests_total(server, status="client_error", **labels) < before["client_error"] + 3:
+        assert time.monotonic() < deadline, "the short body was not counted"
+        time.sleep(0.02)
+    assert _requests_total(server, status="server_error", **labels) == before["server_error"]
 
 
 def test_log_prompts_adds_prompt_and_output_text(start_server):
