@@ -58,8 +58,11 @@ pytestmark = pytest.mark.slow
 MODEL = "tiny-demo"
 SCRAPE_INTERVAL_S = 1
 # Panels whose queries are about events this load does not cause: valid + metric exists.
+# (no span exporter runs in this test: OTEL_TRACES_EXPORTER=none, so no span is exported
+# or dropped)
 EVENT_DEPENDENT = re.compile(
     r'moeserve_preemptions_total|status="rejected"|status="server_error"|status!="ok"'
+    r"|moeserve_trace_spans_(exported|dropped)_total"
 )
 # Instantaneous state that is legitimately back to 0 once the load is over; every other
 # query must show the load (a non-zero value).
@@ -226,6 +229,12 @@ def drive_load(rest: str, grpc_port: int | None) -> dict:
             note(r, 200)
             read_sse(r)  # data: {json} events to data: [DONE]
 
+    def constrained(i: int) -> None:  # a distinct regex each: compiled, not cached
+        with httpx.Client(base_url=rest, timeout=60) as c:
+            body = {"model": MODEL, "prompt": "Pick:", "max_tokens": 4}
+            body["structured_outputs"] = {"regex": f"[ab]{{1,{i + 2}}}"}
+            note(c.post("/v1/completions", json=body), 200)
+
     def invalid(i: int) -> None:
         with httpx.Client(base_url=rest, timeout=60) as c:
             note(
@@ -237,6 +246,7 @@ def drive_load(rest: str, grpc_port: int | None) -> dict:
         [(completion, i) for i in range(16)]
         + [(chat, i) for i in range(8)]
         + [(stream, i) for i in range(10)]
+        + [(constrained, i) for i in range(4)]
         + [(invalid, i) for i in range(2)]
     )
     with ThreadPoolExecutor(8) as pool:
