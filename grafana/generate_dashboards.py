@@ -633,6 +633,18 @@ def overview() -> dict[str, Any]:
     )
     g.add(
         timeseries(
+            "Decode step time per sequence",
+            "Duration of decode-only engine steps divided by their batch size, p50/p95: the "
+            "engine's speed on the same work. Up while batch size and prompt lengths are flat: "
+            "the device is slower (CPU contention, throttling).",
+            quantiles("moeserve_engine_decode_seconds_per_sequence")[:2],
+            "s",
+        ),
+        8,
+        8,
+    )
+    g.add(
+        timeseries(
             "KV cache usage over time",
             "Share of KV-cache blocks held by live requests, per instance (alerts at 90% / 98%).",
             [prom(f"max by (instance) (moeserve_kv_cache_usage_ratio{{{SEL}}})", "{{instance}}")],

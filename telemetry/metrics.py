@@ -65,6 +65,11 @@ STEP_BUCKETS = (
     0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512,
     1.024, 2.048, 4.096, 8.192,
 )  # fmt: skip
+# a decode step's time per sequence: tens of microseconds (GPU, large batch) to a second
+PER_SEQUENCE_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064,
+    0.128, 0.256, 0.512, 1.024,
+)  # fmt: skip
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # cache hits take microseconds, a schema of a few fields 1-2 ms, a large grammar seconds
 GRAMMAR_COMPILE_BUCKETS = (
@@ -225,6 +230,14 @@ class ServiceMetrics:
         self.step_time = hist(
             "moeserve_engine_step_seconds", "Engine step duration.", ("model",), STEP_BUCKETS
         )
+        self.decode_per_sequence = hist(
+            "moeserve_engine_decode_seconds_per_sequence",
+            "Duration of an engine step that only decodes (no prefill chunk, no recompute), "
+            "divided by its batch size: the same work at a different speed shows here, more "
+            "work (longer prompts, bigger batches) does not.",
+            ("model",),
+            PER_SEQUENCE_BUCKETS,
+        )
         self.preemptions = Counter(
             "moeserve_preemptions",
             "Sequences preempted (KV cache exhausted).",
@@ -268,6 +281,7 @@ class ServiceMetrics:
         self._kv = self.kv_usage.labels(*m)
         self._batch = self.batch_size.labels(*m)
         self._step = self.step_time.labels(*m)
+        self._decode_per_seq = self.decode_per_sequence.labels(*m)
         self._preempt = self.preemptions.labels(*m)
         self.max_waiting.labels(*m).set(max_waiting)
         self._structured = {k: self.structured_requests.labels(model, k) for k in STRUCTURED_KINDS}
@@ -287,6 +301,8 @@ class ServiceMetrics:
         self._kv.set(step.kv_usage)
         self._batch.observe(step.batch_size)
         self._step.observe(step.duration_s)
+        if step.batch_size and not step.num_prefill_tokens:
+            self._decode_per_seq.observe(step.duration_s / step.batch_size)
         if step.num_preemptions:
             self._preempt.inc(step.num_preemptions)
         if step.expert_tokens is not None:
