@@ -55,7 +55,9 @@ _PROMPT_LIST = {
 
 
 # ---- structured outputs and tools (SPEC section 12) ----------------------------------------
-_TokenIdKey = Annotated[str, Meta(pattern="^[0-9]{1,9}$", description="a token id")]
+_TokenIdKey = Annotated[
+    str, Meta(pattern="^[0-9]{1,9}$", description="a token id below the vocabulary size")
+]
 _JsonSchema = Annotated[dict[str, Any], Meta(description="a JSON Schema")]
 
 

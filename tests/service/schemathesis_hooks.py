@@ -3,8 +3,9 @@ tokens + max_tokens fit in the context, or that min_tokens <= max_tokens (the do
 both in words); a schema-valid generated request that breaks them is brought inside before it
 is sent (every phase calls this hook; generation filters do not run in the coverage phase):
 the prompt is cut (measured by the server's own /tokenize), max_tokens and min_tokens capped.
-Nor can it state which strings a regex, grammar or JSON Schema compiler takes: generated ones
-are replaced by ones that compile (their refusal is tested in test_service_structured.py),
+Nor can it state that logit_bias keys are token ids below the vocabulary size (they are
+taken modulo it), or which strings a regex, grammar or JSON Schema compiler takes: generated
+ones are replaced by ones that compile (their refusal is tested in test_service_structured.py),
 tools keep distinct names, a named tool_choice names one of them and a forcing tool_choice
 comes without another constraint. Generations are also capped at GENERATE tokens, so that
 the run stays short on 2 cores."""
@@ -18,6 +19,7 @@ import schemathesis
 
 URL, KEY = os.environ["MOESERVE_FUZZ_URL"], os.environ["MOESERVE_FUZZ_KEY"]
 MAX_MODEL_LEN = int(os.environ["MOESERVE_FUZZ_MAX_MODEL_LEN"])
+VOCAB_SIZE = int(os.environ["MOESERVE_FUZZ_VOCAB_SIZE"])
 GENERATE = 4
 
 
@@ -39,6 +41,9 @@ def _int(value) -> bool:
 
 
 def _constraints_inside(body: dict) -> None:
+    bias = body.get("logit_bias")
+    if isinstance(bias, dict):  # token ids below the vocabulary size (the document says so)
+        body["logit_bias"] = {str(int(k) % VOCAB_SIZE): v for k, v in bias.items()}
     so = body.get("structured_outputs")
     if isinstance(so, dict):
         fixes = {"json": {"type": "object"}, "regex": "[ab]{1,3}", "grammar": 'start: "a"'}

@@ -32,6 +32,7 @@ def test_schemathesis_finds_nothing(start_server, tmp_path):
             MOESERVE_FUZZ_URL=srv.url,
             MOESERVE_FUZZ_KEY=KEY,
             MOESERVE_FUZZ_MAX_MODEL_LEN=str(srv.engine.max_model_len),
+            MOESERVE_FUZZ_VOCAB_SIZE=str(srv.engine.args.vocab_size),
         )
         run = subprocess.run(
             [
