@@ -1,5 +1,6 @@
 """Turns one firing alert into an incident: pull the key series around the alert from
-Prometheus, score them, rank what moved, and attach exemplar trace ids."""
+Prometheus, score them, rank what moved and the causes it implicates (causes.py), and
+attach exemplar trace ids."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .causes import rank_causes
 from .config import WebhookSettings
 from .detector import DetectorConfig, IsolationForestScorer, RobustZDetector
 from .prometheus_api import PrometheusAPI, PrometheusError, RangeSeries
@@ -23,23 +25,30 @@ from .schemas import AlertmanagerAlert, Exemplar, Incident, MetricScore
 FILTER_LABELS = ("job", "instance", "model")
 TRACE_ID_KEYS = ("trace_id", "traceID", "traceId", "trace-id")
 MIN_REFERENCE_POINTS = 5
+_REACHED_ENGINE = 'finish_reason!="none"'  # requests_total of requests the engine finished
 
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def selector(labels: dict[str, str], **extra: str) -> str:
-    """PromQL label selector ``{a="b",...}`` with values escaped."""
+def selector(labels: dict[str, str], *, raw: str = "", **extra: str) -> str:
+    """PromQL label selector ``{a="b",...}`` with values escaped; `raw` is one more matcher
+    written as is (e.g. ``finish_reason!="none"``)."""
     items = {**labels, **extra}
-    if not items:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(items.items())) + "}"
+    matchers = [f'{k}="{_escape(v)}"' for k, v in sorted(items.items())] + ([raw] if raw else [])
+    return "{" + ",".join(matchers) + "}" if matchers else ""
 
 
 def _quantile(metric: str, q: float = 0.95) -> Callable[[dict[str, str], str], str]:
     return lambda lab, rw: (
         f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket{selector(lab)}[{rw}])))"
+    )
+
+
+def _ratio(num: str, den: str) -> Callable[[dict[str, str], str], str]:
+    return lambda lab, rw: (
+        f"sum(rate({num}{selector(lab)}[{rw}])) / sum(rate({den}{selector(lab)}[{rw}]))"
     )
 
 
@@ -49,6 +58,7 @@ class KeySeries:
     query: Callable[[dict[str, str], str], str]  # (label filter, rate window) -> PromQL
     min_scale: float  # smallest move worth a z of 1, in the series' unit
     exemplar_metric: str | None = None  # histogram whose exemplars explain this series
+    rel_floor: float = 0.01  # ... or this fraction of the reference level, if larger
 
 
 KEY_SERIES: tuple[KeySeries, ...] = (
@@ -114,6 +124,44 @@ KEY_SERIES: tuple[KeySeries, ...] = (
         "expert_imbalance",
         lambda lab, rw: f"max(moeserve_moe_expert_imbalance{selector(lab)})",
         0.05,
+    ),
+    # The drivers of causes.py: what moves first when a cause is at work. Their scales are
+    # relative (10% of the reference level is a z of 1) where the level is workload-specific.
+    KeySeries(
+        # requests per second that wanted the engine: those it finished (aborts included)
+        # and those refused for want of room (429); not the malformed ones validation refused
+        "arrival_rate",
+        lambda lab, rw: (
+            f"sum(rate(moeserve_requests_total{selector(lab, raw=_REACHED_ENGINE)}[{rw}]))"
+            f" + (sum(rate(moeserve_requests_total{selector(lab, status='rejected')}[{rw}]))"
+            " or vector(0))"
+        ),
+        0.2,
+        rel_floor=0.1,
+    ),
+    KeySeries(
+        "prompt_tokens_per_request",
+        _ratio("moeserve_prompt_tokens_total", "moeserve_e2e_request_latency_seconds_count"),
+        1.0,
+        "moeserve_time_to_first_token_seconds_bucket",
+        rel_floor=0.1,
+    ),
+    KeySeries(
+        "step_seconds_per_sequence",  # decode-only steps: the speed on unchanged work
+        _quantile("moeserve_engine_decode_seconds_per_sequence", 0.5),
+        0.0001,
+        "moeserve_time_per_output_token_seconds_bucket",
+        rel_floor=0.1,
+    ),
+    KeySeries(
+        "spans_dropped_per_second",
+        lambda lab, rw: f"sum(rate(moeserve_trace_spans_dropped_total{selector(lab)}[{rw}]))",
+        0.02,  # none are dropped normally: the alert's 0.1 spans/s is already a z of 5
+    ),
+    KeySeries(
+        "target_up",  # Prometheus's scrape health of the instance (`up` has no model label)
+        lambda lab, rw: f"min(up{selector({k: v for k, v in lab.items() if k != 'model'})})",
+        0.02,
     ),
 )
 EXEMPLAR_METRICS = (
@@ -249,6 +297,7 @@ class Analyzer:
         scores.sort(key=lambda m: m.score, reverse=True)
         incident.metrics = scores
         incident.top_metrics = [m.name for m in scores if m.score >= threshold][:5]
+        incident.causes = rank_causes(scores, threshold)
 
         if self.settings.isolation_forest and len(usable) >= 2 and n_ref >= 10:
             sub = matrix[:, usable]
@@ -288,7 +337,9 @@ class Analyzer:
             missing = MetricScore(**base, score=0.0, direction="flat", status="insufficient_data")
             return missing, None
         det = RobustZDetector(
-            DetectorConfig(threshold=self.settings.threshold, min_scale=ks.min_scale)
+            DetectorConfig(
+                threshold=self.settings.threshold, min_scale=ks.min_scale, rel_floor=ks.rel_floor
+            )
         )
         s = det.score(col, n_ref)
         k = int(np.argmax(s.score[n_ref:]))

@@ -167,6 +167,7 @@ class Webhook:
             model=incident.labels.get("model"),
             instance=incident.labels.get("instance"),
             top_metrics=incident.top_metrics,
+            causes=[c.cause for c in incident.causes],
             scores={m.name: m.score for m in incident.metrics[:5]},
             multivariate_score=incident.multivariate_score,
             trace_ids=[e.trace_id for e in incident.exemplars],

@@ -48,6 +48,16 @@ class MetricScore(msgspec.Struct, kw_only=True):
     query: str = ""
 
 
+class CauseScore(msgspec.Struct, kw_only=True):
+    """A cause the analysis implicates (telemetry/anomaly/causes.py), with its evidence."""
+
+    cause: str  # queue | prefill | step_time | kv_cache | trace_export | engine | ...
+    score: float  # the strongest move of its evidence series (robust z)
+    summary: str
+    evidence: list[str]  # the key series that moved, strongest first
+    inferred: bool = False  # named from consequences only: no driver of any cause moved
+
+
 class Exemplar(msgspec.Struct, kw_only=True):
     trace_id: str
     metric: str
@@ -73,6 +83,7 @@ class Incident(msgspec.Struct, kw_only=True):
     anomaly_start: float | None = None
     anomaly_end: float | None = None
     top_metrics: list[str] = []
+    causes: list[CauseScore] = []  # best first: what changed, not only what hurts
     metrics: list[MetricScore] = []
     multivariate_score: float | None = None
     exemplars: list[Exemplar] = []

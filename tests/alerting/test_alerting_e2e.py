@@ -5,7 +5,8 @@ Debian's `prometheus-alertmanager` (the shipped config, receiver pointed at the 
 webhook, short timers, fresh storage, no clustering), which delivers to the anomaly
 webhook. A phase of light traffic, then a flood of the same streaming requests that
 keeps the waiting queue full (and gets 429s): MoeserveWaitingQueueSaturated fires, and
-GET /incidents on the webhook shows an incident that ranks queue time / TTFT first and
+GET /incidents on the webhook shows an incident that ranks arrivals / queue time / TTFT first,
+names the queue as the cause, and
 scores the waiting-queue series as anomalous and carries trace ids the service exported as exemplars.
 Skips, saying so, when a binary is missing."""
 
@@ -53,7 +54,7 @@ MAX_WAITING, MAX_NUM_SEQS = 8, 2
 NORMAL_S = 18.0  # light traffic before the flood: the detector's reference stretch
 FLOOD_CLIENTS = 14  # > MAX_WAITING + MAX_NUM_SEQS: the queue stays full, the rest get 429
 DETECTOR_THRESHOLD = WebhookSettings().threshold
-QUEUE_SERIES = ("queue_time_p95_seconds", "ttft_p95_seconds", "requests_waiting")
+QUEUE_SERIES = ("queue_time_p95_seconds", "ttft_p95_seconds", "requests_waiting", "arrival_rate")
 # Same requests before and during the flood: only the concurrency turns pathological.
 REQUEST = {"model": MODEL, "max_tokens": 128, "ignore_eos": True, "stream": True}
 TRACE_ID = re.compile(r'trace_id="([0-9a-f]{32})"')
@@ -370,8 +371,10 @@ def test_queue_flood_fires_an_alert_that_reaches_the_webhook_as_an_incident(
     scores = {m["name"]: m for m in incident["metrics"]}
     waiting = scores["requests_waiting"]
     ranking = [(m["name"], m["score"], m["direction"]) for m in incident["metrics"]]
-    # A full queue shows as queueing: queue time / TTFT / waiting requests lead...
+    # A full queue shows as queueing: arrivals / queue time / TTFT / waiting requests lead,
+    # and the cause named first is the queue (more arrivals than the server completes)...
     assert set(incident["top_metrics"][:2]) <= set(QUEUE_SERIES), ranking
+    assert incident["causes"][0]["cause"] == "queue", incident["causes"]
     # ...and the alert's own series is scored as anomalous (its rank among the rest
     # varies: a 0 -> MAX_WAITING step is z = 2 * MAX_WAITING, latency moves more).
     assert waiting["score"] >= DETECTOR_THRESHOLD, ranking
