@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test bench bench-peers proto lint clean loadtest bench-serving
+.PHONY: setup run test bench bench-peers proto lint clean loadtest bench-serving scenarios soak
 
 setup: $(STAMP)
 
@@ -38,6 +38,18 @@ bench: setup
 bench-peers: setup
 	bash bench/peers/setup_peers.sh
 	$(BIN)/python -m bench.peers.run_peers $(PEERS_ARGS)
+
+# Fault scenarios (bench/scenarios, notes in bench/NOTES.md): a real server, Debian's
+# prometheus + prometheus-alertmanager (apt-get install prometheus prometheus-alertmanager)
+# and the anomaly webhook; one fault per scenario; rows and the webhook's F1 in
+# bench/results/scenarios.json. About 25 minutes. `make test` runs a CI subset
+# (tests/scenarios). `make soak`: 30 minutes at 80% of capacity (not in CI).
+SCENARIOS_ARGS ?=
+scenarios: setup
+	$(BIN)/python -m bench.scenarios $(SCENARIOS_ARGS)
+
+soak: setup
+	$(BIN)/python -m bench.scenarios --only soak $(SCENARIOS_ARGS)
 
 proto: setup
 	$(BIN)/python -m service.proto.generate

@@ -253,6 +253,8 @@ class RequestResult:
     completion_tokens: int | None = None
     server_request_id: str = ""
     server_trace_id: str = ""
+    retry_after: str = ""  # the Retry-After header of a refusal (429, 503)
+    error_code: str = ""  # the OpenAI error envelope's code (or type), response or stream event
 
     @property
     def output_tokens(self) -> int:
@@ -369,8 +371,10 @@ class Client:
                 result.server_request_id = resp.headers.get("x-request-id", "")
                 result.server_trace_id = trace_id_of(resp.headers.get("traceparent"))
                 if resp.status_code != 200:
+                    result.retry_after = resp.headers.get("retry-after", "")
                     text = (await resp.aread()).decode(errors="replace")
                     result.error = _error_message(text)
+                    result.error_code = _error_code(text)
                     return result
                 done = False
                 async for line in resp.aiter_lines():
@@ -383,6 +387,7 @@ class Client:
                     chunk = json.loads(data)
                     if "error" in chunk:
                         result.status, result.error = "stream_error", _error_message(chunk)
+                        result.error_code = _error_code(chunk)
                         return result
                     if usage := chunk.get("usage"):
                         result.prompt_tokens = usage.get("prompt_tokens")
@@ -415,6 +420,19 @@ class Client:
             if not result.e2el:
                 result.e2el = time.perf_counter() - start
         return result
+
+
+def _error_code(payload: str | dict) -> str:
+    """The `code` (else `type`) of an OpenAI error envelope, "" when there is none."""
+    if isinstance(payload, str):
+        try:
+            payload = json.loads(payload)
+        except ValueError:
+            return ""
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if not isinstance(error, dict):
+        return ""
+    return str(error.get("code") or error.get("type") or "")
 
 
 def _error_message(payload: str | dict) -> str:

@@ -14,13 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-import yaml
 
-from bench.harness import ManagedProcess, free_port, wait_for_http, wait_until
+from bench.harness import free_port, wait_for_http, wait_until
+from bench.scenarios.stack import alertmanager_config, alertmanager_process
 from telemetry.anomaly import create_app
-
-ROOT = Path(__file__).resolve().parents[2]
-ALERTMANAGER_YML = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
 
 
 @pytest.fixture
@@ -42,32 +39,17 @@ def webhook_url() -> Iterator[str]:
 
 @pytest.fixture
 def alertmanager(tmp_path: Path, webhook_url: str) -> Iterator[str]:
+    """The shipped config, receivers pointed at `webhook_url`, 1 s group timers, fresh
+    storage, no clustering (bench/scenarios/stack.py builds it for the fault scenarios too)."""
     binary = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
     if binary is None:
         pytest.skip(
             "alertmanager not installed (apt-get install prometheus-alertmanager); test not run"
         )
-    cfg = yaml.safe_load(ALERTMANAGER_YML.read_text())
-    for receiver in cfg["receivers"]:
-        for hook in receiver.get("webhook_configs", []):
-            hook["url"] = f"{webhook_url}/alerts"
-    routes = [cfg["route"], *cfg["route"].get("routes", [])]
-    for route in routes:  # keep the routing tree and inhibitions, shorten the timers
-        route["group_wait"] = "1s"
-        route["group_interval"] = "1s"
-    config = tmp_path / "alertmanager.yml"
-    config.write_text(yaml.safe_dump(cfg))
+    config = alertmanager_config(tmp_path, webhook_url)
     port = free_port()
-    argv = [
-        binary,
-        f"--config.file={config}",
-        f"--storage.path={tmp_path / 'data'}",
-        f"--web.listen-address=127.0.0.1:{port}",
-        "--cluster.listen-address=",
-        "--log.level=warn",
-    ]
     url = f"http://127.0.0.1:{port}"
-    with ManagedProcess(argv, log_path=tmp_path / "alertmanager.log", stop_timeout=10) as proc:
+    with alertmanager_process(binary, config, tmp_path, port) as proc:
         wait_for_http(f"{url}/-/ready", 20, process=proc)
         yield url
 
