@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from inference import cpu_kernels
+from inference.kv_cache import gather_slots
 
 
 @dataclass(slots=True)
@@ -45,17 +46,6 @@ class AttentionMetadata:
     block_size: int = 0
 
 
-def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tensor) -> None:
-    """cache [S, G, d]; kv [T, G, d]."""
-    cache.index_copy_(0, slot_mapping, kv)
-
-
-def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache [S, G, d], slots [B, L] -> [B, L, G, d]; index_select is several times faster
-    than advanced indexing on CPU."""
-    return cache.index_select(0, slots.flatten()).view(*slots.shape, *cache.shape[1:])
-
-
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -65,7 +55,8 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q [T, H, d]; k, v [T, G, d] (already written to the caches). Returns [T, H, d_v]."""
+    """q [T, H, d]; k, v [T, G, d] (already written to the caches, in any KV format: read
+    back dequantized). Returns [T, H, d_v]."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     nd = meta.num_decode
     if nd and meta.block_tables is not None:
@@ -73,8 +64,8 @@ def paged_attention(
             q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size, scale
         )
     elif nd:
-        keys = gather_slots(k_cache, meta.decode_slots).transpose(1, 2)  # [B_d, G, L, d]
-        values = gather_slots(v_cache, meta.decode_slots).transpose(1, 2)
+        keys = gather_slots(k_cache, meta.decode_slots, q.dtype).transpose(1, 2)  # [B_d, G, L, d]
+        values = gather_slots(v_cache, meta.decode_slots, q.dtype).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2),
             keys,
@@ -90,7 +81,8 @@ def paged_attention(
         if chunk.slots is None:  # fresh prompt: the chunk attends to itself, causally
             kc, vc, mask, causal = k[rows], v[rows], None, True
         else:  # continuing a chunked or prefix-cached prompt: read the whole context
-            kc, vc = k_cache.index_select(0, chunk.slots), v_cache.index_select(0, chunk.slots)
+            kc = gather_slots(k_cache, chunk.slots, q.dtype)
+            vc = gather_slots(v_cache, chunk.slots, q.dtype)
             total = chunk.context_len + chunk.length
             query_pos = torch.arange(chunk.context_len, total, device=q.device)
             mask = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]

@@ -206,6 +206,10 @@ _ARCH_FIELDS = {
 SUPPORTED_ARCHITECTURES = tuple(_ARCH_FIELDS)
 
 
+QUANTIZATIONS = ("none", "int8", "fp8")  # weights (quant.py)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")  # the paged cache (kv_cache.py)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """The limits of SPEC section 3 (same names as the CLI flags)."""
@@ -214,6 +218,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: min(max_position_embeddings, kv cache)
     kv_cache_tokens: int | None = None  # CPU default 65536; GPU: sized from free memory
+    kv_cache_bytes: int | None = None  # the same budget in bytes (instead of tokens)
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8, fp8_e4m3, fp8_e5m2
+    quantization: str | None = None  # weights: none, int8, fp8; None: as the checkpoint ships
     max_waiting: int = 256
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -226,10 +233,22 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(name, "must be >= 1")
-        for name in ("max_model_len", "kv_cache_tokens"):
+        for name in ("max_model_len", "kv_cache_tokens", "kv_cache_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InvalidParameterError(name, "must be >= 1")
+        if self.kv_cache_tokens is not None and self.kv_cache_bytes is not None:
+            raise InvalidParameterError(
+                "kv_cache_bytes", "sizes the same cache as kv_cache_tokens: set one of them"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidParameterError(
+                "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise InvalidParameterError(
+                "quantization", f"must be one of {', '.join(QUANTIZATIONS)}"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

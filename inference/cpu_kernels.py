@@ -19,7 +19,14 @@ AVX-512 kernels without AMX.
 
 Weights the kernels read are prepacked once at load (`pack_weight`): a packed weight has one
 dimension more than its matrix ([K/2, N, 2] for [N, K]), so it can never be mistaken for a
-row-major one; layers.linear and moe.MoE route packed weights here.
+row-major one; layers.linear and moe.MoE route packed weights here. 8-bit weights
+(quant.QWeight: int8, fp8) pack into input quads ([Kq/4, N, 4] bytes, `pack_qweight`), the
+layout VNNI and AMX's int8 tiles read. int8 products (W8A8) run on AMX int8 tiles, VNNI
+(csrc/int8_vnni.c, its own library where the CPU has AVX512-VNNI or AVX-VNNI) or
+vpmaddubsw (every build), all exact integer sums; fp8 runs weight-only.
+
+The paged KV cache may hold 8-bit rows (KV_KINDS): the rope kernel quantizes as it writes
+and decode attention dequantizes as it reads.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ import torch
 import torch.nn.functional as F
 
 from inference.demo_model import cache_root
+from inference.kv_cache import kv_kind, kv_width
+from inference.quant import QWeight
 
 log = structlog.get_logger(__name__)
 
@@ -56,8 +65,14 @@ BUILDS = {
 # over "avx512bf16": the Xeons we measured issue vdpbf16ps every other cycle, half the
 # products per second of float32 FMAs; AMD's Zen 4 and later run it at full rate.
 PREFERENCE = ("avx512bf16", "avx512", "avx2")
-_AMX_FLAGS = ["-mavx512f", "-mavx512bw", "-mamx-tile", "-mamx-bf16"]
+_AMX_FLAGS = ["-mavx512f", "-mavx512bw", "-mamx-tile", "-mamx-bf16", "-mamx-int8"]
 _AMX_CPU = {"amx_tile", "amx_bf16", "avx512f", "avx512bw"}
+# The VNNI library for each build: the build's flags plus the extension, and the CPU flag.
+_VNNI = {
+    "avx512": (["-mavx512vnni"], "avx512_vnni"),
+    "avx512bf16": (["-mavx512vnni"], "avx512_vnni"),
+    "avx2": (["-mavxvnni"], "avx_vnni"),
+}
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
@@ -94,7 +109,7 @@ def _compiler() -> str:
 
 
 # The kernel library's sources; amx.c is built on its own.
-KERNEL_SOURCES = ("region.c", "gemm.c", "moe.c", "attention.c", "norm_rope.c", "layer.c")
+KERNEL_SOURCES = ("region.c", "gemm.c", "gemm8.c", "moe.c", "attention.c", "norm_rope.c", "layer.c")
 
 
 def _build(sources: list[Path], flags: list[str], name: str) -> Path:
@@ -134,6 +149,26 @@ def _build(sources: list[Path], flags: list[str], name: str) -> Path:
     return target
 
 
+class WMat(ctypes.Structure):
+    """A packed weight as the kernels take it (csrc/kernels.h wmat): bf16 pairs, or 8-bit
+    quads with float32 scales per (group, column) and, for int8, column sums."""
+
+    _fields_ = [("data", _P), ("scale", _P), ("colsum", _P), ("group", _I64), ("kind", _I64)]
+
+
+_W_KINDS = {"int8": 1, "fp8": 2}
+
+
+def wmat(w: torch.Tensor | QWeight | None) -> WMat:
+    """The kernels' view of a packed weight (the tensors must outlive it); None: empty."""
+    if w is None:
+        return WMat()
+    if isinstance(w, QWeight):
+        colsum = None if w.colsum is None else w.colsum.data_ptr()
+        return WMat(w.data.data_ptr(), w.scale.data_ptr(), colsum, w.group, _W_KINDS[w.fmt])
+    return WMat(w.data_ptr(), None, None, 0, 0)
+
+
 class LayerSpec(ctypes.Structure):
     """One decoder layer for the fused decode step (csrc/layer.c, same field order):
     its sizes, options and the addresses of its packed weights, which must outlive it."""
@@ -152,6 +187,8 @@ class LayerSpec(ctypes.Structure):
                 "mlp_inter",
                 "qk_norm",
                 "norm_topk_prob",
+                "kv_kind",
+                "kv_row",
             )
         ]
         + [(n, _F32) for n in ("eps", "scale", "clip_qkv", "routed_scaling")]
@@ -160,33 +197,30 @@ class LayerSpec(ctypes.Structure):
             for n in (
                 "input_norm",
                 "post_norm",
-                "wqkv",
                 "qkv_bias",
-                "wo",
                 "o_bias",
                 "q_norm",
                 "k_norm",
-                "router",
-                "w13",
-                "w2",
-                "mlp_w13",
                 "mlp_b13",
-                "mlp_w2",
                 "mlp_b2",
-                "shared_gate",
             )
+        ]
+        + [
+            (n, WMat)
+            for n in ("wqkv", "wo", "router", "w13", "w2", "mlp_w13", "mlp_w2", "shared_gate")
         ]
     )
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    _W = ctypes.POINTER(WMat)
     lib.ms_linear.argtypes = [
         _P,
         _I64,
         _I64,
         _I64,
         _I64,
-        _P,
+        _W,
         _I64,
         _I64,
         _P,
@@ -201,8 +235,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         _I64,
         _I64,
         _I64,
-        _P,
-        _P,
+        _W,
+        _W,
         _I64,
         _I64,
         _P,
@@ -219,11 +253,13 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         _I64,
         _I64,
         _I64,
+        _INT,
         _P,
         _I64,
         _I64,
         _I64,
         _P,
+        _I64,
         _I64,
         _I64,
         _I64,
@@ -237,8 +273,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         _INT,
     ]
     lib.ms_rmsnorm.argtypes = [_P, _I64, _P, _I64, _P, _F32, _P, _I64, _I64, _I64, _INT]
-    lib.ms_rope_cache.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _INT]
+    lib.ms_rope_cache.argtypes = [
+        *[_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _INT, _P, _P, _I64, _INT]
+    ]
     lib.ms_set_amx.argtypes = [_P]
+    lib.ms_set_int8.argtypes = [_P, _P]
+    lib.ms_int8_path.restype = _INT
     lib.ms_decode_step.argtypes = [
         ctypes.POINTER(LayerSpec),
         _I64,
@@ -262,6 +302,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         _INT,
     ]
     lib.ms_rmsnorm.restype = lib.ms_rope_cache.restype = lib.ms_set_amx.restype = None
+    lib.ms_set_int8.restype = None
     return lib
 
 
@@ -287,7 +328,7 @@ def load_build(isa: str, emulated: bool = False) -> ctypes.CDLL:
 
 @functools.cache
 def _amx_library(emulated: bool = False) -> ctypes.CDLL | None:
-    """The AMX tile kernel, where the CPU reports AMX and Linux grants its register state.
+    """The AMX tile kernels, where the CPU reports AMX and Linux grants its register state.
     `emulated` (tests only): the same source on amx_emulation.h's plain-C tile instructions."""
     if emulated:
         lib = ctypes.CDLL(str(_build([_CSRC / "amx.c"], ["-DMS_AMX_EMULATED"], "amx-emulated")))
@@ -302,25 +343,50 @@ def _amx_library(emulated: bool = False) -> ctypes.CDLL | None:
     return lib
 
 
+@functools.cache
+def _vnni_library(isa: str, emulated: bool = False) -> ctypes.CDLL | None:
+    """The VNNI int8 products for a build, where the CPU reports the extension. `emulated`
+    (tests only): the AVX-512 source on SIMDe's intrinsics."""
+    flags, cpu_flag = _VNNI[isa]
+    base = BUILDS["avx512" if isa == "avx512bf16" else isa][0]
+    name = f"vnni-{isa}"
+    if emulated:
+        import simde_py
+
+        base = [*BUILDS["avx2"][0], "-DMS_AVX512", "-DMS_SIMDE", f"-I{simde_py.get_include()}"]
+        flags, name = [], "vnni-avx512-simde"
+    elif cpu_flag not in cpu_flags():
+        return None
+    return ctypes.CDLL(str(_build([_CSRC / "int8_vnni.c"], [*base, *flags], name)))
+
+
 # Set by enable(). ISA: the build in use ("avx512bf16", "avx512", "avx2") or None for ATen's
-# kernels; AMX: the AVX-512 build hands products of many rows to AMX.
+# kernels; AMX: the AVX-512 build hands products of many rows to AMX; INT8: what runs the
+# integer products of int8 weights ("amx", "vnni", or the build's own vpmaddubsw: its ISA).
 ISA: str | None = None
 AMX = False
+INT8: str | None = None
 _lib: ctypes.CDLL | None = None
 _selected = False  # enable() has run: engines keep what it chose (tests force paths this way)
 
 
-def enable(isa: str | None = "auto", amx: bool | None = None, emulated: bool = False) -> str | None:
+def enable(
+    isa: str | None = "auto",
+    amx: bool | None = None,
+    emulated: bool = False,
+    vnni: bool | None = None,
+) -> str | None:
     """Selects the kernels (engines on the CPU in bf16 call this once at start-up) and returns
     the instruction set in use, None for ATen's. isa: "auto" (the best this CPU runs) or one
     build to force (a fallback; asking for one the CPU cannot run raises RuntimeError rather
     than risk an illegal instruction); None turns them off. MOESERVE_BF16_KERNELS=0 turns the
     automatic choice off; a build asked for by name is still built, as amx=True/False
-    overrides MOESERVE_AMX (amx: None follows it).
+    overrides MOESERVE_AMX (amx: None follows it). vnni: False keeps int8 products off VNNI
+    (None: wherever the CPU has it).
     emulated (tests only): the AVX-512 build on SIMDe and AMX on amx_emulation.h, which any
     CPU with AVX2 runs."""
-    global ISA, AMX, _lib, _selected
-    ISA, AMX, _lib, _selected = None, False, None, True
+    global ISA, AMX, INT8, _lib, _selected
+    ISA, AMX, INT8, _lib, _selected = None, False, None, None, True
     if isa is None or (isa == "auto" and os.environ.get("MOESERVE_BF16_KERNELS", "1") == "0"):
         return None
     if isa == "auto":
@@ -351,14 +417,25 @@ def enable(isa: str | None = "auto", amx: bool | None = None, emulated: bool = F
         log.warning("CPU kernels off: no build succeeded; using ATen's")
         return None
     want_amx = os.environ.get("MOESERVE_AMX", "1") != "0" if amx is None else amx
-    amx_lib = None
+    amx_lib = vnni_lib = None
     if want_amx and (emulated or isa == "avx512") and isa != "avx512bf16":
         try:
             amx_lib = _amx_library(emulated)
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
             log.warning("AMX off: build failed", error=str(exc))
+    if vnni is not False and not (emulated and isa == "avx2"):
+        try:
+            vnni_lib = _vnni_library(isa, emulated and isa != "avx2")
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+            log.warning("VNNI off: build failed", error=str(exc))
+    amx_int8 = amx_lib is not None and (emulated or "amx_int8" in cpu_flags())
     lib.ms_set_amx(ctypes.cast(amx_lib.ms_amx_block, _P) if amx_lib else None)
+    lib.ms_set_int8(
+        ctypes.cast(vnni_lib.ms_int8_vnni_block, _P) if vnni_lib else None,
+        ctypes.cast(amx_lib.ms_amx_int8_block, _P) if amx_int8 else None,
+    )
     ISA, AMX, _lib = isa, amx_lib is not None, lib
+    INT8 = {2: "amx", 1: "vnni", 0: isa}[lib.ms_int8_path()]
     return ISA
 
 
@@ -375,9 +452,16 @@ def paths() -> dict[str, str]:
             "moe_token": "aten",
             "moe_batch": "aten",
             "decode_attention": "aten",
+            "int8": "aten",
         }
     tiles = "amx" if AMX else ISA
-    return {"linear": ISA, "moe_token": ISA, "moe_batch": tiles, "decode_attention": ISA}
+    return {
+        "linear": ISA,
+        "moe_token": ISA,
+        "moe_batch": tiles,
+        "decode_attention": ISA,
+        "int8": INT8,
+    }
 
 
 def applies(x: torch.Tensor) -> bool:
@@ -399,17 +483,37 @@ def _check(status: int, what: str) -> None:
 # ---- packed weights --------------------------------------------------------------------
 
 
-def pack_weight(w: torch.Tensor) -> torch.Tensor:
-    """[..., N, K] row-major -> [..., ceil(K/2), N, 2] in the kernels' layout (csrc/kernels.c):
-    blocks of 16 output columns, each a run of 64-byte rows holding the 16 columns' pair of
-    inputs (2k, 2k+1); the last N % 16 columns a narrower block. K is padded to even."""
+def _pack(w: torch.Tensor, run: int) -> torch.Tensor:
+    """[..., N, K] -> [..., ceil(K/run), N, run]: blocks of 16 output columns, each a run of
+    64-byte rows holding the 16 columns' `run` consecutive inputs; the last N % 16 columns a
+    narrower block; K zero-padded to a multiple of `run`."""
     *lead, n, k = w.shape
-    kp = k + k % 2
-    w = F.pad(w.reshape(-1, n, k), (0, kp - k)).to(torch.bfloat16)
+    kp = -(-k // run) * run
+    w = F.pad(w.reshape(-1, n, k), (0, kp - k))
     m, full = w.shape[0], n // 16 * 16
-    blocks = w[:, :full].reshape(m, n // 16, 16, kp // 2, 2).permute(0, 1, 3, 2, 4).reshape(m, -1)
-    tail = w[:, full:].reshape(m, n - full, kp // 2, 2).permute(0, 2, 1, 3).reshape(m, -1)
-    return torch.cat((blocks, tail), dim=1).reshape(*lead, kp // 2, n, 2).contiguous()
+    blocks = w[:, :full].reshape(m, n // 16, 16, kp // run, run).permute(0, 1, 3, 2, 4)
+    tail = w[:, full:].reshape(m, n - full, kp // run, run).permute(0, 2, 1, 3)
+    flat = torch.cat((blocks.reshape(m, -1), tail.reshape(m, -1)), dim=1)
+    return flat.reshape(*lead, kp // run, n, run).contiguous()
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """[..., N, K] row-major -> [..., ceil(K/2), N, 2] bf16 in the kernels' layout
+    (csrc/kernels.h): input pairs (2k, 2k+1), the pair vdpbf16ps and AMX's bf16 tiles read."""
+    return _pack(w.to(torch.bfloat16), 2)
+
+
+def pack_qweight(w: QWeight) -> QWeight:
+    """A row-major 8-bit weight -> the kernels' layout: input quads [..., ceil(K/4), N, 4]
+    (the quad vpdpbusd and AMX's int8 tiles read), with int8's column sums."""
+    if w.packed:
+        return w
+    colsum = w.data.to(torch.int32).sum(dim=-1, dtype=torch.int32) if w.fmt == "int8" else None
+    if w.fmt == "fp8" and float(w.scale.max()) >= 2.0**7:
+        # the kernels fold fp8's exponent rebias (2^120) into the scale: keep it finite
+        raise ValueError(f"fp8 weight scales must be below 128 (largest {float(w.scale.max())})")
+    data = _pack(w.data.view(torch.uint8), 4)
+    return QWeight(w.fmt, data, w.scale.contiguous(), w.group, w.in_features, colsum)
 
 
 def unpack_weight(p: torch.Tensor, k: int) -> torch.Tensor:
@@ -433,25 +537,38 @@ def unpack_weight(p: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat((blocks, tail), dim=1)[..., :k].reshape(*lead, n, k)
 
 
-def is_packed(w: torch.Tensor, matrix_dims: int = 2) -> bool:
+def is_packed(w: torch.Tensor | QWeight, matrix_dims: int = 2) -> bool:
     """A weight of a `matrix_dims`-dimensional matrix (2: a linear layer's, 3: stacked
-    experts') is packed when it has one dimension more."""
+    experts') is packed when it has one dimension more (8-bit: when laid out in quads)."""
+    if isinstance(w, QWeight):
+        return w.packed
     return w.dim() == matrix_dims + 1
+
+
+def _in_features(w: torch.Tensor | QWeight) -> int:
+    """The padded input width of a packed weight."""
+    if isinstance(w, QWeight):
+        return 4 * w.data.shape[-3]
+    return 2 * w.shape[-3]
 
 
 # ---- the kernels ----------------------------------------------------------------------------
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] bf16 @ packed weight [K/2, N, 2] (+ bias [N]) -> [..., N] bf16."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | QWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] bf16 @ packed weight [K/2, N, 2] or packed 8-bit QWeight (+ bias [N]) ->
+    [..., N] bf16."""
     k = x.shape[-1]
-    n = weight.shape[-2]
-    if not 0 <= 2 * weight.shape[-3] - k <= 1:
-        raise ValueError(f"linear: x has {k} features, the packed weight {2 * weight.shape[-3]}")
+    n = weight.scale.shape[-1] if isinstance(weight, QWeight) else weight.shape[-2]
+    if not 0 <= _in_features(weight) - k <= 3:
+        raise ValueError(f"linear: x has {k} features, the packed weight {_in_features(weight)}")
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     y = x.new_empty(*x.shape[:-1], n)
+    w = wmat(weight)
     _check(
         _lib.ms_linear(
             rows.data_ptr(),
@@ -459,7 +576,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             rows.stride(0),
             rows.shape[0],
             k,
-            weight.data_ptr(),
+            ctypes.byref(w),
             0,
             n,
             None if bias is None else bias.data_ptr(),
@@ -483,6 +600,7 @@ def linear_heads(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     y = x.new_empty(b, h, n)
     w_stride = weight[0].numel()
+    w = wmat(weight)
     _check(
         _lib.ms_linear(
             x.data_ptr(),
@@ -490,7 +608,7 @@ def linear_heads(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             x.stride(0),
             b,
             k,
-            weight.data_ptr(),
+            ctypes.byref(w),
             w_stride,
             n,
             None,
@@ -506,13 +624,22 @@ def linear_heads(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor | QWeight,
+    w2: torch.Tensor | QWeight,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The routed experts of tokens x [T, D] in one call: packed w13 [E, D/2, 2I, 2] (gate
-    columns then up), w2 [E, I/2, D, 2], expert ids and router weights [T, A] -> the MoE
-    output [T, D] bf16 and the tokens per expert [E]."""
+    columns then up), w2 [E, I/2, D, 2] (or packed 8-bit QWeights of the same matrices),
+    expert ids and router weights [T, A] -> the MoE output [T, D] bf16 and the tokens per
+    expert [E]."""
     t, d = x.shape
-    e, i = w13.shape[0], w13.shape[-2] // 2
+    if isinstance(w13, QWeight):
+        e, i = w13.scale.shape[0], w13.scale.shape[-1] // 2
+    else:
+        e, i = w13.shape[0], w13.shape[-2] // 2
+    m13, m2 = wmat(w13), wmat(w2)
     if x.stride(-1) != 1:
         x = x.contiguous()
     ids = ids.to(torch.int64).contiguous()
@@ -525,8 +652,8 @@ def moe(
             x.stride(0),
             t,
             d,
-            w13.data_ptr(),
-            w2.data_ptr(),
+            ctypes.byref(m13),
+            ctypes.byref(m2),
             e,
             i,
             ids.data_ptr(),
@@ -553,11 +680,12 @@ def decode_attention(
     v_dim: int | None = None,
 ) -> torch.Tensor:
     """Single-token queries q [B, H, dk] (unit last stride, rows at any stride) over their
-    paged contexts: caches [S, G, d] (MLA: one latent cache passed as both, `v_dim` its value
-    width), block_tables [B, W] int32, context_lens [B] int32 -> [B, H, dv] bf16."""
+    paged contexts: caches [S, G, row] in any of the KV formats (kv_cache.py; MLA: one latent
+    cache passed as both, `v_dim` its value width), block_tables [B, W] int32, context_lens
+    [B] int32 -> [B, H, dv] bf16."""
     b, h, dk = q.shape
     g = k_cache.shape[1]
-    dv = v_dim or v_cache.shape[2]
+    dv = v_dim or kv_width(v_cache)
     if q.stride(-1) != 1 or q.stride(1) != dk:
         q = q.contiguous()
     out = q.new_empty(b, h, dv)
@@ -568,6 +696,7 @@ def decode_attention(
             b,
             h,
             g,
+            kv_kind(k_cache),
             k_cache.data_ptr(),
             k_cache.stride(0),
             k_cache.stride(1),
@@ -576,6 +705,7 @@ def decode_attention(
             v_cache.stride(0),
             v_cache.stride(1),
             dv,
+            dk if v_cache is k_cache else dv,
             block_tables.data_ptr(),
             block_tables.stride(0),
             context_lens.data_ptr(),
@@ -628,7 +758,8 @@ def rope_and_cache(
     v_cache: torch.Tensor,
 ) -> None:
     """qkv [T, H + 2G, d] (contiguous): rotates the query and key heads in place (cos/sin
-    [T, d] bf16) and writes the keys and values to the cache rows `slots` [T] int64."""
+    [T, d] bf16) and writes the keys and values to the cache rows `slots` [T] int64, in the
+    caches' format (8-bit formats quantized as they are written)."""
     t, _, d = qkv.shape
     _lib.ms_rope_cache(
         qkv.data_ptr(),
@@ -640,8 +771,10 @@ def rope_and_cache(
         cos.data_ptr(),
         sin.data_ptr(),
         None if slots is None else slots.data_ptr(),
+        kv_kind(k_cache),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
+        k_cache.shape[-1],
         _threads(),
     )
 
@@ -671,9 +804,12 @@ class DecodeStep:
         self._caches: tuple[list, ctypes.Array, ctypes.Array] | None = None
 
     def cache_addresses(self, kv_caches: list) -> tuple[ctypes.Array, ctypes.Array]:
+        """The caches' addresses; the layers learn their row format from them."""
         if self._caches is None or self._caches[0] is not kv_caches:
             keys = (_P * len(kv_caches))(*[k.data_ptr() for k, _ in kv_caches])
             values = (_P * len(kv_caches))(*[v.data_ptr() for _, v in kv_caches])
+            for spec, (k, _) in zip(self.layers, kv_caches):
+                spec.kv_kind, spec.kv_row = kv_kind(k), k.shape[-1]
             self._caches = (kv_caches, keys, values)
         return self._caches[1], self._caches[2]
 

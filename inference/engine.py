@@ -17,8 +17,18 @@ from inference.block_manager import BlockManager
 from inference.config import EngineConfig, ModelArgs, resolve_device, resolve_dtype
 from inference.detokenizer import IncrementalDetokenizer
 from inference.errors import InvalidParameterError
-from inference.kv_cache import allocate_kv_cache, kv_bytes_per_token, num_cache_blocks
-from inference.loader import load_hf_config, load_tokenizer, load_weights
+from inference.kv_cache import (
+    allocate_kv_cache,
+    kv_bytes_per_token,
+    num_cache_blocks,
+    storage_dtype,
+)
+from inference.loader import (
+    checkpoint_quantization,
+    load_hf_config,
+    load_tokenizer,
+    load_weights,
+)
 from inference.model import MoETransformer
 from inference.model_runner import ModelRunner
 from inference.outputs import CompletionOutput, FinishedSequence, RequestOutput, StepStats
@@ -48,12 +58,16 @@ class LLMEngine:
         self.dtype = resolve_dtype(dtype, self.device, getattr(hf_config, "dtype", None))
         self.tokenizer = load_tokenizer(path)
         self.model_path = path
+        published = checkpoint_quantization(hf_config)
+        self.quantization = config.quantization or published
+        self.kv_cache_dtype = config.kv_cache_dtype
         log.info(
             "loading weights",
             model=str(path),
             architecture=args.architecture,
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
+            checkpoint_quantization=published,
         )
         max_positions = min(
             args.max_position_embeddings, config.max_model_len or args.max_position_embeddings
@@ -64,11 +78,20 @@ class LLMEngine:
             model = MoETransformer(args, max_positions, gather_max_tokens)
         model.to(self.dtype)
         model.rope.to(torch.float32)
-        load_weights(model, path, args)
+        fp8_weights = load_weights(model, path, args, keep_fp8=self.quantization == "fp8")
         self.model = model.eval()
         compile = config.compile
+        kernels = (
+            self.device.type == "cpu"
+            and self.dtype == torch.bfloat16
+            and cpu_kernels.enable_once() is not None
+        )
+        if self.quantization != "none":
+            model.quantize(self.quantization, fp8_weights)
+            self._note_quantized_path(kernels)
+            compile = False  # 8-bit weights are opaque to torch.compile
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            if cpu_kernels.enable_once() is not None:
+            if kernels:
                 model.pack_for_cpu_kernels()
                 # The kernels already fuse what torch.compile would, and a compiled graph of
                 # their operators measured slower (one sequence 7 against 132 tok/s eager).
@@ -83,13 +106,16 @@ class LLMEngine:
                 amx=cpu_kernels.AMX,
                 **cpu_kernels.paths(),
             )
+        self.weight_bytes = model.weight_bytes()
+        kv_storage = storage_dtype(config.kv_cache_dtype, self.dtype)
         num_blocks = num_cache_blocks(
             args,
-            self.dtype,
+            kv_storage,
             self.device,
             config.block_size,
             config.kv_cache_tokens,
             config.gpu_memory_utilization,
+            config.kv_cache_bytes,
         )
         cache_tokens = num_blocks * config.block_size
         self.max_model_len = min(max_positions, cache_tokens)
@@ -99,15 +125,25 @@ class LLMEngine:
                 f"is {config.max_model_len} but the model and KV cache allow at most "
                 f"{self.max_model_len} tokens",
             )
+        self.kv_cache_tokens = cache_tokens
+        self.kv_cache_bytes = cache_tokens * kv_bytes_per_token(args, kv_storage)
         log.info(
             "allocating kv cache",
             blocks=num_blocks,
             tokens=cache_tokens,
+            bytes=self.kv_cache_bytes,
             max_model_len=self.max_model_len,
-            bytes_per_token=kv_bytes_per_token(args, self.dtype),
+            bytes_per_token=kv_bytes_per_token(args, kv_storage),
+            kv_cache_dtype=config.kv_cache_dtype,
+        )
+        log.info(
+            "model ready",
+            quantization=self.quantization,
+            kv_cache_dtype=config.kv_cache_dtype,
+            weight_bytes=self.weight_bytes,
         )
         self.kv_caches = allocate_kv_cache(
-            args, num_blocks, config.block_size, self.dtype, self.device
+            args, num_blocks, config.block_size, kv_storage, self.device
         )
         self.eos_token_ids = self._eos_ids(path, hf_config)
         self.structured = StructuredOutputManager(
@@ -150,6 +186,31 @@ class LLMEngine:
         for batch in (1, 3):
             self.generate([[1] * 11] * batch, params)
         log.info("decode steps compiled", seconds=round(time.monotonic() - started, 1))
+
+    def _note_quantized_path(self, kernels: bool) -> None:
+        """Says at start-up which path the 8-bit weights take where it is not our kernels'
+        (never a silent slow path)."""
+        if kernels:
+            return
+        if self.device.type == "cuda":
+            path = (
+                "torch._scaled_mm with per-token fp8 activations"
+                if self.quantization == "fp8"
+                else "torch._int_mm (W8A8)"
+            )
+            log.warning(
+                "8-bit weights on CUDA: unmeasured path (no GPU run has proven it); "
+                "experts dequantize one at a time",
+                quantization=self.quantization,
+                path=path,
+            )
+        else:
+            log.warning(
+                "8-bit weights without the CPU kernels (float32 model, no AVX2, or kernels "
+                "off): torch's path, slower than bf16 on our kernels",
+                quantization=self.quantization,
+                dtype=str(self.dtype).removeprefix("torch."),
+            )
 
     @classmethod
     def from_pretrained(
@@ -313,6 +374,9 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
             touched[seq.request_id] = None
+        for seq, first, values in result.prompt_logprobs if result is not None else ():
+            # a recomputed prompt (after a preemption) adds only what is new
+            seq.prompt_logprobs.extend(values[len(seq.prompt_logprobs) - first :])
         if result is not None and result.sample is not None:
             for seq, token, lp in zip(
                 result.sampled, result.sample.token_ids, result.sample.logprobs
@@ -418,12 +482,19 @@ class LLMEngine:
                 len(tokens),
                 len(seq.logprobs),
             )
+        first = seqs[0]
+        prompt_logprobs = None
+        if first.params.prompt_logprobs is not None and (
+            len(first.prompt_logprobs) == first.num_prompt_tokens
+        ):
+            prompt_logprobs = first.prompt_logprobs
         return RequestOutput(
             request_id,
-            seqs[0].token_ids[: seqs[0].num_prompt_tokens],
+            first.token_ids[: first.num_prompt_tokens],
             completions,
             finished=all(s.is_finished for s in seqs),
-            num_cached_tokens=seqs[0].num_cached_tokens,
+            num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ---- offline batch ----------------------------------------------------------------------

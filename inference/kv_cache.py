@@ -1,7 +1,15 @@
 """The paged KV tensors, slot = block * block_size + offset. Per layer, one tensor per entry of
 ModelArgs.kv_cache_shapes: a key and a value cache [slots, kv_heads, head_dim], or for MLA a
-single latent cache [slots, 1, kv_lora_rank + qk_rope_head_dim]. Sized by kv_cache_tokens on
-CPU and from free memory on GPU."""
+single latent cache [slots, 1, kv_lora_rank + qk_rope_head_dim]. Sized by kv_cache_tokens (or
+kv_cache_bytes) on CPU and from free memory on GPU.
+
+Formats (--kv-cache-dtype): "auto" stores the model's dtype; "int8" stores each (slot, head)
+row as int8 values quantized by the row's amax (symmetric, a bf16 scale written after the
+values: [slots, heads, width + 2] bytes, about half of bf16's bytes); "fp8_e4m3" and
+"fp8_e5m2" store the values as fp8, saturated at the format's range, without a scale (as
+vLLM's fp8 cache does with its default scale of 1). Rows are quantized where they are
+written and dequantized where attention reads them (the CPU kernels in C, here in torch).
+"""
 
 from __future__ import annotations
 
@@ -9,36 +17,104 @@ import torch
 
 from inference.config import ModelArgs
 
+_STORAGE = {
+    "int8": torch.uint8,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_KIND = {torch.uint8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}  # csrc/kernels.h KV_*
+SCALE_BYTES = 2  # an int8 row's bf16 scale
 
-def kv_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return args.num_layers * sum(heads * width for heads, width in args.kv_cache_shapes) * elem
+
+def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    return _STORAGE.get(kv_cache_dtype, model_dtype)
+
+
+def row_width(width: int, storage: torch.dtype) -> int:
+    """Elements of storage per (slot, head) row holding `width` values."""
+    return width + SCALE_BYTES if storage == torch.uint8 else width
+
+
+def kv_bytes_per_token(args: ModelArgs, storage: torch.dtype) -> int:
+    elem = torch.empty((), dtype=storage).element_size()
+    rows = sum(heads * row_width(width, storage) for heads, width in args.kv_cache_shapes)
+    return args.num_layers * rows * elem
 
 
 def num_cache_blocks(
     args: ModelArgs,
-    dtype: torch.dtype,
+    storage: torch.dtype,
     device: torch.device,
     block_size: int,
     kv_cache_tokens: int | None,
     gpu_memory_utilization: float,
+    kv_cache_bytes: int | None = None,
 ) -> int:
-    if kv_cache_tokens is None and device.type == "cuda":
+    if kv_cache_bytes is not None:
+        kv_cache_tokens = kv_cache_bytes // kv_bytes_per_token(args, storage)
+    elif kv_cache_tokens is None and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = free - (1 - gpu_memory_utilization) * total  # keep headroom for activations
-        kv_cache_tokens = max(int(budget // kv_bytes_per_token(args, dtype)), block_size)
+        kv_cache_tokens = max(int(budget // kv_bytes_per_token(args, storage)), block_size)
     elif kv_cache_tokens is None:
         kv_cache_tokens = 65536
     return max(kv_cache_tokens // block_size, 1)
 
 
 def allocate_kv_cache(
-    args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    args: ModelArgs, num_blocks: int, block_size: int, storage: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, ...]]:
     slots = num_blocks * block_size
     return [
         tuple(
-            torch.zeros(slots, *shape, dtype=dtype, device=device) for shape in args.kv_cache_shapes
+            torch.zeros(slots, heads, row_width(width, storage), dtype=storage, device=device)
+            for heads, width in args.kv_cache_shapes
         )
         for _ in range(args.num_layers)
     ]
+
+
+def kv_kind(cache: torch.Tensor) -> int:
+    """The cache's row format as the kernels number it (0: the model's dtype)."""
+    return _KIND.get(cache.dtype, 0)
+
+
+def kv_width(cache: torch.Tensor) -> int:
+    """Values per (slot, head) row."""
+    return cache.shape[-1] - (SCALE_BYTES if cache.dtype == torch.uint8 else 0)
+
+
+def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tensor) -> None:
+    """cache [S, G, row]; kv [T, G, d], quantized to the cache's format."""
+    if cache.dtype == torch.uint8:
+        x = kv.float()
+        scale = (x.abs().amax(dim=-1, keepdim=True) / 127.0).to(torch.bfloat16)
+        s = scale.float()
+        q = torch.where(s > 0, x / torch.where(s > 0, s, 1.0), 0.0).round().clamp(-127, 127)
+        rows = torch.cat((q.to(torch.int8).view(torch.uint8), scale.view(torch.uint8)), dim=-1)
+        cache.index_copy_(0, slot_mapping, rows)
+    elif cache.dtype in _FP8_MAX:
+        limit = _FP8_MAX[cache.dtype]
+        rows = kv.float().clamp(-limit, limit).to(cache.dtype)
+        # as bytes: torch has no CPU index_copy_ for fp8
+        cache.view(torch.uint8).index_copy_(0, slot_mapping, rows.view(torch.uint8))
+    else:
+        cache.index_copy_(0, slot_mapping, kv)
+
+
+def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows [..., row] in any format -> their values [..., width] in `dtype`."""
+    if rows.dtype == torch.uint8:
+        values = rows[..., :-SCALE_BYTES].view(torch.int8).float()
+        scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.bfloat16).float()
+        return (values * scale).to(dtype)
+    return rows.to(dtype)
+
+
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache [S, G, row], slots [...] -> the values [..., G, d] in `dtype`; index_select is
+    several times faster than advanced indexing on CPU."""
+    raw = cache.view(torch.uint8) if cache.dtype in _FP8_MAX else cache  # fp8: as bytes, as above
+    rows = raw.index_select(0, slots.flatten()).view(*slots.shape, *cache.shape[1:])
+    return dequantize(rows.view(cache.dtype), dtype)

@@ -8,21 +8,45 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference import cpu_kernels
+from inference import cpu_kernels, quant
 from inference.config import ModelArgs
+from inference.quant import QWeight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | QWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """F.linear, except on the CPU: a packed weight (cpu_kernels.pack_weight, bf16 engines)
     runs our kernel for any number of rows; one bf16/fp16 row times a row-major weight runs
     torch.mv, for a single token 1.3-2.6x faster than oneDNN's GEMM (lm_head 0.92 vs 1.44 ms).
-    float32 keeps F.linear, so parity tests compare the reference's own kernels."""
+    float32 keeps F.linear, so parity tests compare the reference's own kernels. An 8-bit
+    weight (quant.QWeight) runs the kernels when packed, else quant.linear's torch path."""
     if cpu_kernels.is_packed(weight):
         return cpu_kernels.linear(x, weight, bias)
+    if isinstance(weight, QWeight):
+        return quant.linear(x, weight, bias)
     if x.shape[0] == 1 and x.dim() == 2 and x.dtype != torch.float32 and x.device.type == "cpu":
         y = torch.mv(weight, x[0]).unsqueeze(0)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
+
+
+def set_weight(module: nn.Module, name: str, value: torch.Tensor | QWeight | None) -> None:
+    """Replaces a weight after loading: a tensor stays a (frozen) parameter, an 8-bit
+    QWeight becomes a plain attribute (it is no tensor)."""
+    if isinstance(value, QWeight):
+        module._parameters.pop(name, None)
+        object.__setattr__(module, name, value)
+    else:
+        module.__dict__.pop(name, None)
+        module._parameters[name] = None if value is None else nn.Parameter(value, False)
+
+
+def packed(w: torch.Tensor | QWeight) -> torch.Tensor | QWeight:
+    """A weight in the CPU kernels' layout (bf16 pairs or 8-bit quads)."""
+    if isinstance(w, QWeight):
+        return cpu_kernels.pack_qweight(w)
+    return cpu_kernels.pack_weight(w.data)
 
 
 class Linear(nn.Linear):
@@ -31,7 +55,7 @@ class Linear(nn.Linear):
 
     def pack(self) -> None:
         """Prepacks the weight for the CPU kernels (once, after loading)."""
-        self.weight = nn.Parameter(cpu_kernels.pack_weight(self.weight.data), requires_grad=False)
+        set_weight(self, "weight", packed(self.weight))
 
 
 class RMSNorm(nn.Module):

@@ -12,8 +12,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from inference import quant
 from inference.config import ModelArgs
 from inference.errors import ModelLoadError
+from inference.quant import QWeight
 
 # HF tensor name (after "model.layers.N.") -> (our parameter under "layers.N.", part)
 # part: None (whole tensor), or which rows of a fused parameter it fills.
@@ -67,6 +69,9 @@ _TOP_LEVEL = {
     "lm_head.weight": "lm_head.weight",
 }
 _LAYER_PREFIX = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# FP8 checkpoints: each fp8 weight's scales sit beside it (read with it); static activation
+# scales are not used (activations are quantized per token at run time)
+_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale")
 
 
 def load_hf_config(path: Path):
@@ -134,14 +139,75 @@ def _rows(param_name: str, part: str | None, param: torch.Tensor, args: ModelArg
     return slice(0, half) if part == "gate" else slice(half, 2 * half)
 
 
-def load_weights(model, path: Path, args: ModelArgs) -> None:
+def checkpoint_quantization(hf_config) -> str:
+    """What the checkpoint itself is quantized as: "fp8" for FP8 checkpoints (quant_method
+    fp8, or compressed-tensors with float 8-bit weights), "none" for plain ones; any other
+    scheme is refused (its weights would not load as published)."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return "none"
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return "fp8"
+    if method == "compressed-tensors":
+        weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
+        if weights and all(w.get("type") == "float" and w.get("num_bits") == 8 for w in weights):
+            return "fp8"
+    raise ModelLoadError(
+        f"checkpoint quantized with {method!r} ({qc.get('format') or ''}); supported: plain "
+        "bf16/float16/float32 checkpoints and FP8 ones (fp8, compressed-tensors float8)"
+    )
+
+
+class _Fp8Parts:
+    """The fp8 values and per-row group scales of a fused parameter, filled part by part
+    (q/k/v, gate/up, experts) as the checkpoint's tensors come."""
+
+    def __init__(self, param: torch.Tensor) -> None:
+        self.data = torch.zeros(param.shape, dtype=torch.uint8)
+        self.scale: torch.Tensor | None = None  # [..., N, G]
+        self.group: int | None = None
+        self.mixed = False  # parts with different groups: quantized again from bf16 instead
+
+    def fill(self, index, rows: slice, q: torch.Tensor, scale: torch.Tensor, group: int) -> None:
+        if self.group is None:
+            self.group = group
+            groups = -(-self.data.shape[-1] // group)
+            self.scale = torch.zeros(*self.data.shape[:-1], groups, dtype=torch.float32)
+        if group != self.group:
+            self.mixed = True
+            return
+        dest = self.data if index is None else self.data[index]
+        dest[rows] = q.view(torch.uint8)
+        (self.scale if index is None else self.scale[index])[rows] = scale
+
+    def qweight(self) -> QWeight | None:
+        if self.mixed:
+            return None
+        k = self.data.shape[-1]
+        scale = self.scale.transpose(-1, -2).contiguous()
+        return QWeight("fp8", self.data.view(quant.FP8), scale, self.group, k)
+
+
+def load_weights(model, path: Path, args: ModelArgs, keep_fp8: bool = False) -> dict[str, QWeight]:
     """Copies every checkpoint tensor into the model; raises on a missing, unknown-shaped or
-    absent weight. Parameters must already have their final dtype and device."""
+    absent weight. Parameters must already have their final dtype and device. FP8 tensors
+    are dequantized into the parameters; with keep_fp8, also returned as they were published
+    (parameter name -> QWeight, row-major) for engines serving fp8 weights."""
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}  # parameter -> number of elements written
-    for file in checkpoint_files(path):
+    files = checkpoint_files(path)
+    located: dict[str, Path] = {}  # tensor name -> file (a weight's scale may sit in another shard)
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            located.update(dict.fromkeys(f.keys(), file))
+    fp8: dict[str, _Fp8Parts] = {}
+    for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                if name.endswith(_SCALE_SUFFIXES):
+                    continue
                 tgt = _target(name, model, args)
                 if tgt is None:
                     if ".rotary_emb." in name:
@@ -157,14 +223,23 @@ def load_weights(model, path: Path, args: ModelArgs) -> None:
                     )
                 param = params[pname].data
                 dest = param[expert] if expert is not None else param
-                dest = dest[_rows(pname, part, dest, args)]
+                rows = _rows(pname, part, dest, args)
+                dest = dest[rows]
                 tensor = f.get_tensor(name)
                 if tuple(tensor.shape) != tuple(dest.shape):
                     raise ModelLoadError(
                         f"weight {name!r} has shape {tuple(tensor.shape)}, "
                         f"expected {tuple(dest.shape)} from config.json"
                     )
-                dest.copy_(tensor)
+                if tensor.dtype == quant.FP8:
+                    scales, group = _fp8_scales(name, tensor, located)
+                    w = QWeight("fp8", tensor, scales.transpose(0, 1), group, tensor.shape[-1])
+                    dest.copy_(w.dequantize(dest.dtype))
+                    if keep_fp8 and tensor.dim() == 2:
+                        parts = fp8.setdefault(pname, _Fp8Parts(params[pname]))
+                        parts.fill(expert, rows, tensor, scales, group)
+                else:
+                    dest.copy_(tensor)
                 filled[pname] = filled.get(pname, 0) + tensor.numel()
     if args.tie_word_embeddings and "lm_head.weight" not in filled:
         params["lm_head.weight"].data.copy_(params["embed.weight"].data)
@@ -175,3 +250,23 @@ def load_weights(model, path: Path, args: ModelArgs) -> None:
             f"{path}: checkpoint lacks weights for: {', '.join(missing[:8])}"
             + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         )
+    kept = {name: parts.qweight() for name, parts in fp8.items()}
+    return {name: w for name, w in kept.items() if w is not None}
+
+
+def _fp8_scales(
+    name: str, tensor: torch.Tensor, located: dict[str, Path]
+) -> tuple[torch.Tensor, int]:
+    """The per-row group scales [N, G] of an fp8 checkpoint tensor and its group size."""
+    if tensor.dim() != 2:
+        raise ModelLoadError(f"fp8 weight {name!r} is not a matrix")
+    for suffix, inverse_block in ((".weight_scale_inv", True), (".weight_scale", False)):
+        scale_name = name.removesuffix(".weight") + suffix
+        if scale_name in located:
+            with safe_open(located[scale_name], framework="pt") as f:
+                scale = f.get_tensor(scale_name)
+            try:
+                return quant.checkpoint_fp8_scales(scale, tuple(tensor.shape), inverse_block)
+            except ValueError as exc:
+                raise ModelLoadError(f"{scale_name}: {exc}") from exc
+    raise ModelLoadError(f"fp8 weight {name!r} has no weight_scale_inv or weight_scale beside it")

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference import cpu_kernels
-from inference.attention import AttentionMetadata, gather_slots, write_kv
+from inference.attention import AttentionMetadata
 from inference.config import ModelArgs
+from inference.kv_cache import gather_slots, write_kv
 from inference.layers import Linear, RMSNorm, apply_rope_interleaved
 
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use the reference's default eps
@@ -97,7 +98,7 @@ class MLAttention(nn.Module):
             out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], cache, meta)
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
-            ctx = latent[rows] if chunk.slots is None else cache.index_select(0, chunk.slots)
+            ctx = latent[rows] if chunk.slots is None else gather_slots(cache, chunk.slots, x.dtype)
             k, v = self._expand(ctx)  # [n, H, n + p], [n, H, v]
             mask = None
             if chunk.slots is not None:  # continuing a prompt: the chunk sees the whole context
@@ -149,7 +150,7 @@ class MLAttention(nn.Module):
                 r,
             )
         else:
-            keys = gather_slots(cache, meta.decode_slots)[:, :, 0]  # [B_d, L, r + p]
+            keys = gather_slots(cache, meta.decode_slots, q_abs.dtype)[:, :, 0]  # [B_d, L, r + p]
             # One kv head shared by all H query heads: two bmm with the heads as rows, instead
             # of SDPA, whose CPU path would copy the keys H times (enable_gqa) every step.
             scores = torch.bmm(q_abs, keys.transpose(1, 2)).float() * self.scale  # [B_d, H, L]

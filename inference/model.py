@@ -13,12 +13,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from inference import cpu_kernels
-from inference.attention import AttentionMetadata, paged_attention, write_kv
+from inference import cpu_kernels, quant
+from inference.attention import AttentionMetadata, paged_attention
 from inference.config import ModelArgs
-from inference.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+from inference.kv_cache import write_kv
+from inference.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope, set_weight
 from inference.mla import MLAttention
 from inference.moe import DenseMLP, MoE, SharedExpertMoE
+from inference.quant import QWeight
 
 
 class Attention(nn.Module):
@@ -119,6 +121,7 @@ class DecoderLayer(nn.Module):
         def ptr(t):
             return None if t is None else t.data_ptr()
 
+        wmat = cpu_kernels.wmat
         spec = cpu_kernels.LayerSpec(
             hidden=self.input_norm.weight.shape[0],
             heads=attn.num_heads,
@@ -130,26 +133,23 @@ class DecoderLayer(nn.Module):
             clip_qkv=attn.clip_qkv or 0.0,
             input_norm=ptr(self.input_norm.weight),
             post_norm=ptr(self.post_attn_norm.weight),
-            wqkv=ptr(attn.wqkv.weight),
+            wqkv=wmat(attn.wqkv.weight),
             qkv_bias=ptr(attn.wqkv.bias),
-            wo=ptr(attn.wo.weight),
+            wo=wmat(attn.wo.weight),
             o_bias=ptr(attn.wo.bias),
             q_norm=ptr(attn.q_norm.weight) if attn.q_norm else None,
             k_norm=ptr(attn.k_norm.weight) if attn.k_norm else None,
         )
         if self.is_moe:
-            spec.experts, spec.top_k, spec.moe_inter = (
-                moe.num_experts,
-                moe.top_k,
-                moe.w13.shape[-2] // 2,
-            )
+            spec.experts, spec.top_k = moe.num_experts, moe.top_k
+            spec.moe_inter = moe.intermediate_size
             spec.norm_topk_prob, spec.routed_scaling = int(moe.norm_topk_prob), moe.scaling
-            spec.router, spec.w13, spec.w2 = ptr(moe.gate), ptr(moe.w13), ptr(moe.w2)
-            spec.shared_gate = ptr(mlp.shared_gate) if shared is not None else None
+            spec.router, spec.w13, spec.w2 = wmat(moe.gate), wmat(moe.w13), wmat(moe.w2)
+            spec.shared_gate = wmat(mlp.shared_gate if shared is not None else None)
         if dense is not None:
-            spec.mlp_inter = dense.w13.shape[-2] // 2
-            spec.mlp_w13, spec.mlp_b13 = ptr(dense.w13), ptr(dense.b13)
-            spec.mlp_w2, spec.mlp_b2 = ptr(dense.w2), ptr(dense.b2)
+            spec.mlp_inter = dense.intermediate_size
+            spec.mlp_w13, spec.mlp_b13 = wmat(dense.w13), ptr(dense.b13)
+            spec.mlp_w2, spec.mlp_b2 = wmat(dense.w2), ptr(dense.b2)
         return spec
 
     def forward(self, x, residual, cos, sin, meta, cache: tuple[torch.Tensor, ...]):
@@ -232,3 +232,31 @@ class MoETransformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def quantize(self, fmt: str, published: dict[str, QWeight], lm_head: bool = True) -> None:
+        """8-bit weights (quant.py), once after loading: every attention projection, expert
+        and dense MLP, and the lm_head if asked. Routers, norms and embeddings stay in the
+        model's dtype, as does MLA's kv_b_proj (the absorbed projections are derived from
+        it). `published`: fp8 weights as the checkpoint shipped them (used as they are)."""
+        for name, module in self.named_modules():
+            if isinstance(module, Linear):
+                skip = name.endswith("attn.wkv_b") or (name == "lm_head" and not lm_head)
+                attrs = () if skip else ("weight",)
+            elif isinstance(module, MoE | DenseMLP):
+                attrs = ("w13", "w2")
+            else:
+                continue
+            for attr in attrs:
+                kept = published.get(f"{name}.{attr}") if fmt == "fp8" else None
+                set_weight(module, attr, kept or quant.quantize(getattr(module, attr).data, fmt))
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights held: parameters, 8-bit weights and packed extras."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        for module in self.modules():
+            for value in module.__dict__.values():
+                if isinstance(value, QWeight):
+                    total += value.nbytes
+                elif isinstance(value, torch.Tensor):
+                    total += value.numel() * value.element_size()
+        return total

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from inference import cpu_kernels
 from inference.attention import AttentionMetadata, PrefillChunk
 from inference.model import MoETransformer
+from inference.outputs import TokenLogprob, TokenLogprobs
 from inference.sampler import Sampler, SamplerOutput
 from inference.scheduler import SchedulerOutput
 from inference.sequence import Sequence
@@ -20,6 +21,8 @@ class RunnerOutput:
     sampled: list[Sequence]  # sequences that produced a token this step, in sampler order
     sample: SamplerOutput | None
     expert_counts: torch.Tensor  # [moe layers, E]
+    # SamplingParams.prompt_logprobs: (sequence, prompt position of the first, logprobs)
+    prompt_logprobs: list[tuple[Sequence, int, list[TokenLogprobs]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -37,10 +40,10 @@ class ModelRunner:
         self.sampler, self.device = sampler, device
         self.structured = structured
         # Decode rows attend through the CPU kernel, which reads block tables, when the
-        # model runs on the CPU kernels (its caches in bf16); else SDPA over gathered slots.
+        # model runs on the CPU kernels (bf16, any KV format); else SDPA over gathered slots.
         self.paged_kernel = (
             kv_caches[0][0].device.type == "cpu"
-            and kv_caches[0][0].dtype == torch.bfloat16
+            and model.embed.weight.dtype == torch.bfloat16
             and cpu_kernels.ISA is not None
         )
         if compile:
@@ -128,6 +131,15 @@ class ModelRunner:
             meta,
             self.kv_caches,
         )
+        # rows still inside a prompt (a one-token chunk runs as a decode row)
+        prompt_rows = [(s, row, 1) for row, s in enumerate(decode)]
+        prompt_rows += [(s, c.start, c.length) for (s, _), c in zip(prefill, chunks)]
+        prompt_logprobs = [
+            (s, s.num_computed_tokens + 1, self._prompt_logprobs(hidden, start, n, s))
+            for s, start, n in prompt_rows
+            if s.params.prompt_logprobs is not None
+            and s.num_computed_tokens + 1 < s.num_prompt_tokens
+        ]
         sample = None
         if sampled:
             rows = (
@@ -136,4 +148,24 @@ class ModelRunner:
                 else hidden[torch.tensor(sample_rows, device=dev)]
             )
             sample = self.sampler(self.model.logits(rows), sampled, constraints)
-        return RunnerOutput(sampled, sample, expert_counts)
+        return RunnerOutput(sampled, sample, expert_counts, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, start: int, n: int, seq: Sequence
+    ) -> list[TokenLogprobs]:
+        """The logprobs of the prompt tokens that follow a chunk's rows [start, start + n)
+        (each row's logits predict the next position), in pieces of 256 rows so the logits
+        of a long chunk are never all held at once."""
+        p0, top_n = seq.num_computed_tokens, seq.params.prompt_logprobs
+        targets = seq.token_ids[p0 + 1 : min(p0 + n + 1, seq.num_prompt_tokens)]
+        out: list[TokenLogprobs] = []
+        for i in range(0, len(targets), 256):
+            piece = targets[i : i + 256]
+            rows = hidden[start + i : start + i + len(piece)]
+            lp = self.model.logits(rows).float().log_softmax(dim=-1)
+            chosen = lp.gather(1, torch.tensor(piece, device=lp.device).unsqueeze(1))[:, 0]
+            top_v, top_i = lp.topk(max(top_n, 1), dim=-1)
+            for token, value, tv, ti in zip(piece, chosen.tolist(), top_v.tolist(), top_i.tolist()):
+                top = [TokenLogprob(t, v) for t, v in zip(ti[:top_n], tv[:top_n])]
+                out.append(TokenLogprobs(token, value, top))
+        return out

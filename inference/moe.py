@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference import cpu_kernels
-from inference.layers import linear
+from inference.layers import linear, packed, set_weight
+from inference.quant import QWeight
 
 
 def select_experts(
@@ -181,6 +182,7 @@ class MoE(nn.Module):
             routed_scaling_factor,
         )
         self.router_fp32 = router_fp32
+        self.intermediate_size = intermediate_size
         self.gather_max_tokens = gather_max_tokens  # use the gather path up to this many tokens
         self.gate = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
@@ -199,15 +201,18 @@ class MoE(nn.Module):
         weights, ids = self.route(x)
         if cpu_kernels.is_packed(self.w13, matrix_dims=3):
             return cpu_kernels.moe(x, self.w13, self.w2, ids, weights)
+        if isinstance(self.w13, QWeight):  # 8-bit experts on the torch path: one expert at a time
+            counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
+            return grouped_dispatch(x, weights, ids, counts, self.w13, self.w2), counts
         run = dispatch_op if torch.compiler.is_compiling() else dispatch
         return run(x, weights, ids, self.w13, self.w2, self.gather_max_tokens)
 
     def pack(self) -> None:
         """Prepacks the experts (and the router, unless it runs in float32) for the CPU kernels."""
-        self.w13 = nn.Parameter(cpu_kernels.pack_weight(self.w13.data), requires_grad=False)
-        self.w2 = nn.Parameter(cpu_kernels.pack_weight(self.w2.data), requires_grad=False)
+        set_weight(self, "w13", packed(self.w13))
+        set_weight(self, "w2", packed(self.w2))
         if not self.router_fp32:
-            self.gate = nn.Parameter(cpu_kernels.pack_weight(self.gate.data), requires_grad=False)
+            set_weight(self, "gate", packed(self.gate))
 
 
 class DenseMLP(nn.Module):
@@ -216,6 +221,7 @@ class DenseMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
+        self.intermediate_size = intermediate_size
         self.w13 = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(hidden_size, intermediate_size))
         self.b13 = nn.Parameter(torch.empty(2 * intermediate_size)) if bias else None
@@ -225,8 +231,8 @@ class DenseMLP(nn.Module):
         return linear(swiglu(linear(x, self.w13, self.b13)), self.w2, self.b2)
 
     def pack(self) -> None:
-        self.w13 = nn.Parameter(cpu_kernels.pack_weight(self.w13.data), requires_grad=False)
-        self.w2 = nn.Parameter(cpu_kernels.pack_weight(self.w2.data), requires_grad=False)
+        set_weight(self, "w13", packed(self.w13))
+        set_weight(self, "w2", packed(self.w2))
 
 
 class SharedExpertMoE(nn.Module):
@@ -240,9 +246,7 @@ class SharedExpertMoE(nn.Module):
 
     def pack(self) -> None:
         if self.shared_gate is not None:
-            self.shared_gate = nn.Parameter(
-                cpu_kernels.pack_weight(self.shared_gate.data), requires_grad=False
-            )
+            set_weight(self, "shared_gate", packed(self.shared_gate))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         routed, counts = self.moe(x)

@@ -59,6 +59,9 @@ class RequestOutput(msgspec.Struct):
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: each prompt token's (None for the first), once the
+    # prompt has been read
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def text(self) -> str:

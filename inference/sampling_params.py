@@ -84,6 +84,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     frequency_penalty: Penalty = 0.0
     repetition_penalty: RepetitionPenalty = 1.0
     logprobs: Logprobs | None = None  # top-N logprobs per generated token (0: only the chosen one)
+    # the same for each prompt token given the ones before it (vLLM's prompt_logprobs; such
+    # a request skips the prefix cache, which holds no logits)
+    prompt_logprobs: Logprobs | None = None
     n: NumChoices = 1
     structured_outputs: StructuredOutputs | None = None
     logit_bias: dict[TokenId, LogitBias] | None = None  # token id -> bias added to its logit

@@ -70,7 +70,7 @@ class Scheduler:
         now = time.monotonic()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table:
+            if not seq.block_table and seq.params.prompt_logprobs is None:
                 cached = self.bm.use_cached_prefix(seq)
                 if seq.num_output_tokens == 0:
                     seq.num_cached_tokens = cached

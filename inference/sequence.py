@@ -48,6 +48,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[TokenLogprobs] = []
+        # params.prompt_logprobs: one per prompt token so far (the first has no context)
+        self.prompt_logprobs: list[TokenLogprobs | None] = [None]
         self.detok = None  # inference.detokenizer.IncrementalDetokenizer, set by the engine
         self.matcher = None  # llguidance.LLMatcher of a constrained sequence (structured.py)
         # what the consumer has been sent so far

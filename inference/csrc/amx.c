@@ -7,6 +7,10 @@
  * 16 input pairs x 16 columns x 2 bf16 = one 1 KB tile, contiguous. A is the rows as bf16,
  * 32 inputs per tile row. One tile multiply-accumulates 16 x 16 x 32 products.
  *
+ * int8 weights (W8A8) take the int8 tiles the same way (ms_amx_int8_block): 16 input quads x
+ * 16 columns x 4 bytes = one 1 KB tile of the packed 8-bit layout, A the rows' signed bytes,
+ * 64 inputs per tile row; TDPBSSD multiplies signed by signed into int32.
+ *
  * With -DMS_AMX_EMULATED the tile instructions come from amx_emulation.h (plain C with the
  * instructions' documented semantics), so the tests check this file's logic on any CPU.
  */
@@ -73,6 +77,36 @@ void ms_amx_block(const bf16 *A, int64_t lda, int64_t rows, const bf16 *B, int64
             _tile_dpbf16ps(3, 4, 2);
         }
         _tile_stored(3, C + full * 16 * ldc, ldc * sizeof(float));
+    }
+    _tile_release();
+}
+
+/* C[r][0..16) = sum_k A[r][k] B[k][.] exactly, in int32: A signed bytes (stride lda, Kq
+ * columns), B one packed 16-column int8 block (Kq / 4 quad rows); Kq a multiple of 64 (the
+ * caller checks). colsum: unused (signed products need no offset), as the other int8 paths'
+ * signature has it. */
+void ms_amx_int8_block(const int8_t *A, int64_t lda, int64_t rows, const int8_t *B, int64_t Kq,
+                       const int32_t *colsum, int32_t *C, int64_t ldc) {
+    (void)colsum;
+    const int64_t full = rows / 16, tail = rows % 16;
+    configure((int)tail);
+    for (int64_t g = 0; g < full; g++) {
+        _tile_zero(0);
+        for (int64_t k = 0; k < Kq; k += 64) {
+            _tile_loadd(1, A + g * 16 * lda + k, lda);
+            _tile_loadd(2, B + k * 16, 64);
+            _tile_dpbssd(0, 1, 2);
+        }
+        _tile_stored(0, C + g * 16 * ldc, ldc * sizeof(int32_t));
+    }
+    if (tail) {
+        _tile_zero(3);
+        for (int64_t k = 0; k < Kq; k += 64) {
+            _tile_loadd(4, A + full * 16 * lda + k, lda);
+            _tile_loadd(2, B + k * 16, 64);
+            _tile_dpbssd(3, 4, 2);
+        }
+        _tile_stored(3, C + full * 16 * ldc, ldc * sizeof(int32_t));
     }
     _tile_release();
 }

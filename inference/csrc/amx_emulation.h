@@ -2,7 +2,8 @@
  * SDM, "Intel AMX"): for tests on CPUs without AMX (amx.c built with -DMS_AMX_EMULATED).
  * Eight tile registers of up to 16 rows x 64 bytes per thread, shaped by the last
  * configuration; TDPBF16PS: C[m][n] += sum over pairs k of A[m][2k] B[k][2n] +
- * A[m][2k+1] B[k][2n+1], in float32. */
+ * A[m][2k+1] B[k][2n+1], in float32; TDPBSSD: C[m][n] += sum over quads k of the four
+ * products of signed bytes A[m][4k + i] B[k][4n + i], in int32. */
 #ifndef MS_AMX_EMULATION_H
 #define MS_AMX_EMULATION_H
 
@@ -54,6 +55,18 @@ static inline void _tile_dpbf16ps(int c, int a, int b) {
                 memcpy(&b1, &amx_emu.data[b][k][4 * n + 2], 2);
                 acc += amx_emu_bf16(a0) * amx_emu_bf16(b0) + amx_emu_bf16(a1) * amx_emu_bf16(b1);
             }
+            memcpy(&amx_emu.data[c][m][4 * n], &acc, 4);
+        }
+}
+
+static inline void _tile_dpbssd(int c, int a, int b) {
+    for (int m = 0; m < amx_emu.rows[c]; m++)
+        for (int n = 0; n < amx_emu.colsb[c] / 4; n++) {
+            int32_t acc;
+            memcpy(&acc, &amx_emu.data[c][m][4 * n], 4);
+            for (int k = 0; k < amx_emu.colsb[a] / 4; k++)
+                for (int i = 0; i < 4; i++)
+                    acc += (int32_t)(int8_t)amx_emu.data[a][m][4 * k + i] * (int8_t)amx_emu.data[b][k][4 * n + i];
             memcpy(&amx_emu.data[c][m][4 * n], &acc, 4);
         }
 }

@@ -63,12 +63,14 @@ static void weighted_rows(float *acc, float scale, const float *w, const float *
  * (flash-decoding), and the splits, which keep every core busy when there are fewer
  * sequences than threads, are merged by their softmax statistics at the end.
  * q [B, H, dk] (row stride ldq); key row of (slot, kv head g) at k_cache + slot * k_slot +
- * g * k_head, value row likewise (MLA passes the latent cache as both, dv < dk); slot of
+ * g * k_head, value row likewise (MLA passes the latent cache as both, dv < dk), in the
+ * cache's format kv_kind (strides in its elements: bf16 or bytes; an int8 row's scale at
+ * dk elements past a key row's start, v_scale_at past a value row's); slot of
  * position p: block_tables[b][p / block_size] * block_size + p % block_size; out [B, H, dv]
  * (row stride ldo). Query heads [g * H / G, (g + 1) * H / G) share kv head g. */
-int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_t G,
-                        const bf16 *k_cache, int64_t k_slot, int64_t k_head, int64_t dk,
-                        const bf16 *v_cache, int64_t v_slot, int64_t v_head, int64_t dv,
+int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_t G, int kv_kind,
+                        const void *k_cache, int64_t k_slot, int64_t k_head, int64_t dk,
+                        const void *v_cache, int64_t v_slot, int64_t v_head, int64_t dv, int64_t v_scale_at,
                         const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
                         int64_t block_size, float scale, bf16 *out, int64_t ldo, int nthreads) {
     const int64_t hpg = H / G;
@@ -115,8 +117,14 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                     const int64_t run = block_size - off < n - i ? block_size - off : n - i;
                     const int64_t slot = (int64_t)table[p / block_size] * block_size + off;
                     for (int64_t r = 0; r < run; r++, i++) {
-                        widen_row(k_cache + (slot + r) * k_slot + g * k_head, dk, kf + i * dk, dk);
-                        widen_row(v_cache + (slot + r) * v_slot + g * v_head, dv, vfl + i * dv, dv);
+                        const int64_t ko = (slot + r) * k_slot + g * k_head, vo = (slot + r) * v_slot + g * v_head;
+                        if (kv_kind == KV_BF16) {
+                            widen_row((const bf16 *)k_cache + ko, dk, kf + i * dk, dk);
+                            widen_row((const bf16 *)v_cache + vo, dv, vfl + i * dv, dv);
+                        } else {
+                            kv_widen_row((const uint8_t *)k_cache + ko, kv_kind, dk, dk, kf + i * dk);
+                            kv_widen_row((const uint8_t *)v_cache + vo, kv_kind, dv, v_scale_at, vfl + i * dv);
+                        }
                     }
                 }
                 for (int64_t h = 0; h < hpg; h++) {

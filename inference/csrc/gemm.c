@@ -279,30 +279,38 @@ int64_t chunk_rows(int64_t Kp) {
 
 /* y[M, N] = x[M, K] W^T (+ bias), rounded to bf16, for `batch` independent products (MLA's
  * per-head projections; 1 for a linear layer): product i reads x + i * x_bs (rows at stride
- * ldx), W + i * w_bs (packed) and writes y + i * y_bs (rows at stride ldy). Returns nonzero
- * when scratch memory cannot be had. */
-int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, const bf16 *w, int64_t w_bs,
+ * ldx), W + i * w_bs (packed bf16; 8-bit weights take batch 1) and writes y + i * y_bs (rows
+ * at stride ldy). The rows are prepared once in the forms the weight's products read
+ * (widened, bf16, quantized to int8). Returns -1 when scratch memory cannot be had, -3 for a
+ * batch of 8-bit products. */
+int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, const wmat *w, int64_t w_bs,
               int64_t N, const bf16 *bias, bf16 *y, int64_t y_bs, int64_t ldy, int64_t batch, int nthreads) {
-    const int64_t Kp = even(K), blocks = (N + BLOCK - 1) / BLOCK;
+    if (batch > 1 && w->kind != W_BF16) return -3;
+    const int64_t Kp = even(K), Kq = quad(K), blocks = (N + BLOCK - 1) / BLOCK;
     const int64_t rows = chunk_rows(Kp) < M ? chunk_rows(Kp) : M, chunks = (M + rows - 1) / rows;
-    const int wide = !tiles_read_bf16();                  /* the FMA tiles read float32 rows */
-    const int narrow = tiles_read_bf16() || amx_enabled(); /* AMX and vdpbf16ps read bf16 rows */
-    const int copy = narrow && K != Kp;                   /* which need a zero-padded copy for odd K */
+    const int need8 = rows_need_s8(w);
+    const int wide = !need8 && (w->kind != W_BF16 || !tiles_read_bf16()); /* FMA tiles read float32 rows */
+    const int narrow = rows_need_b16(w, K);      /* AMX and vdpbf16ps read bf16 rows */
+    const int copy = narrow && K != Kp;          /* which need a zero-padded copy for odd K */
     const size_t a_bytes = wide ? round64((size_t)batch * M * Kp * sizeof(float)) : 0;
     const size_t c_bytes = copy ? round64((size_t)batch * M * Kp * sizeof(bf16)) : 0;
-    const size_t pad_bytes = round64((size_t)Kp * BLOCK * sizeof(bf16));
+    const size_t q_bytes = need8 ? round64((size_t)batch * M * Kq) + round64((size_t)batch * M * sizeof(float)) : 0;
+    const size_t pad = round64(pad_bytes(K));
     region_enter();
-    char *scratch = region_alloc(a_bytes + c_bytes + (size_t)nthreads * pad_bytes);
+    char *scratch = region_alloc(a_bytes + c_bytes + q_bytes + (size_t)nthreads * pad);
     if (!scratch) {
         region_leave();
         return -1;
     }
     float *A = wide ? (float *)scratch : NULL;
     bf16 *X16 = copy ? (bf16 *)(scratch + a_bytes) : NULL;
+    int8_t *Q = need8 ? (int8_t *)(scratch + a_bytes + c_bytes) : NULL;
+    float *S = need8 ? (float *)(scratch + a_bytes + c_bytes + round64((size_t)batch * M * Kq)) : NULL;
 #pragma omp parallel num_threads(nthreads) if (batch * M * N * K > 65536)
     {
-        bf16 *pad = (bf16 *)(scratch + a_bytes + c_bytes + (size_t)omp_get_thread_num() * pad_bytes);
+        void *tpad = scratch + a_bytes + c_bytes + q_bytes + (size_t)omp_get_thread_num() * pad;
         float C[TILE_ROWS * BLOCK];
+        float *row32 = need8 ? (float *)tpad : NULL; /* a row widened for quantizing (pad is free here) */
 #pragma omp for collapse(2) schedule(static)
         for (int64_t i = 0; i < batch; i++)
             for (int64_t m = 0; m < M; m++) {
@@ -312,18 +320,27 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
                     memcpy(X16 + (i * M + m) * Kp, row, K * sizeof(bf16));
                     X16[(i * M + m) * Kp + K] = 0;
                 }
+                if (Q) {
+                    widen_row(row, K, row32, K);
+                    S[i * M + m] = quantize_row_s8(row32, K, Q + (i * M + m) * Kq, Kq);
+                }
             }
 #pragma omp for collapse(3) schedule(static)
         for (int64_t i = 0; i < batch; i++)
             for (int64_t ch = 0; ch < chunks; ch++)
                 for (int64_t j = 0; j < blocks; j++) {
-                    int64_t cols;
-                    const bf16 *B = weight_block(w + i * w_bs, N, Kp, j, pad, &cols);
+                    wmat wi = *w;
+                    if (i) wi.data = (const bf16 *)w->data + i * w_bs;
+                    const rows_t r = {
+                        A ? A + i * M * Kp : NULL, Kp,
+                        X16 ? X16 + i * M * Kp : narrow ? x + i * x_bs : NULL, X16 ? Kp : ldx,
+                        Q ? Q + i * M * Kq : NULL, Kq, S ? S + i * M : NULL,
+                    };
                     const int64_t end = (ch + 1) * rows < M ? (ch + 1) * rows : M;
                     for (int64_t m0 = ch * rows; m0 < end; m0 += TILE_ROWS) {
                         const int64_t m1 = m0 + TILE_ROWS < end ? m0 + TILE_ROWS : end;
-                        const bf16 *a16 = X16 ? X16 + (i * M + m0) * Kp : narrow ? x + i * x_bs + m0 * ldx : NULL;
-                        block_gemm(A ? A + (i * M + m0) * Kp : NULL, Kp, m1 - m0, B, Kp, C, BLOCK, a16, X16 ? Kp : ldx);
+                        int64_t cols;
+                        wblock_gemm(&r, m0, m1 - m0, &wi, N, K, j, tpad, C, BLOCK, &cols);
                         for (int64_t m = m0; m < m1; m++)
                             store_row(C + (m - m0) * BLOCK, cols, bias ? bias + j * BLOCK : NULL,
                                       y + i * y_bs + m * ldy + j * BLOCK);
@@ -333,4 +350,3 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
     region_leave();
     return 0;
 }
-

@@ -1,5 +1,6 @@
 /* What the kernel sources share: the scratch region, the packed-weight geometry and the
- * products of packed blocks (gemm.c), and the exported kernels (cpu_kernels.py binds them). */
+ * products of packed blocks (gemm.c, gemm8.c), and the exported kernels (cpu_kernels.py
+ * binds them). */
 #ifndef MS_KERNELS_H
 #define MS_KERNELS_H
 
@@ -19,6 +20,50 @@ void region_leave(void);
 
 static inline size_t round64(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
 static inline int64_t even(int64_t k) { return k + (k & 1); }
+static inline int64_t quad(int64_t k) { return (k + 3) & ~(int64_t)3; }
+
+/* A packed weight matrix [N, K] (cpu_kernels.pack_weight / pack_weight_8bit), as the kernels
+ * take it. bf16: blocks of 16 columns of input pairs ([Kp/2][16][2] bf16 each, Kp = K even).
+ * 8-bit (int8, fp8 e4m3): blocks of 16 columns of input quads ([Kq/4][16][4] bytes each,
+ * Kq = K rounded up to 4), the layout vpdpbusd and AMX's int8 tiles read; a float32 scale
+ * per (group of `group` inputs, column), scale[g * N + n]; int8 weights also carry each
+ * column's sum (colsum[n]) for products on unsigned activations (VNNI). Per-expert stacks
+ * are E such matrices back to back (data, scales and sums alike). */
+enum { W_BF16 = 0, W_INT8 = 1, W_FP8 = 2 };
+typedef struct {
+    const void *data;
+    const float *scale;
+    const int32_t *colsum;
+    int64_t group;
+    int64_t kind;
+} wmat;
+
+/* Rows of activations in the forms the products read, for rows [0, rows) of one call:
+ * f32: widened (FMA tiles; stride ld32); b16: bf16 (AMX, vdpbf16ps; stride ld16, or NULL);
+ * s8 + s8_scale: quantized per row for int8 weights (stride ld8, or NULL). */
+typedef struct {
+    const float *f32;
+    int64_t ld32;
+    const bf16 *b16;
+    int64_t ld16;
+    const int8_t *s8;
+    int64_t ld8;
+    const float *s8_scale;
+} rows_t;
+
+/* expert e of a stacked packed matrix [E][N, K] */
+wmat wmat_expert(const wmat *w, int64_t e, int64_t N, int64_t K);
+/* the forms of activations a product with w needs (see rows_t) */
+int rows_need_b16(const wmat *w, int64_t K);
+int rows_need_s8(const wmat *w);
+/* C[m][0..16) = rows [m0, m0 + rows) of a times block j of w (scaled: real products), the
+ * block's real width in *cols; pad: scratch of pad_bytes(K) per thread */
+void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j,
+                 void *pad, float *C, int64_t ldc, int64_t *cols);
+size_t pad_bytes(int64_t K);
+/* symmetric int8 quantization of one row: q = rne(x * 127 / amax) in [-127, 127], Kq
+ * entries (zero padded); returns the row's scale amax / 127 (0 for a zero row) */
+float quantize_row_s8(const float *x, int64_t K, int8_t *q, int64_t Kq);
 
 /* Rows of bf16 (stride ld, K columns) -> float32 rows of Kp columns (zero padded). */
 static inline void widen_row(const bf16 *x, int64_t K, float *out, int64_t Kp) {
@@ -44,19 +89,38 @@ int tiles_read_bf16(void);
 /* moe.c: silu(gate) * up, rounded as the reference's bf16 ops round */
 void swiglu_row(const float *gate, const float *up, float *out, int64_t n);
 
-int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, const bf16 *w, int64_t w_bs,
+/* gemm8.c: the integer products of int8 blocks, C[m][0..16) = sum_k A[m][k] B[k][.] exactly
+ * (A: rows of signed bytes, stride lda, Kq columns; B: one packed 16-column block; colsum:
+ * the block's 16 column sums, for kernels that multiply unsigned bytes). VNNI and AMX
+ * kernels live in libraries of their own (int8_vnni.c, amx.c) set by cpu_kernels.enable. */
+typedef void (*int8_fn)(const int8_t *A, int64_t lda, int64_t rows, const int8_t *B, int64_t Kq,
+                        const int32_t *colsum, int32_t *C, int64_t ldc);
+void int8_block(const int8_t *A, int64_t lda, int64_t rows, const int8_t *B, int64_t Kq, const int32_t *colsum,
+                int32_t *C, int64_t ldc);
+
+/* The paged KV cache's row formats (cpu_kernels.KV_KINDS): bf16; int8 with a bf16 scale
+ * after each (slot, head) row's values; fp8 e4m3 or e5m2 (no scale). Strides in elements of
+ * the cache's storage (bf16 or bytes). */
+enum { KV_BF16 = 0, KV_INT8 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };
+/* d values of one cache row -> float32 (an int8 row's scale at row + scale_at bytes) */
+void kv_widen_row(const void *row, int kind, int64_t d, int64_t scale_at, float *out);
+/* d float32 values -> one cache row (int8: its scale written at row + d bytes) */
+void kv_store_row(const float *x, int kind, int64_t d, void *row);
+
+int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, const wmat *w, int64_t w_bs,
               int64_t N, const bf16 *bias, bf16 *y, int64_t y_bs, int64_t ldy, int64_t batch, int nthreads);
-int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const bf16 *w13, const bf16 *w2, int64_t E,
+int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, const wmat *w2, int64_t E,
            int64_t I, const int64_t *ids, const float *weights, int64_t A, bf16 *out, int64_t ldo,
            int64_t *counts, int nthreads);
-int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_t G,
-                        const bf16 *k_cache, int64_t k_slot, int64_t k_head, int64_t dk,
-                        const bf16 *v_cache, int64_t v_slot, int64_t v_head, int64_t dv,
+int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_t G, int kv_kind,
+                        const void *k_cache, int64_t k_slot, int64_t k_head, int64_t dk,
+                        const void *v_cache, int64_t v_slot, int64_t v_head, int64_t dv, int64_t v_scale_at,
                         const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
                         int64_t block_size, float scale, bf16 *out, int64_t ldo, int nthreads);
 void ms_rmsnorm(const bf16 *x, int64_t ldx, bf16 *residual, int64_t ldr, const bf16 *w, float eps,
                 bf16 *out, int64_t ldo, int64_t T, int64_t D, int nthreads);
 void ms_rope_cache(bf16 *qkv, int64_t ld, int64_t T, int64_t H, int64_t G, int64_t d, const bf16 *cos,
-                   const bf16 *sin, const int64_t *slots, bf16 *k_cache, bf16 *v_cache, int nthreads);
+                   const bf16 *sin, const int64_t *slots, int kv_kind, void *k_cache, void *v_cache,
+                   int64_t cache_row, int nthreads);
 
 #endif

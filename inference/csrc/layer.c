@@ -13,18 +13,18 @@
 
 #include "kernels.h"
 
-/* Mirrored by cpu_kernels.LayerSpec: int64 fields, then floats, then pointers. */
+/* Mirrored by cpu_kernels.LayerSpec: int64 fields, then floats, then pointers, then weights. */
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim;
     int64_t experts, top_k, moe_inter; /* experts 0: a dense layer (mlp_* below) */
     int64_t mlp_inter;                 /* the dense MLP's or the shared expert's width, or 0 */
     int64_t qk_norm;                   /* 0 none, 1 per head (Qwen3-MoE), 2 over the projection (OLMoE) */
     int64_t norm_topk_prob;
+    int64_t kv_kind, kv_row; /* the cache rows' format (KV_*) and elements per (slot, head) row */
     float eps, scale, clip_qkv, routed_scaling; /* clip_qkv 0: none */
-    const bf16 *input_norm, *post_norm;
-    const bf16 *wqkv, *qkv_bias, *wo, *o_bias, *q_norm, *k_norm;
-    const bf16 *router, *w13, *w2;
-    const bf16 *mlp_w13, *mlp_b13, *mlp_w2, *mlp_b2, *shared_gate; /* shared_gate NULL: ungated */
+    const bf16 *input_norm, *post_norm, *qkv_bias, *o_bias, *q_norm, *k_norm, *mlp_b13, *mlp_b2;
+    wmat wqkv, wo, router, w13, w2, mlp_w13, mlp_w2;
+    wmat shared_gate; /* data NULL: ungated */
 } layer_spec;
 
 /* softmax over each token's router logits (float32, as the reference), its top_k experts
@@ -60,13 +60,13 @@ static int mlp(const layer_spec *L, const bf16 *h, int64_t T, bf16 *out, int nth
     float *g32 = region_alloc((size_t)2 * S * sizeof(float)), *a32 = region_alloc((size_t)S * sizeof(float));
     bf16 *act = region_alloc((size_t)T * S * sizeof(bf16));
     if (!gu || !g32 || !a32 || !act) return -1;
-    if (ms_linear(h, 0, D, T, D, L->mlp_w13, 0, 2 * S, L->mlp_b13, gu, 0, 2 * S, 1, nthreads)) return -1;
+    if (ms_linear(h, 0, D, T, D, &L->mlp_w13, 0, 2 * S, L->mlp_b13, gu, 0, 2 * S, 1, nthreads)) return -1;
     for (int64_t t = 0; t < T; t++) {
         for (int64_t i = 0; i < 2 * S; i++) g32[i] = bf16_to_f32(gu[t * 2 * S + i]);
         swiglu_row(g32, g32 + S, a32, S);
         for (int64_t i = 0; i < S; i++) act[t * S + i] = f32_to_bf16(a32[i]);
     }
-    return ms_linear(act, 0, S, T, S, L->mlp_w2, 0, D, L->mlp_b2, out, 0, D, 1, nthreads);
+    return ms_linear(act, 0, S, T, S, &L->mlp_w2, 0, D, L->mlp_b2, out, 0, D, 1, nthreads);
 }
 
 /* One layer of a decode step for T single-token rows. x [T, D]: the previous layer's output
@@ -75,7 +75,7 @@ static int mlp(const layer_spec *L, const bf16 *h, int64_t T, bf16 *out, int nth
  * ms_decode_attention. out [T, D]: this layer's output (its MLP/MoE result); counts [E]:
  * tokens per expert. Returns nonzero on an allocation failure or a bad expert id. */
 static int decode_layer(const layer_spec *L, const bf16 *x, bf16 *residual, int first, int64_t T, const bf16 *cos,
-                    const bf16 *sin, const int64_t *slots, bf16 *k_cache, bf16 *v_cache,
+                    const bf16 *sin, const int64_t *slots, void *k_cache, void *v_cache,
                     const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
                     int64_t block_size, bf16 *out, int64_t *counts, int nthreads) {
     const int64_t D = L->hidden, H = L->heads, G = L->kv_heads, d = L->head_dim, W = (H + 2 * G) * d;
@@ -86,7 +86,7 @@ static int decode_layer(const layer_spec *L, const bf16 *x, bf16 *residual, int 
     if (!h || !qkv || !att || !o) goto done;
 
     ms_rmsnorm(x, D, first ? NULL : residual, D, L->input_norm, L->eps, h, D, T, D, nthreads);
-    if (ms_linear(h, 0, D, T, D, L->wqkv, 0, W, L->qkv_bias, qkv, 0, W, 1, nthreads)) goto done;
+    if (ms_linear(h, 0, D, T, D, &L->wqkv, 0, W, L->qkv_bias, qkv, 0, W, 1, nthreads)) goto done;
     for (int64_t t = 0; L->qk_norm && t < T; t++) {
         bf16 *row = qkv + t * W;
         if (L->qk_norm == 1) { /* per head, in place */
@@ -102,11 +102,12 @@ static int decode_layer(const layer_spec *L, const bf16 *x, bf16 *residual, int 
             const float v = bf16_to_f32(qkv[i]);
             qkv[i] = v > L->clip_qkv ? f32_to_bf16(L->clip_qkv) : v < -L->clip_qkv ? f32_to_bf16(-L->clip_qkv) : qkv[i];
         }
-    ms_rope_cache(qkv, W, T, H, G, d, cos, sin, slots, k_cache, v_cache, nthreads);
-    if (ms_decode_attention(qkv, W, T, H, G, k_cache, G * d, d, d, v_cache, G * d, d, d, block_tables, bt_stride,
-                            context_lens, block_size, L->scale, att, H * d, nthreads))
+    const int64_t row = L->kv_row;
+    ms_rope_cache(qkv, W, T, H, G, d, cos, sin, slots, (int)L->kv_kind, k_cache, v_cache, row, nthreads);
+    if (ms_decode_attention(qkv, W, T, H, G, (int)L->kv_kind, k_cache, G * row, row, d, v_cache, G * row, row, d, d,
+                            block_tables, bt_stride, context_lens, block_size, L->scale, att, H * d, nthreads))
         goto done;
-    if (ms_linear(att, 0, H * d, T, H * d, L->wo, 0, D, L->o_bias, o, 0, D, 1, nthreads)) goto done;
+    if (ms_linear(att, 0, H * d, T, H * d, &L->wo, 0, D, L->o_bias, o, 0, D, 1, nthreads)) goto done;
     if (first && residual != x) memcpy(residual, x, (size_t)T * D * sizeof(bf16));
     ms_rmsnorm(o, D, residual, D, L->post_norm, L->eps, h, D, T, D, nthreads);
 
@@ -119,19 +120,20 @@ static int decode_layer(const layer_spec *L, const bf16 *x, bf16 *residual, int 
     int64_t *ids = region_alloc((size_t)T * A * sizeof(int64_t));
     float *weights = region_alloc((size_t)T * A * sizeof(float)), *probs = region_alloc((size_t)E * sizeof(float));
     if (!logits || !ids || !weights || !probs) goto done;
-    if (ms_linear(h, 0, D, T, D, L->router, 0, E, NULL, logits, 0, E, 1, nthreads)) goto done;
+    if (ms_linear(h, 0, D, T, D, &L->router, 0, E, NULL, logits, 0, E, 1, nthreads)) goto done;
     route(logits, T, E, A, (int)L->norm_topk_prob, L->routed_scaling, ids, weights, probs);
-    if ((status = ms_moe(h, D, T, D, L->w13, L->w2, E, L->moe_inter, ids, weights, A, out, D, counts, nthreads)))
+    if ((status = ms_moe(h, D, T, D, &L->w13, &L->w2, E, L->moe_inter, ids, weights, A, out, D, counts, nthreads)))
         goto done;
     if (L->mlp_inter) { /* the shared expert, sigmoid-gated (Qwen2-MoE) or not (DeepSeek) */
         status = -1;
         bf16 *shared = region_alloc((size_t)T * D * sizeof(bf16)), *gate = region_alloc((size_t)T * sizeof(bf16));
         if (!shared || !gate || mlp(L, h, T, shared, nthreads)) goto done;
-        if (L->shared_gate && ms_linear(h, 0, D, T, D, L->shared_gate, 0, 1, NULL, gate, 0, 1, 1, nthreads)) goto done;
+        const int gated = L->shared_gate.data != NULL;
+        if (gated && ms_linear(h, 0, D, T, D, &L->shared_gate, 0, 1, NULL, gate, 0, 1, 1, nthreads)) goto done;
         for (int64_t t = 0; t < T; t++) {
-            const float g = L->shared_gate ? round_bf16(1.0f / (1.0f + expf(-bf16_to_f32(gate[t])))) : 1.0f;
+            const float g = gated ? round_bf16(1.0f / (1.0f + expf(-bf16_to_f32(gate[t])))) : 1.0f;
             for (int64_t i = 0; i < D; i++) {
-                const float s = L->shared_gate ? round_bf16(g * bf16_to_f32(shared[t * D + i])) : bf16_to_f32(shared[t * D + i]);
+                const float s = gated ? round_bf16(g * bf16_to_f32(shared[t * D + i])) : bf16_to_f32(shared[t * D + i]);
                 out[t * D + i] = f32_to_bf16(bf16_to_f32(out[t * D + i]) + s);
             }
         }
@@ -149,7 +151,7 @@ done:
  * E]: tokens per expert of each MoE layer, in layer order. */
 int ms_decode_step(const layer_spec *layers, int64_t L, const bf16 *embed, const int64_t *ids, int64_t T,
                    const float *cos_table, const float *sin_table, const int64_t *positions, const int64_t *slots,
-                   bf16 *const *k_caches, bf16 *const *v_caches, const int32_t *block_tables, int64_t bt_stride,
+                   void *const *k_caches, void *const *v_caches, const int32_t *block_tables, int64_t bt_stride,
                    const int32_t *context_lens, int64_t block_size, const bf16 *final_norm, float eps, bf16 *hidden,
                    int64_t *counts, int nthreads) {
     const int64_t D = layers[0].hidden, d = layers[0].head_dim;

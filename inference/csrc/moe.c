@@ -19,16 +19,15 @@ void swiglu_row(const float *gate, const float *up, float *out, int64_t n) {
 
 /* ---- MoE layers ---------------------------------------------------------------------- */
 
-/* rows [r0, r1) of A (float32, Kp columns) times block j of packed W -> rows of `out`
- * (float32, stride ldo, rounded to bf16 precision like the reference's bf16 outputs). */
-static void rows_times_block(const float *A, const bf16 *A16, int64_t Kp, int64_t r0, int64_t r1, const bf16 *w,
-                             int64_t N, int64_t j, bf16 *pad, float *out, int64_t ldo) {
+/* rows [r0, r1) of a times block j of w [N, K] -> rows of `out` (float32, stride ldo, rounded
+ * to bf16 precision like the reference's bf16 outputs). */
+static void rows_times_block(const rows_t *a, int64_t r0, int64_t r1, const wmat *w, int64_t N, int64_t K,
+                             int64_t j, void *pad, float *out, int64_t ldo) {
     float C[TILE_ROWS * BLOCK];
-    int64_t cols;
-    const bf16 *B = weight_block(w, N, Kp, j, pad, &cols);
     for (int64_t m0 = r0; m0 < r1; m0 += TILE_ROWS) {
         const int64_t m1 = m0 + TILE_ROWS < r1 ? m0 + TILE_ROWS : r1;
-        block_gemm(A + m0 * Kp, Kp, m1 - m0, B, Kp, C, BLOCK, A16 ? A16 + m0 * Kp : NULL, Kp);
+        int64_t cols;
+        wblock_gemm(a, m0, m1 - m0, w, N, K, j, pad, C, BLOCK, &cols);
         for (int64_t m = m0; m < m1; m++) {
             const float *c = C + (m - m0) * BLOCK;
             float *o = out + m * ldo + j * BLOCK;
@@ -40,18 +39,18 @@ static void rows_times_block(const float *A, const bf16 *A16, int64_t Kp, int64_
     }
 }
 
-/* The first projection with SwiGLU in its epilogue (I % 16 == 0): rows [r0, r1) of A times
- * gate block j and up block I/16 + j of packed W13 [2I, K] -> silu(gate) * up into columns
- * 16j.. of hidden (float32, stride ldh; also as bf16 into hidden16 unless NULL), each value
- * rounded where the reference rounds. No [rows, 2I] intermediate, no second pass over it. */
-static void rows_swiglu_block(const float *A, const bf16 *A16, int64_t Kp, int64_t r0, int64_t r1, const bf16 *w13,
-                              int64_t I, int64_t j, float *hidden, bf16 *hidden16, int64_t ldh) {
+/* The first projection with SwiGLU in its epilogue (I % 16 == 0): rows [r0, r1) of a times
+ * gate block j and up block I/16 + j of W13 [2I, K] -> silu(gate) * up into columns 16j.. of
+ * hidden (float32, stride ldh; also as bf16 into hidden16 unless NULL), each value rounded
+ * where the reference rounds. No [rows, 2I] intermediate, no second pass over it. */
+static void rows_swiglu_block(const rows_t *a, int64_t r0, int64_t r1, const wmat *w13, int64_t I, int64_t K,
+                              int64_t j, void *pad, float *hidden, bf16 *hidden16, int64_t ldh) {
     float G[TILE_ROWS * BLOCK], U[TILE_ROWS * BLOCK];
-    const bf16 *gate = w13 + j * BLOCK * Kp, *up = w13 + (I / BLOCK + j) * BLOCK * Kp;
     for (int64_t m0 = r0; m0 < r1; m0 += TILE_ROWS) {
         const int64_t m1 = m0 + TILE_ROWS < r1 ? m0 + TILE_ROWS : r1;
-        block_gemm(A + m0 * Kp, Kp, m1 - m0, gate, Kp, G, BLOCK, A16 ? A16 + m0 * Kp : NULL, Kp);
-        block_gemm(A + m0 * Kp, Kp, m1 - m0, up, Kp, U, BLOCK, A16 ? A16 + m0 * Kp : NULL, Kp);
+        int64_t cols;
+        wblock_gemm(a, m0, m1 - m0, w13, 2 * I, K, j, pad, G, BLOCK, &cols);
+        wblock_gemm(a, m0, m1 - m0, w13, 2 * I, K, I / BLOCK + j, pad, U, BLOCK, &cols);
         for (int64_t m = m0; m < m1; m++) {
             float *g = G + (m - m0) * BLOCK, *u = U + (m - m0) * BLOCK, *h = hidden + m * ldh + j * BLOCK;
             for (int v = 0; v < VPB; v++) {
@@ -72,32 +71,39 @@ static void rows_swiglu_block(const float *A, const bf16 *A16, int64_t Kp, int64
  * experts reads them all and multiplies the padding). Work is split across threads by
  * (expert, row chunk, 16-column block).
  * x [T, D] (row stride ldx); w13 [E] packed [2I, D] (gate rows, then up rows); w2 [E] packed
- * [D, I]; ids, weights [T, A]; out [T, D] (row stride ldo); counts [E] gets the tokens per
- * expert. Returns -1 without scratch memory, -2 for an expert id outside [0, E). */
-int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const bf16 *w13, const bf16 *w2, int64_t E,
+ * [D, I], bf16 or 8-bit (int8: the tokens and the SwiGLU outputs are quantized per row for
+ * the integer products); ids, weights [T, A]; out [T, D] (row stride ldo); counts [E] gets
+ * the tokens per expert. Returns -1 without scratch memory, -2 for an expert id outside
+ * [0, E). */
+int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, const wmat *w2, int64_t E,
            int64_t I, const int64_t *ids, const float *weights, int64_t A, bf16 *out, int64_t ldo,
            int64_t *counts, int nthreads) {
-    const int64_t pairs = T * A, Dp = even(D), Ip = even(I), N1 = 2 * I;
+    const int64_t pairs = T * A, Dp = even(D), Ip = even(I), Dq = quad(D), Iq = quad(I), N1 = 2 * I;
     for (int64_t p = 0; p < pairs; p++)
         if (ids[p] < 0 || ids[p] >= E) return -2;
     const int64_t rows = chunk_rows(Dp > Ip ? Dp : Ip);
-    /* bf16 copies of the rows, for AMX (whole tiles only) and the AVX512-BF16 tiles */
     const int fused = I % BLOCK == 0; /* SwiGLU in the first projection's epilogue */
-    const int narrow = tiles_read_bf16() || (amx_enabled() && Dp % 32 == 0 && Ip % 32 == 0);
+    /* the forms of the tokens (x) and of silu(gate) * up (h) the two products read */
+    const int x8 = rows_need_s8(w13), h8 = rows_need_s8(w2);
+    const int x32 = !x8 && (w13->kind != W_BF16 || !tiles_read_bf16());
+    const int x16 = rows_need_b16(w13, D) && (w13->kind != W_BF16 || tiles_read_bf16() || (Dp % 32 == 0 && Ip % 32 == 0));
+    const int h16 = rows_need_b16(w2, I) && (w2->kind != W_BF16 || tiles_read_bf16() || (Dp % 32 == 0 && Ip % 32 == 0));
     const int64_t max_chunks = pairs / rows + E + 1;
-    const size_t pad_bytes = round64((size_t)(Dp > Ip ? Dp : Ip) * BLOCK * sizeof(bf16));
+    const size_t pad = round64(pad_bytes(Dp > Ip ? Dp : Ip));
     size_t sizes[] = {
         round64((E + 1) * sizeof(int64_t)),          /* first row of each expert */
         round64(pairs * sizeof(int64_t)),            /* row of each pair */
         round64(pairs * sizeof(int64_t)),            /* token of each row */
         round64(3 * max_chunks * sizeof(int64_t)),   /* (expert, first row, end row) chunks */
-        round64((size_t)pairs * Dp * sizeof(float)), /* the tokens, by expert */
+        x32 ? round64((size_t)pairs * Dp * sizeof(float)) : 0, /* the tokens, by expert */
         fused ? 0 : round64((size_t)pairs * N1 * sizeof(float)), /* gate and up projections */
         round64((size_t)pairs * Ip * sizeof(float)), /* silu(gate) * up */
         round64((size_t)pairs * D * sizeof(float)),  /* expert outputs */
-        (size_t)nthreads * pad_bytes,
-        narrow ? round64((size_t)pairs * Dp * sizeof(bf16)) : 0, /* the tokens and */
-        narrow ? round64((size_t)pairs * Ip * sizeof(bf16)) : 0, /* silu(gate) * up as bf16 */
+        (size_t)nthreads * pad,
+        x16 ? round64((size_t)pairs * Dp * sizeof(bf16)) : 0, /* the tokens and */
+        h16 ? round64((size_t)pairs * Ip * sizeof(bf16)) : 0, /* silu(gate) * up as bf16 */
+        x8 ? round64((size_t)pairs * Dq) + round64(pairs * sizeof(float)) : 0, /* the tokens and */
+        h8 ? round64((size_t)pairs * Iq) + round64(pairs * sizeof(float)) : 0, /* silu(gate) * up as int8 */
     };
     size_t total = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) total += sizes[i];
@@ -111,9 +117,14 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const bf16 *w13, co
     void *parts[sizeof sizes / sizeof *sizes];
     for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) parts[i] = cursor, cursor += sizes[i];
     int64_t *first = parts[0], *pair_row = parts[1], *token_of = parts[2], *chunk = parts[3];
-    float *xs = parts[4], *gate_up = parts[5], *hidden = parts[6], *expert_out = parts[7];
+    float *xs = x32 ? parts[4] : NULL, *gate_up = parts[5], *hidden = parts[6], *expert_out = parts[7];
     char *pads = parts[8];
-    bf16 *xs16 = narrow ? parts[9] : NULL, *hidden16 = narrow ? parts[10] : NULL;
+    bf16 *xs16 = x16 ? parts[9] : NULL, *hidden16 = h16 ? parts[10] : NULL;
+    int8_t *xs8 = x8 ? parts[11] : NULL, *hidden8 = h8 ? parts[12] : NULL;
+    float *xs8_scale = x8 ? (float *)((char *)parts[11] + round64((size_t)pairs * Dq)) : NULL;
+    float *hidden8_scale = h8 ? (float *)((char *)parts[12] + round64((size_t)pairs * Iq)) : NULL;
+    const rows_t xr = {xs, Dp, xs16, Dp, xs8, Dq, xs8_scale};
+    const rows_t hr = {hidden, Ip, hidden16, Ip, hidden8, Iq, hidden8_scale};
 
     for (int64_t e = 0; e < E; e++) counts[e] = 0;
     for (int64_t p = 0; p < pairs; p++) counts[ids[p]]++;
@@ -135,26 +146,34 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const bf16 *w13, co
     const int64_t blocks1 = (N1 + BLOCK - 1) / BLOCK, blocks2 = (D + BLOCK - 1) / BLOCK;
 #pragma omp parallel num_threads(nthreads)
     {
-        bf16 *pad = (bf16 *)(pads + (size_t)omp_get_thread_num() * pad_bytes);
+        void *tpad = pads + (size_t)omp_get_thread_num() * pad;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < pairs; r++) {
-            widen_row(x + token_of[r] * ldx, D, xs + r * Dp, Dp);
+            const bf16 *row = x + token_of[r] * ldx;
+            if (xs) widen_row(row, D, xs + r * Dp, Dp);
             if (xs16) {
-                memcpy(xs16 + r * Dp, x + token_of[r] * ldx, D * sizeof(bf16));
+                memcpy(xs16 + r * Dp, row, D * sizeof(bf16));
                 if (Dp != D) xs16[r * Dp + D] = 0;
+            }
+            if (xs8) { /* the same token's rows quantize alike */
+                float *row32 = tpad;
+                widen_row(row, D, row32, D);
+                xs8_scale[r] = quantize_row_s8(row32, D, xs8 + r * Dq, Dq);
             }
         }
         if (fused) {
 #pragma omp for schedule(dynamic, 4)
             for (int64_t it = 0; it < chunks * (I / BLOCK); it++) {
                 const int64_t *c = chunk + 3 * (it / (I / BLOCK));
-                rows_swiglu_block(xs, xs16, Dp, c[1], c[2], w13 + c[0] * N1 * Dp, I, it % (I / BLOCK), hidden, hidden16, Ip);
+                const wmat we = wmat_expert(w13, c[0], N1, D);
+                rows_swiglu_block(&xr, c[1], c[2], &we, I, D, it % (I / BLOCK), tpad, hidden, hidden16, Ip);
             }
         } else {
 #pragma omp for schedule(dynamic, 4)
             for (int64_t it = 0; it < chunks * blocks1; it++) {
                 const int64_t *c = chunk + 3 * (it / blocks1);
-                rows_times_block(xs, xs16, Dp, c[1], c[2], w13 + c[0] * N1 * Dp, N1, it % blocks1, pad, gate_up, N1);
+                const wmat we = wmat_expert(w13, c[0], N1, D);
+                rows_times_block(&xr, c[1], c[2], &we, N1, D, it % blocks1, tpad, gate_up, N1);
             }
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < pairs; r++) {
@@ -164,10 +183,15 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const bf16 *w13, co
                     for (int64_t i = 0; i < Ip; i++) hidden16[r * Ip + i] = f32_to_bf16(hidden[r * Ip + i]);
             }
         }
+        if (hidden8) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < pairs; r++) hidden8_scale[r] = quantize_row_s8(hidden + r * Ip, I, hidden8 + r * Iq, Iq);
+        }
 #pragma omp for schedule(dynamic, 4)
         for (int64_t it = 0; it < chunks * blocks2; it++) {
             const int64_t *c = chunk + 3 * (it / blocks2);
-            rows_times_block(hidden, hidden16, Ip, c[1], c[2], w2 + c[0] * D * Ip, D, it % blocks2, pad, expert_out, D);
+            const wmat we = wmat_expert(w2, c[0], D, I);
+            rows_times_block(&hr, c[1], c[2], &we, D, I, it % blocks2, tpad, expert_out, D);
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
@@ -189,4 +213,3 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const bf16 *w13, co
     region_leave();
     return 0;
 }
-

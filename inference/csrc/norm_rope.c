@@ -38,10 +38,12 @@ void ms_rmsnorm(const bf16 *x, int64_t ldx, bf16 *residual, int64_t ldr, const b
 
 /* Rotary embedding (rotate-half layout) of the H query and G key heads of qkv [T, (H + 2G) d]
  * in place, then the keys and values written to the cache rows slots[t] (k_cache/v_cache
- * [S, G, d]). cos/sin [T, d] bf16 (each frequency twice, as the checkpoints' tables). Each
- * product and the sum rounded as the reference's bf16 ops round. */
+ * [S, G, row] in format kv_kind: row = d elements, or d + 2 bytes for int8 with its scale).
+ * cos/sin [T, d] bf16 (each frequency twice, as the checkpoints' tables). Each product and
+ * the sum rounded as the reference's bf16 ops round. */
 void ms_rope_cache(bf16 *qkv, int64_t ld, int64_t T, int64_t H, int64_t G, int64_t d, const bf16 *cos,
-                   const bf16 *sin, const int64_t *slots, bf16 *k_cache, bf16 *v_cache, int nthreads) {
+                   const bf16 *sin, const int64_t *slots, int kv_kind, void *k_cache, void *v_cache,
+                   int64_t cache_row, int nthreads) {
     const int64_t half = d / 2;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 16)
     for (int64_t t = 0; t < T; t++) {
@@ -65,9 +67,16 @@ void ms_rope_cache(bf16 *qkv, int64_t ld, int64_t T, int64_t H, int64_t G, int64
                                           round_bf16(x1 * bf16_to_f32(st[half + i])));
             }
         }
-        if (slots) {
-            memcpy(k_cache + slots[t] * G * d, qkv + t * ld + H * d, G * d * sizeof(bf16));
-            memcpy(v_cache + slots[t] * G * d, qkv + t * ld + (H + G) * d, G * d * sizeof(bf16));
+        if (slots && kv_kind == KV_BF16) {
+            memcpy((bf16 *)k_cache + slots[t] * G * d, qkv + t * ld + H * d, G * d * sizeof(bf16));
+            memcpy((bf16 *)v_cache + slots[t] * G * d, qkv + t * ld + (H + G) * d, G * d * sizeof(bf16));
+        } else if (slots) {
+            float row[d];
+            for (int64_t g = 0; g < 2 * G; g++) {
+                widen_row(qkv + t * ld + (H + g) * d, d, row, d);
+                uint8_t *cache = g < G ? k_cache : v_cache;
+                kv_store_row(row, kv_kind, d, cache + (slots[t] * G + g % G) * cache_row);
+            }
         }
     }
 }

@@ -51,6 +51,12 @@ static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 typedef __m512 vf;
 typedef __m512i vi;
 
+/* x where w > 0, -x where w < 0, 0 where w == 0 (vpsignb, which AVX-512 lacks) */
+static inline __m512i _mm512_sign_epi8_emul(__m512i x, __m512i w) {
+    const __mmask64 neg = _mm512_movepi8_mask(w), zero = _mm512_cmpeq_epi8_mask(w, _mm512_setzero_si512());
+    return _mm512_maskz_mov_epi8(~zero, _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
+}
+
 static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
 static inline vf vf_set1(float x) { return _mm512_set1_ps(x); }
 static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
@@ -70,8 +76,22 @@ static inline vi vi_set1(int32_t x) { return _mm512_set1_epi32(x); }
 static inline vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
 static inline vi vi_and(vi a, vi b) { return _mm512_and_si512(a, b); }
 static inline vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
+static inline void vi_store(void *p, vi v) { _mm512_storeu_si512(p, v); }
+static inline vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
+static inline vi vi_sub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+static inline vf vi_to_vf(vi a) { return _mm512_cvtepi32_ps(a); }
 #define vi_slli(a, n) _mm512_slli_epi32((a), (n))
 #define vi_srli(a, n) _mm512_srli_epi32((a), (n))
+#define vi_srai(a, n) _mm512_srai_epi32((a), (n))
+/* int8 products of 64-byte rows without VNNI (AVX512BW): the 16 dword lanes of w (4 signed
+ * bytes each) times the same 4 signed bytes x in every lane -> lane sums, added to acc.
+ * |w| (u8) times x carrying w's sign (s8): with both in [-127, 127] a pair of products is
+ * at most 32258, so vpmaddubsw never saturates and the sum is exact. */
+static inline vi vi_dot4(vi acc, vi w_abs, vi w, vi x) {
+    const vi p16 = _mm512_maddubs_epi16(w_abs, _mm512_sign_epi8_emul(x, w));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p16, _mm512_set1_epi16(1)));
+}
+static inline vi vi_abs8(vi w) { return _mm512_abs_epi8(w); }
 
 static inline float vf_sum(vf v) {
     const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
@@ -132,8 +152,19 @@ static inline vi vi_set1(int32_t x) { return _mm256_set1_epi32(x); }
 static inline vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
 static inline vi vi_and(vi a, vi b) { return _mm256_and_si256(a, b); }
 static inline vi vi_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void vi_store(void *p, vi v) { _mm256_storeu_si256((__m256i *)p, v); }
+static inline vi vi_or(vi a, vi b) { return _mm256_or_si256(a, b); }
+static inline vi vi_sub(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+static inline vf vi_to_vf(vi a) { return _mm256_cvtepi32_ps(a); }
 #define vi_slli(a, n) _mm256_slli_epi32((a), (n))
 #define vi_srli(a, n) _mm256_srli_epi32((a), (n))
+#define vi_srai(a, n) _mm256_srai_epi32((a), (n))
+/* see the AVX-512 version */
+static inline vi vi_dot4(vi acc, vi w_abs, vi w, vi x) {
+    const vi p16 = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+static inline vi vi_abs8(vi w) { return _mm256_abs_epi8(w); }
 
 static inline float vf_sum(vf v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -207,6 +238,25 @@ static inline void vf_store_n(float *p, vf v, int64_t n) {
     vf_store(tmp, v);
     memcpy(p, tmp, n * sizeof(float));
 }
+
+/* 8-bit values -> float32. Byte `i` of each 32-bit lane of a packed 8-bit weight row (see
+ * kernels.h: 4 inputs of one column per lane) as: */
+/* int8 */
+#define vf_from_s8(w, i) vi_to_vf(vi_srai(vi_slli((w), 24 - 8 * (i)), 24))
+/* fp8 e4m3 (OCP "fn": no infinities), times 2^-120: the sign and the 7 other bits placed
+ * at float32's sign and exponent/mantissa boundary; multiplying by 2^120 (folded into the
+ * scale) rebiases the exponent, subnormals included */
+static inline vf vf_from_e4m3_raw(vi w, int i) {
+    const vi b = vi_srli(vi_slli(w, 24 - 8 * i), 24);
+    return vi_as_vf(vi_or(vi_slli(vi_and(b, vi_set1(0x80)), 24), vi_slli(vi_and(b, vi_set1(0x7f)), 20)));
+}
+/* fp8 e5m2, times 2^-112 likewise */
+static inline vf vf_from_e5m2_raw(vi w, int i) {
+    const vi b = vi_srli(vi_slli(w, 24 - 8 * i), 24);
+    return vi_as_vf(vi_or(vi_slli(vi_and(b, vi_set1(0x80)), 24), vi_slli(vi_and(b, vi_set1(0x7f)), 21)));
+}
+#define E4M3_UNBIAS 0x1p120f
+#define E5M2_UNBIAS 0x1p112f
 
 /* exp(x) to ~1 ulp: Cody-Waite reduction by ln 2, Cephes' expf polynomial, 2^n built in the
  * exponent bits */

@@ -1,0 +1,375 @@
+/* Products with 8-bit weights (int8, fp8 e4m3), the generic block product every kernel calls
+ * (wblock_gemm: bf16, int8 or fp8 weights), and the 8-bit KV-cache row formats.
+ *
+ * int8 weights (W8A8): activations are quantized per row (symmetric, scale amax / 127) and
+ * multiplied in integers, int32 sums, then scaled by the row's and the column's scale. The
+ * integer product of a block runs, best first: AMX int8 tiles (amx.c, from 4 rows with whole
+ * 64-input tiles), VNNI's vpdpbusd (int8_vnni.c), or AVX2/AVX512BW vpmaddubsw on |w| and the
+ * activation carrying w's sign (here, every build): the same exact sums on every CPU.
+ *
+ * fp8 weights run weight-only on the CPU: each weight widened to float32 in registers (shift
+ * and mask, the exponent rebias folded into the scale) times its group's scale, float32 FMAs
+ * with the widened activations; products of many rows dequantize the block to bf16 once and
+ * take the bf16 tiles (AMX where the CPU has it).
+ */
+#include <omp.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#if defined(MS_AVX512)
+#define MR8 8 /* rows per register tile of the int8 and fp8 products */
+#else
+#define MR8 4
+#endif
+#define DEQUANT_MIN_ROWS 16 /* fp8: from this many rows, dequantize the block to bf16 once */
+#define INT8_TILE 256        /* rows per integer product (C on the stack: 16 KB) */
+
+/* ---- packed 8-bit blocks ----------------------------------------------------------- */
+
+/* Block j of a packed 8-bit [N, K] weight as a full 16-column block (the narrow last one
+ * copied into pad, Kq * 16 bytes, zero columns); *cols its real width. */
+static const uint8_t *weight_block8(const uint8_t *w, int64_t N, int64_t Kq, int64_t j, uint8_t *pad, int64_t *cols) {
+    const int64_t full = N / BLOCK;
+    if (j < full) {
+        *cols = BLOCK;
+        return w + j * BLOCK * Kq;
+    }
+    const int64_t t = N - full * BLOCK;
+    const uint32_t *src = (const uint32_t *)(w + full * BLOCK * Kq);
+    uint32_t *dst = (uint32_t *)pad;
+    for (int64_t kq = 0; kq < Kq / 4; kq++)
+        for (int64_t c = 0; c < BLOCK; c++) dst[kq * BLOCK + c] = c < t ? src[kq * t + c] : 0;
+    *cols = t;
+    return pad;
+}
+
+wmat wmat_expert(const wmat *w, int64_t e, int64_t N, int64_t K) {
+    wmat x = *w;
+    if (w->kind == W_BF16) {
+        x.data = (const bf16 *)w->data + e * N * even(K);
+        return x;
+    }
+    const int64_t groups = (K + w->group - 1) / w->group;
+    x.data = (const uint8_t *)w->data + e * N * quad(K);
+    x.scale = w->scale + e * groups * N;
+    x.colsum = w->colsum ? w->colsum + e * N : NULL;
+    return x;
+}
+
+/* scratch per thread for wblock_gemm: a narrow 8-bit block, a dequantized bf16 block, the
+ * block's scales per group */
+size_t pad_bytes(int64_t K) {
+    const int64_t Kq = quad(K);
+    return round64((size_t)Kq * BLOCK) + round64((size_t)Kq * BLOCK * sizeof(bf16)) +
+           round64((size_t)(Kq / 4 + 1) * BLOCK * sizeof(float)) + round64((size_t)even(K) * BLOCK * sizeof(bf16));
+}
+
+int rows_need_b16(const wmat *w, int64_t K) {
+    (void)K;
+    return w->kind != W_INT8 && (tiles_read_bf16() || amx_enabled());
+}
+
+int rows_need_s8(const wmat *w) { return w->kind == W_INT8; }
+
+/* ---- int8 x int8 ------------------------------------------------------------------- */
+
+static int8_fn int8_vnni, int8_amx;
+void ms_set_int8(void *vnni, void *amx) {
+    int8_vnni = (int8_fn)vnni;
+    int8_amx = (int8_fn)amx;
+}
+/* which integer product runs (for the start-up log line): 2 AMX, 1 VNNI, 0 vpmaddubsw */
+int ms_int8_path(void) { return int8_amx ? 2 : int8_vnni ? 1 : 0; }
+
+/* rows x one block without VNNI: vpmaddubsw on |w| and x carrying w's sign (simd.h vi_dot4) */
+static inline __attribute__((always_inline)) void int8_tile(const int rows, const int8_t *A, int64_t lda,
+                                                            const int8_t *B, int64_t Kq, int32_t *C, int64_t ldc) {
+    vi acc[MR8][VPB];
+#pragma GCC unroll 8
+    for (int m = 0; m < rows; m++)
+#pragma GCC unroll 2
+        for (int v = 0; v < VPB; v++) acc[m][v] = vi_set1(0);
+    for (int64_t kq = 0; kq < Kq / 4; kq++) {
+        vi w[VPB], wa[VPB];
+#pragma GCC unroll 2
+        for (int v = 0; v < VPB; v++) {
+            w[v] = vi_load(B + kq * 4 * BLOCK + v * 4 * VL);
+            wa[v] = vi_abs8(w[v]);
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < rows; m++) {
+            int32_t x4;
+            memcpy(&x4, A + m * lda + 4 * kq, 4);
+            const vi x = vi_set1(x4);
+#pragma GCC unroll 2
+            for (int v = 0; v < VPB; v++) acc[m][v] = vi_dot4(acc[m][v], wa[v], w[v], x);
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < rows; m++)
+#pragma GCC unroll 2
+        for (int v = 0; v < VPB; v++) vi_store(C + m * ldc + v * VL, acc[m][v]);
+}
+
+void int8_block(const int8_t *A, int64_t lda, int64_t rows, const int8_t *B, int64_t Kq, const int32_t *colsum,
+                int32_t *C, int64_t ldc) {
+    if (int8_amx && rows >= 4 && Kq % 64 == 0) {
+        int8_amx(A, lda, rows, B, Kq, colsum, C, ldc);
+        return;
+    }
+    if (int8_vnni) {
+        int8_vnni(A, lda, rows, B, Kq, colsum, C, ldc);
+        return;
+    }
+    for (int64_t m0 = 0; m0 < rows; m0 += MR8) {
+        const int8_t *a = A + m0 * lda;
+        int32_t *c = C + m0 * ldc;
+        switch (rows - m0 < MR8 ? rows - m0 : MR8) {
+        case 1: int8_tile(1, a, lda, B, Kq, c, ldc); break;
+        case 2: int8_tile(2, a, lda, B, Kq, c, ldc); break;
+        case 3: int8_tile(3, a, lda, B, Kq, c, ldc); break;
+        case 4: int8_tile(4, a, lda, B, Kq, c, ldc); break;
+#if MR8 > 4
+        case 5: int8_tile(5, a, lda, B, Kq, c, ldc); break;
+        case 6: int8_tile(6, a, lda, B, Kq, c, ldc); break;
+        case 7: int8_tile(7, a, lda, B, Kq, c, ldc); break;
+        case 8: int8_tile(8, a, lda, B, Kq, c, ldc); break;
+#endif
+        }
+    }
+}
+
+float quantize_row_s8(const float *x, int64_t K, int8_t *q, int64_t Kq) {
+    vf vmax = vf_zero();
+    int64_t k = 0;
+    for (; k + VL <= K; k += VL) vmax = vf_max(vmax, vf_max(vf_load(x + k), vf_sub(vf_zero(), vf_load(x + k))));
+    float amax = 0.0f;
+    {
+        float lanes[VL];
+        vf_store(lanes, vmax);
+        for (int i = 0; i < VL; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+    }
+    for (; k < K; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
+    if (amax == 0.0f) {
+        memset(q, 0, Kq);
+        return 0.0f;
+    }
+    const float inv = 127.0f / amax;
+    for (k = 0; k < K; k++) {
+        float r = nearbyintf(x[k] * inv);
+        r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+        q[k] = (int8_t)r;
+    }
+    for (; k < Kq; k++) q[k] = 0;
+    return amax / 127.0f;
+}
+
+/* ---- fp8 weight-only ----------------------------------------------------------------- */
+
+/* rows x one fp8 block: weights widened and scaled in registers (sc: the block's scales per
+ * group, 16 each, times 2^120), float32 FMAs with the widened rows */
+static inline __attribute__((always_inline)) void fp8_tile(const int rows, const float *A, int64_t lda,
+                                                           const uint8_t *B, int64_t Kq, const float *sc,
+                                                           int64_t group, float *C, int64_t ldc) {
+    vf acc[MR8][VPB];
+#pragma GCC unroll 8
+    for (int m = 0; m < rows; m++)
+#pragma GCC unroll 2
+        for (int v = 0; v < VPB; v++) acc[m][v] = vf_zero();
+    vf s[VPB];
+    int64_t g = -1;
+    for (int64_t kq = 0; kq < Kq / 4; kq++) {
+        if (4 * kq / group != g) {
+            g = 4 * kq / group;
+            for (int v = 0; v < VPB; v++) s[v] = vf_load(sc + g * BLOCK + v * VL);
+        }
+        vi raw[VPB];
+#pragma GCC unroll 2
+        for (int v = 0; v < VPB; v++) raw[v] = vi_load(B + kq * 4 * BLOCK + v * 4 * VL);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            vf w[VPB];
+#pragma GCC unroll 2
+            for (int v = 0; v < VPB; v++) w[v] = vf_mul(vf_from_e4m3_raw(raw[v], i), s[v]);
+#pragma GCC unroll 8
+            for (int m = 0; m < rows; m++) {
+                const vf a = vf_set1(A[m * lda + 4 * kq + i]);
+#pragma GCC unroll 2
+                for (int v = 0; v < VPB; v++) acc[m][v] = vf_fma(w[v], a, acc[m][v]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < rows; m++)
+#pragma GCC unroll 2
+        for (int v = 0; v < VPB; v++) vf_store(C + m * ldc + v * VL, acc[m][v]);
+}
+
+static void fp8_gemm(const float *A, int64_t lda, int64_t rows, const uint8_t *B, int64_t Kq, const float *sc,
+                     int64_t group, float *C, int64_t ldc) {
+    for (int64_t m0 = 0; m0 < rows; m0 += MR8) {
+        const float *a = A + m0 * lda;
+        float *c = C + m0 * ldc;
+        switch (rows - m0 < MR8 ? rows - m0 : MR8) {
+        case 1: fp8_tile(1, a, lda, B, Kq, sc, group, c, ldc); break;
+        case 2: fp8_tile(2, a, lda, B, Kq, sc, group, c, ldc); break;
+        case 3: fp8_tile(3, a, lda, B, Kq, sc, group, c, ldc); break;
+        case 4: fp8_tile(4, a, lda, B, Kq, sc, group, c, ldc); break;
+#if MR8 > 4
+        case 5: fp8_tile(5, a, lda, B, Kq, sc, group, c, ldc); break;
+        case 6: fp8_tile(6, a, lda, B, Kq, sc, group, c, ldc); break;
+        case 7: fp8_tile(7, a, lda, B, Kq, sc, group, c, ldc); break;
+        case 8: fp8_tile(8, a, lda, B, Kq, sc, group, c, ldc); break;
+#endif
+        }
+    }
+}
+
+/* an fp8 block -> the bf16 pairs layout of the same 16 columns (Kp = even(K) inputs), each
+ * weight rounded to bf16 once, so products of many rows run on the bf16 tiles */
+static void dequantize_block(const uint8_t *B, int64_t Kp, const float *sc, int64_t group, bf16 *out) {
+    for (int64_t k = 0; k < Kp; k++) {
+        const float *s = sc + (k / group) * BLOCK;
+        const uint8_t *q = B + (k / 4) * 4 * BLOCK + k % 4;
+        bf16 *o = out + (k / 2) * 2 * BLOCK + k % 2;
+        for (int64_t c = 0; c < BLOCK; c++) {
+            const uint32_t b = q[4 * c], u = ((b & 0x80u) << 24) | ((b & 0x7fu) << 20);
+            float f;
+            memcpy(&f, &u, 4);
+            o[2 * c] = f32_to_bf16(f * s[c]);
+        }
+    }
+}
+
+/* ---- any weight ---------------------------------------------------------------------- */
+
+void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j,
+                 void *pad, float *C, int64_t ldc, int64_t *cols) {
+    if (w->kind == W_BF16) {
+        const int64_t Kp = even(K);
+        const bf16 *B = weight_block(w->data, N, Kp, j, pad, cols);
+        block_gemm(a->f32 ? a->f32 + m0 * a->ld32 : NULL, a->ld32, rows, B, Kp, C, ldc,
+                   a->b16 ? a->b16 + m0 * a->ld16 : NULL, a->ld16);
+        return;
+    }
+    const int64_t Kq = quad(K), groups = (K + w->group - 1) / w->group;
+    uint8_t *narrow = pad;
+    bf16 *deq = (bf16 *)((char *)pad + round64((size_t)Kq * BLOCK));
+    float *sc = (float *)((char *)deq + round64((size_t)Kq * BLOCK * sizeof(bf16)));
+    const uint8_t *B = weight_block8(w->data, N, Kq, j, narrow, cols);
+    const int64_t n0 = j * BLOCK, nc = *cols;
+    if (w->kind == W_INT8) {
+        int32_t sums[BLOCK] = {0}, Ci[INT8_TILE * BLOCK];
+        float ws[BLOCK] = {0};
+        for (int64_t c = 0; c < nc; c++) sums[c] = w->colsum[n0 + c], ws[c] = w->scale[n0 + c];
+        for (int64_t r0 = 0; r0 < rows; r0 += INT8_TILE) {
+            const int64_t r1 = r0 + INT8_TILE < rows ? r0 + INT8_TILE : rows;
+            int8_block(a->s8 + (m0 + r0) * a->ld8, a->ld8, r1 - r0, (const int8_t *)B, Kq, sums, Ci, BLOCK);
+            for (int64_t m = r0; m < r1; m++) {
+                const vf sa = vf_set1(a->s8_scale[m0 + m]);
+                for (int v = 0; v < VPB; v++)
+                    vf_store(C + m * ldc + v * VL,
+                             vf_mul(vf_mul(vi_to_vf(vi_load(Ci + (m - r0) * BLOCK + v * VL)), sa), vf_load(ws + v * VL)));
+            }
+        }
+        return;
+    }
+    /* fp8: the block's scales (times the exponent rebias) per group, zero past its width */
+    const int64_t needed = (Kq - 1) / w->group + 1; /* groups the block's inputs (padding too) fall in */
+    for (int64_t g = 0; g < needed; g++) { /* padding inputs (zero weights) take the last group's */
+        const int64_t src = g < groups ? g : groups - 1;
+        for (int64_t c = 0; c < BLOCK; c++) sc[g * BLOCK + c] = c < nc ? w->scale[src * N + n0 + c] * E4M3_UNBIAS : 0.0f;
+    }
+    if (rows >= DEQUANT_MIN_ROWS) {
+        const int64_t Kp = even(K);
+        dequantize_block(B, Kp, sc, w->group, deq);
+        block_gemm(a->f32 ? a->f32 + m0 * a->ld32 : NULL, a->ld32, rows, deq, Kp, C, ldc,
+                   a->b16 ? a->b16 + m0 * a->ld16 : NULL, a->ld16);
+        return;
+    }
+    fp8_gemm(a->f32 + m0 * a->ld32, a->ld32, rows, B, Kq, sc, w->group, C, ldc);
+}
+
+/* ---- the KV cache's 8-bit rows ------------------------------------------------------- */
+
+static inline float e4m3_to_f32(uint8_t b) {
+    const uint32_t u = ((b & 0x80u) << 24) | ((b & 0x7fu) << 20);
+    float f;
+    memcpy(&f, &u, 4);
+    return f * E4M3_UNBIAS;
+}
+
+static inline float e5m2_to_f32(uint8_t b) {
+    const uint32_t u = ((b & 0x80u) << 24) | ((b & 0x7fu) << 21);
+    float f;
+    memcpy(&f, &u, 4);
+    return f * E5M2_UNBIAS;
+}
+
+/* float32 -> fp8 (e4m3: mbits 3, bias 7; e5m2: 2, 15), round to nearest even, saturating at
+ * the format's largest finite value `max` (what torch gives for values clamped to the range):
+ * normals by rounding float32's bits at the fp8 mantissa's last place (a carry moves into the
+ * exponent correctly), subnormals as a multiple of the smallest step. */
+static inline uint8_t f32_to_fp8(float x, int mbits, int bias, float max) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    float a = fabsf(x);
+    if (!(a == a)) return sign | 0x7f; /* NaN */
+    a = a > max ? max : a;
+    const float smallest_normal = ldexpf(1.0f, 1 - bias);
+    if (a < smallest_normal) /* 2^(1 - bias - mbits) steps; rounding up to the normal is code 1 << mbits */
+        return sign | (uint8_t)nearbyintf(ldexpf(a, bias - 1 + mbits));
+    memcpy(&u, &a, 4);
+    const int shift = 23 - mbits;
+    u += ((1u << (shift - 1)) - 1) + ((u >> shift) & 1u);
+    return sign | (uint8_t)((u >> shift) - ((uint32_t)(127 - bias) << mbits));
+}
+
+void kv_widen_row(const void *row, int kind, int64_t d, int64_t scale_at, float *out) {
+    const uint8_t *b = row;
+    switch (kind) {
+    case KV_BF16: widen_row(row, d, out, d); return;
+    case KV_INT8: {
+        bf16 s16;
+        memcpy(&s16, b + scale_at, 2);
+        const float s = bf16_to_f32(s16);
+        for (int64_t i = 0; i < d; i++) out[i] = (float)(int8_t)b[i] * s;
+        return;
+    }
+    case KV_E4M3:
+        for (int64_t i = 0; i < d; i++) out[i] = e4m3_to_f32(b[i]);
+        return;
+    default:
+        for (int64_t i = 0; i < d; i++) out[i] = e5m2_to_f32(b[i]);
+    }
+}
+
+void kv_store_row(const float *x, int kind, int64_t d, void *row) {
+    uint8_t *b = row;
+    switch (kind) {
+    case KV_BF16:
+        for (int64_t i = 0; i < d; i++) ((bf16 *)row)[i] = f32_to_bf16(x[i]);
+        return;
+    case KV_INT8: {
+        float amax = 0.0f;
+        for (int64_t i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        /* the scale is stored as bf16: quantize with the stored value, so reading is exact */
+        const bf16 s16 = f32_to_bf16(amax / 127.0f);
+        const float s = bf16_to_f32(s16);
+        for (int64_t i = 0; i < d; i++) {
+            float r = s > 0.0f ? nearbyintf(x[i] / s) : 0.0f;
+            r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+            b[i] = (uint8_t)(int8_t)r;
+        }
+        memcpy(b + d, &s16, 2);
+        return;
+    }
+    case KV_E4M3:
+        for (int64_t i = 0; i < d; i++) b[i] = f32_to_fp8(x[i], 3, 7, 448.0f);
+        return;
+    default:
+        for (int64_t i = 0; i < d; i++) b[i] = f32_to_fp8(x[i], 2, 15, 57344.0f);
+    }
+}

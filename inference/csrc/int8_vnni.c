@@ -1,0 +1,106 @@
+/* The integer products of int8 weight blocks on VNNI (vpdpbusd: unsigned bytes times signed
+ * bytes, four products summed into each 32-bit lane per instruction, a quarter of the
+ * instructions of vpmaddubsw's sequence). Built as a library of its own, with -mavx512vnni
+ * (on the AVX-512 build's flags) or -mavxvnni (on AVX2's), and loaded only where the CPU
+ * reports the extension; gemm8.c calls it through the pointer cpu_kernels.enable sets.
+ *
+ * vpdpbusd wants one operand unsigned: the activations' signed bytes plus 128 (a flip of the
+ * top bit), and the extra 128 * (the column's sum of weights) taken off at the end, so the
+ * results are the exact signed sums (the same as every other int8 path). With -DMS_SIMDE the
+ * AVX-512 source compiles against SIMDe's portable intrinsics (tests on CPUs without it).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "simd.h"
+
+#define BLOCK 16
+#define VPB (BLOCK / VL)
+#if defined(MS_AVX512)
+#define MR 8
+static inline vi dpbusd(vi acc, vi u8, vi s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
+#else
+#define MR 4
+#if defined(MS_SIMDE)
+static inline vi dpbusd(vi acc, vi u8, vi s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
+#else
+static inline vi dpbusd(vi acc, vi u8, vi s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
+#endif
+#endif
+
+static inline vi unsigned_quad(const int8_t *a) {
+    int32_t x4;
+    memcpy(&x4, a, 4);
+    return vi_set1(x4 ^ (int32_t)0x80808080u);
+}
+
+static inline void finish(const vi acc[VPB], const int32_t *colsum, int32_t *c) {
+    for (int v = 0; v < VPB; v++) vi_store(c + v * VL, vi_sub(acc[v], vi_slli(vi_load(colsum + v * VL), 7)));
+}
+
+static inline __attribute__((always_inline)) void tile(const int rows, const int8_t *A, int64_t lda, const int8_t *B,
+                                                       int64_t Kq, const int32_t *colsum, int32_t *C, int64_t ldc) {
+    vi acc[MR][VPB];
+#pragma GCC unroll 8
+    for (int m = 0; m < rows; m++)
+        for (int v = 0; v < VPB; v++) acc[m][v] = vi_set1(0);
+    for (int64_t kq = 0; kq < Kq / 4; kq++) {
+        vi w[VPB];
+        for (int v = 0; v < VPB; v++) w[v] = vi_load(B + kq * 4 * BLOCK + v * 4 * VL);
+#pragma GCC unroll 8
+        for (int m = 0; m < rows; m++) {
+            const vi x = unsigned_quad(A + m * lda + 4 * kq);
+            for (int v = 0; v < VPB; v++) acc[m][v] = dpbusd(acc[m][v], x, w[v]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < rows; m++) finish(acc[m], colsum, C + m * ldc);
+}
+
+/* one row: four accumulators over consecutive quads hide vpdpbusd's latency; the weights
+ * stream once (bound by memory) */
+static void row1(const int8_t *A, const int8_t *B, int64_t Kq, const int32_t *colsum, int32_t *C) {
+    vi acc[4][VPB];
+    for (int u = 0; u < 4; u++)
+        for (int v = 0; v < VPB; v++) acc[u][v] = vi_set1(0);
+    const int64_t quads = Kq / 4;
+    int64_t kq = 0;
+    for (; kq + 4 <= quads; kq += 4) {
+        _mm_prefetch((const char *)(B + kq * 4 * BLOCK) + 1024, _MM_HINT_T0);
+        for (int u = 0; u < 4; u++) {
+            const vi x = unsigned_quad(A + 4 * (kq + u));
+            for (int v = 0; v < VPB; v++) acc[u][v] = dpbusd(acc[u][v], x, vi_load(B + (kq + u) * 4 * BLOCK + v * 4 * VL));
+        }
+    }
+    for (; kq < quads; kq++) {
+        const vi x = unsigned_quad(A + 4 * kq);
+        for (int v = 0; v < VPB; v++) acc[0][v] = dpbusd(acc[0][v], x, vi_load(B + kq * 4 * BLOCK + v * 4 * VL));
+    }
+    vi sum[VPB];
+    for (int v = 0; v < VPB; v++) sum[v] = vi_add(vi_add(acc[0][v], acc[1][v]), vi_add(acc[2][v], acc[3][v]));
+    finish(sum, colsum, C);
+}
+
+void ms_int8_vnni_block(const int8_t *A, int64_t lda, int64_t rows, const int8_t *B, int64_t Kq,
+                        const int32_t *colsum, int32_t *C, int64_t ldc) {
+    if (rows == 1) {
+        row1(A, B, Kq, colsum, C);
+        return;
+    }
+    for (int64_t m0 = 0; m0 < rows; m0 += MR) {
+        const int8_t *a = A + m0 * lda;
+        int32_t *c = C + m0 * ldc;
+        switch (rows - m0 < MR ? rows - m0 : MR) {
+        case 1: row1(a, B, Kq, colsum, c); break;
+        case 2: tile(2, a, lda, B, Kq, colsum, c, ldc); break;
+        case 3: tile(3, a, lda, B, Kq, colsum, c, ldc); break;
+        case 4: tile(4, a, lda, B, Kq, colsum, c, ldc); break;
+#if MR > 4
+        case 5: tile(5, a, lda, B, Kq, colsum, c, ldc); break;
+        case 6: tile(6, a, lda, B, Kq, colsum, c, ldc); break;
+        case 7: tile(7, a, lda, B, Kq, colsum, c, ldc); break;
+        case 8: tile(8, a, lda, B, Kq, colsum, c, ldc); break;
+#endif
+        }
+    }
+}

@@ -1,0 +1,168 @@
+"""8-bit weights: int8 (W8A8) and fp8 e4m3, as vLLM and SGLang run them.
+
+- int8: symmetric per-output-channel weight scales computed at load from a bf16/float32
+  checkpoint; activations quantized per token at run time (symmetric, amax / 127); int32
+  sums of the integer products, scaled by both scales.
+- fp8 (e4m3): FP8 checkpoints as published (128x128 block scales `weight_scale_inv`, as
+  DeepSeek-V3 and the Qwen3 FP8 releases ship them; per-tensor or per-channel `weight_scale`,
+  as compressed-tensors writes them), or a bf16 checkpoint quantized per channel at load. On
+  the CPU they run weight-only (each weight widened and scaled in the kernel); on CUDA through
+  torch._scaled_mm with per-token fp8 activations (unmeasured: no GPU run has proven it yet).
+
+A QWeight keeps the 8-bit values and their scales in one of two layouts: row-major
+[..., N, K] (the torch path: CUDA, float32 engines, CPUs without our kernels) or packed for
+the CPU kernels (cpu_kernels.pack_qweight). Scales are float32 [..., G, N]: one per group of
+`group` inputs (all K for per-channel scales) and output column.
+
+This module is the torch reference of the arithmetic the kernels do (same rounding rules),
+so the two paths can be held equal in tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+FP8_BLOCK = 128  # the block scales' size, rows and inputs alike, as the checkpoints ship them
+
+
+@dataclass(eq=False)
+class QWeight:
+    fmt: str  # "int8" | "fp8"
+    data: torch.Tensor  # int8 / float8_e4m3fn [..., N, K], or packed uint8 [..., Kq/4, N, 4]
+    scale: torch.Tensor  # float32 [..., G, N]
+    group: int  # inputs per scale group
+    in_features: int
+    colsum: torch.Tensor | None = None  # int32 [..., N], each column's sum (packed int8 only)
+
+    @property
+    def packed(self) -> bool:
+        return self.data.dim() == self.scale.dim() + 1
+
+    @property
+    def out_features(self) -> int:
+        return self.scale.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self.data, self.scale, self.colsum)
+            if t is not None
+        )
+
+    def __getitem__(self, index: int) -> QWeight:
+        """One matrix of a stack (an expert of [E, N, K])."""
+        colsum = None if self.colsum is None else self.colsum[index]
+        return QWeight(
+            self.fmt, self.data[index], self.scale[index], self.group, self.in_features, colsum
+        )
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The real weights [..., N, K] (row-major layout only)."""
+        if self.packed:
+            raise ValueError("dequantize() reads the row-major layout, not a packed weight")
+        scale = self.scale.transpose(-1, -2).repeat_interleave(self.group, dim=-1)
+        return (self.data.float() * scale[..., : self.in_features]).to(dtype)
+
+
+# ---- quantizing ---------------------------------------------------------------------------
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row (per token, per output channel): q = rne(x * 127 / amax) in
+    [-127, 127] and the scale amax / 127 (0 for a zero row), in float32 as the kernels do."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    # a true division (torch turns `127.0 / amax` into 127 * reciprocal(amax): another rounding)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = (x * inv).round().clamp(-127, 127).to(torch.int8)
+    return q, (amax / 127.0).squeeze(-1)
+
+
+def quantize_int8(w: torch.Tensor) -> QWeight:
+    """[..., N, K] -> int8 with a scale per output channel."""
+    q, scale = quantize_rows(w)
+    return QWeight("int8", q, scale.unsqueeze(-2).contiguous(), w.shape[-1], w.shape[-1])
+
+
+def quantize_fp8(w: torch.Tensor) -> QWeight:
+    """[..., N, K] -> fp8 e4m3 with a scale per output channel (amax / 448)."""
+    w = w.float()
+    scale = (w.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(
+        min=torch.finfo(torch.float32).tiny
+    )
+    q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return QWeight("fp8", q, scale.transpose(-1, -2).contiguous(), w.shape[-1], w.shape[-1])
+
+
+def quantize(w: torch.Tensor, fmt: str) -> QWeight:
+    return quantize_int8(w) if fmt == "int8" else quantize_fp8(w)
+
+
+def checkpoint_fp8_scales(
+    scale: torch.Tensor, shape: tuple[int, int], inverse_block: bool
+) -> tuple[torch.Tensor, int]:
+    """A published FP8 tensor's scales -> per-row group scales [N, G] and the group size.
+    inverse_block: DeepSeek-V3 / Qwen3-FP8's `weight_scale_inv` [ceil(N/128), ceil(K/128)]
+    (multiplied in, despite its name); else compressed-tensors' `weight_scale`: one value
+    (per tensor) or one per output channel ([N] or [N, 1])."""
+    n, k = shape
+    scale = scale.float()
+    if inverse_block:
+        blocks = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+        if tuple(scale.shape) != blocks:
+            raise ValueError(f"weight_scale_inv has shape {tuple(scale.shape)}, expected {blocks}")
+        return scale.repeat_interleave(FP8_BLOCK, dim=0)[:n], FP8_BLOCK
+    if scale.numel() == 1:
+        return scale.reshape(1, 1).expand(n, 1), k
+    if scale.numel() == n:
+        return scale.reshape(n, 1), k
+    raise ValueError(f"weight_scale has shape {tuple(scale.shape)}; expected a scalar or [{n}]")
+
+
+# ---- the torch path --------------------------------------------------------------------------
+
+
+def linear(
+    x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, scaled_mm: bool | None = None
+) -> torch.Tensor:
+    """x [..., K] times a row-major QWeight (+ bias) -> [..., N] in x's dtype.
+    int8: W8A8, x quantized per row, exact int32 sums (torch._int_mm), both scales.
+    fp8: on CUDA (or with scaled_mm=True) x quantized per row to fp8 and torch._scaled_mm
+    with row-wise scales, where the weight has one scale per channel; else weight-only."""
+    rows = x.reshape(-1, x.shape[-1])
+    if w.fmt == "int8":
+        q, sx = quantize_rows(rows)
+        acc = _int_matmul(q, w.data)
+        y = acc.float() * sx.unsqueeze(1) * w.scale[0]
+    else:
+        use_scaled = x.device.type == "cuda" if scaled_mm is None else scaled_mm
+        if use_scaled and w.scale.shape[-2] == 1:
+            y = _fp8_scaled_mm(rows, w)
+        else:
+            y = F.linear(rows.float(), w.dequantize(torch.float32))
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
+
+
+def _int_matmul(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """int8 [M, K] x int8 [N, K]^T -> int32 [M, N], exact. torch._int_mm takes K and N
+    multiples of 8 (and on CUDA more than 16 rows); its CPU kernel returned wrong sums for
+    K = 1 in torch 2.13. Other shapes multiply in float64, exact for these sums."""
+    m, k = q.shape
+    if k % 8 == 0 and w.shape[0] % 8 == 0 and (q.device.type == "cpu" or m > 16):
+        return torch._int_mm(q, w.t())
+    return (q.double() @ w.double().t()).to(torch.int32)
+
+
+def _fp8_scaled_mm(rows: torch.Tensor, w: QWeight) -> torch.Tensor:
+    amax = rows.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    sx = amax / FP8_MAX
+    xq = (rows.float() / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return torch._scaled_mm(xq, w.data.t(), scale_a=sx, scale_b=w.scale, out_dtype=torch.float32)

@@ -1,0 +1,173 @@
+"""The 8-bit kernels (csrc/gemm8.c, int8_vnni.c, amx.c's int8 tiles): int8 weights (W8A8)
+against the exact integer arithmetic of quant.py's torch path, fp8 weights and 8-bit KV-cache
+rows against float32 arithmetic, on every path this CPU can run (tests/inference/
+test_cpu_kernels.py's `path` fixture: native builds best first, then the emulated ones), with
+VNNI on and off (vpmaddubsw's sequence instead). Paths the CPU lacks are skipped with the
+reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inference import cpu_kernels, kv_cache, quant
+from inference.moe import grouped_dispatch, select_experts
+from tests.inference.test_cpu_kernels import (  # noqa: F401 (the fixture)
+    attention_reference,
+    close_to_bf16,
+    path,
+    randn,
+)
+
+
+@pytest.fixture(params=[True, False], ids=["vnni", "no-vnni"])
+def int8_path(request, path):  # noqa: F811
+    """`path` with the int8 products on VNNI where the CPU has it, and forced off it."""
+    if not request.param:
+        cpu_kernels.enable(path.isa, amx=path.amx, emulated=path.emulated, vnni=False)
+    yield f"{path} int8={cpu_kernels.INT8}"
+
+
+@pytest.mark.parametrize(
+    "m,n,k",
+    [(1, 4000, 512), (1, 40, 70), (3, 17, 1), (5, 64, 510), (17, 96, 64), (64, 48, 256)],
+)
+def test_int8_linear_equals_the_exact_integer_arithmetic(int8_path, m, n, k):
+    w, x, b = randn(n, k, scale=0.05), randn(m, k, seed=1), randn(n, seed=2)
+    qw = quant.quantize_int8(w.float())
+    packed = cpu_kernels.pack_qweight(qw)
+    assert packed.colsum.tolist() == qw.data.int().sum(-1).tolist()
+    # the same quantized rows, integer sums and scales, rounded once: bit for bit
+    assert torch.equal(cpu_kernels.linear(x, packed, b), quant.linear(x, qw, b))
+    assert torch.equal(cpu_kernels.linear(x, packed), quant.linear(x, qw))
+
+
+def test_int8_products_need_no_offset_and_never_saturate(int8_path):
+    """Rows of +-127 against weights of +-127: the largest products a pair can make."""
+    k = 256
+    x = torch.full((20, k), 1.0).bfloat16()
+    x[:, 1::2] = -1.0
+    w = torch.ones(32, k)
+    w[::2, 1::2] = -1.0
+    qw = quant.quantize_int8(w)
+    out = cpu_kernels.linear(x, cpu_kernels.pack_qweight(qw))
+    exact = x.float() @ w.t()
+    torch.testing.assert_close(out.float(), exact)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 300, 256), (4, 40, 130), (20, 64, 256), (50, 33, 512)])
+@pytest.mark.parametrize("layout", ["channel", "block"])
+def test_fp8_linear_matches_float32_arithmetic(path, m, n, k, layout):  # noqa: F811
+    w, x, b = randn(n, k, scale=0.05), randn(m, k, seed=1), randn(n, seed=2)
+    qw = quant.quantize_fp8(w.float())
+    if layout == "block":  # 128 x 128 blocks as the published checkpoints: per-row groups
+        scales, group = quant.checkpoint_fp8_scales(
+            torch.rand(-(-n // 128), -(-k // 128)) * 1e-3 + 1e-4, (n, k), inverse_block=True
+        )
+        qw = quant.QWeight("fp8", qw.data, scales.t().contiguous(), group, k)
+    exact = x.float() @ qw.dequantize().t() + b.float()
+    # many rows dequantize the block to bf16 first: one more rounding of each weight
+    tolerance = 2**-7 if m < 16 else 2**-6
+    out = cpu_kernels.linear(x, cpu_kernels.pack_qweight(qw), b).float()
+    torch.testing.assert_close(out, exact, rtol=tolerance, atol=float(exact.abs().max()) * 2**-8)
+    torch.testing.assert_close(quant.linear(x, qw, b).float(), exact, rtol=2**-7, atol=1e-2)
+
+
+def test_fp8_scaled_mm_path_matches_weight_only():
+    """The CUDA path (torch._scaled_mm on per-token fp8 activations), run on the CPU where
+    torch implements it: within fp8's activation rounding of the weight-only product."""
+    w, x = randn(64, 256, scale=0.05), randn(8, 256, seed=1)
+    qw = quant.quantize_fp8(w.float())
+    weight_only = quant.linear(x, qw, scaled_mm=False).float()
+    scaled = quant.linear(x, qw, scaled_mm=True).float()
+    torch.testing.assert_close(scaled, weight_only, rtol=0.1, atol=0.06 * weight_only.abs().max())
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize(
+    "t,d,i,e,top_k", [(1, 64, 128, 8, 2), (7, 70, 40, 4, 2), (40, 64, 64, 8, 2)]
+)
+def test_moe_on_8bit_experts_matches_the_torch_path(int8_path, fmt, t, d, i, e, top_k):
+    w13, w2, x = randn(e, 2 * i, d, scale=0.1), randn(e, d, i, scale=0.1, seed=1), randn(t, d)
+    g = torch.Generator().manual_seed(t)
+    weights, ids = select_experts(torch.rand(t, e, generator=g).softmax(-1), top_k, True)
+    q13, q2 = quant.quantize(w13.float(), fmt), quant.quantize(w2.float(), fmt)
+    out, counts = cpu_kernels.moe(
+        x, cpu_kernels.pack_qweight(q13), cpu_kernels.pack_qweight(q2), ids, weights
+    )
+    assert counts.tolist() == torch.bincount(ids.flatten(), minlength=e).tolist()
+    # the torch path sums the experts' weighted outputs in bf16: a rounding or two apart
+    ref = grouped_dispatch(x, weights, ids, counts, q13, q2).float()
+    torch.testing.assert_close(out.float(), ref, rtol=2**-6, atol=float(ref.abs().max()) * 2**-6)
+
+
+# ---- the KV cache's 8-bit rows ------------------------------------------------------------
+
+
+def caches(fmt: str, slots: int, heads: int, width: int) -> torch.Tensor:
+    storage = kv_cache.storage_dtype(fmt, torch.bfloat16)
+    return torch.zeros(slots, heads, kv_cache.row_width(width, storage), dtype=storage)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_the_kernel_writes_8bit_rows_as_torch_does(path, fmt):  # noqa: F811
+    """rope_and_cache's quantizing write against kv_cache.write_kv, byte for byte, over values
+    spanning fp8's subnormals, normals and saturation."""
+    t, h, g, d = 9, 4, 2, 64
+    qkv = (torch.randn(t, h + 2 * g, d) * torch.logspace(-5, 5, d)).bfloat16()
+    cos, sin = torch.ones(t, d).bfloat16(), torch.zeros(t, d).bfloat16()  # rope is the identity
+    slots = torch.tensor([3, 0, 7, 12, 5, 1, 9, 2, 14])
+    kc, vc = caches(fmt, 16, g, d), caches(fmt, 16, g, d)
+    cpu_kernels.rope_and_cache(qkv.clone(), cos, sin, h, g, slots, kc, vc)
+    rk, rv = caches(fmt, 16, g, d), caches(fmt, 16, g, d)
+    kv_cache.write_kv(rk, slots, qkv[:, h : h + g])
+    kv_cache.write_kv(rv, slots, qkv[:, h + g :])
+    assert torch.equal(kc.view(torch.uint8), rk.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), rv.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_decode_attention_reads_8bit_rows_in_place(path, fmt):  # noqa: F811
+    bs, nblocks, heads, kv_heads, dim = 16, 20, 8, 2, 64
+    lengths = [5, 70, 200]
+    kc, vc = caches(fmt, nblocks * bs, kv_heads, dim), caches(fmt, nblocks * bs, kv_heads, dim)
+    every = torch.arange(nblocks * bs)
+    kv_cache.write_kv(kc, every, randn(nblocks * bs, kv_heads, dim, seed=7))
+    kv_cache.write_kv(vc, every, randn(nblocks * bs, kv_heads, dim, seed=8))
+    g = torch.Generator().manual_seed(2)
+    tables = torch.stack([torch.randperm(nblocks, generator=g)[:13] for _ in lengths]).int()
+    q = randn(len(lengths), heads, dim, seed=3)
+    out = cpu_kernels.decode_attention(
+        q, kc, vc, tables, torch.tensor(lengths, dtype=torch.int32), bs, 0.125
+    )
+    # against float32 attention over the rows as torch dequantizes them
+    kf, vf = kv_cache.dequantize(kc, torch.float32), kv_cache.dequantize(vc, torch.float32)
+    for b, n in enumerate(lengths):
+        close_to_bf16(out[b], attention_reference(q[b], kf, vf, tables[b], n, bs, 0.125))
+
+
+def test_an_int8_latent_cache_reads_its_values_and_scale_as_mla_does(path):  # noqa: F811
+    bs, r, p = 16, 64, 16
+    cache = caches("int8", 320, 1, r + p)
+    kv_cache.write_kv(cache, torch.arange(320), randn(320, 1, r + p, seed=4))
+    tables = torch.arange(20, dtype=torch.int32).flip(0).view(2, 10)
+    q = randn(2, 16, r + p, seed=5)
+    lengths = torch.tensor([150, 9], dtype=torch.int32)
+    out = cpu_kernels.decode_attention(q, cache, cache, tables, lengths, bs, 0.1, v_dim=r)
+    values = kv_cache.dequantize(cache, torch.float32)
+    for b in range(2):
+        expected = attention_reference(
+            q[b], values, values, tables[b], int(lengths[b]), bs, 0.1, v_dim=r
+        )
+        close_to_bf16(out[b], expected)
+
+
+def test_int8_rows_hold_their_values_within_a_step_of_their_scale():
+    x = randn(50, 4, 64, seed=9)
+    cache = caches("int8", 50, 4, 64)
+    kv_cache.write_kv(cache, torch.arange(50), x)
+    back = kv_cache.dequantize(cache, torch.float32)
+    step = x.float().abs().amax(-1, keepdim=True) / 127
+    assert (back - x.float()).abs().le(step * 0.51 + 1e-6).all()
+    assert F.cosine_similarity(back.flatten(), x.float().flatten(), dim=0) > 0.9999
