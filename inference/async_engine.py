@@ -108,6 +108,9 @@ class AsyncLLMEngine:
         ready = self._receive_start()
         self.max_model_len = ready.max_model_len
         self.device, self.dtype = ready.device, ready.dtype
+        self.quantization, self.kv_cache_dtype = ready.quantization, ready.kv_cache_dtype
+        self.weight_bytes = ready.weight_bytes
+        self.kv_cache_tokens, self.kv_cache_bytes = ready.kv_cache_tokens, ready.kv_cache_bytes
 
     def _receive_start(self) -> Ready:
         try:

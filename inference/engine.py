@@ -87,7 +87,12 @@ class LLMEngine:
             and cpu_kernels.enable_once() is not None
         )
         if self.quantization != "none":
-            model.quantize(self.quantization, fp8_weights)
+            # an FP8 checkpoint served as fp8 keeps what it shipped in 16 bits (its lm_head)
+            model.quantize(
+                self.quantization,
+                fp8_weights,
+                only_published=published == "fp8" and self.quantization == "fp8",
+            )
             self._note_quantized_path(kernels)
             compile = False  # 8-bit weights are opaque to torch.compile
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:

@@ -59,6 +59,11 @@ class Ready(msgspec.Struct, tag=True):
     max_model_len: int
     device: str
     dtype: str
+    quantization: str
+    kv_cache_dtype: str
+    weight_bytes: int  # resident weights (8-bit weights count their scales)
+    kv_cache_tokens: int
+    kv_cache_bytes: int
 
 
 class StepResult(msgspec.Struct, tag=True):
@@ -137,7 +142,14 @@ def main(fd: int) -> None:
     conn.send_bytes(
         encoder.encode(
             Ready(
-                engine.max_model_len, str(engine.device), str(engine.dtype).removeprefix("torch.")
+                engine.max_model_len,
+                str(engine.device),
+                str(engine.dtype).removeprefix("torch."),
+                engine.quantization,
+                engine.kv_cache_dtype,
+                engine.weight_bytes,
+                engine.kv_cache_tokens,
+                engine.kv_cache_bytes,
             )
         )
     )

@@ -233,11 +233,18 @@ class MoETransformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def quantize(self, fmt: str, published: dict[str, QWeight], lm_head: bool = True) -> None:
+    def quantize(
+        self,
+        fmt: str,
+        published: dict[str, QWeight],
+        lm_head: bool = True,
+        only_published: bool = False,
+    ) -> None:
         """8-bit weights (quant.py), once after loading: every attention projection, expert
         and dense MLP, and the lm_head if asked. Routers, norms and embeddings stay in the
         model's dtype, as does MLA's kv_b_proj (the absorbed projections are derived from
-        it). `published`: fp8 weights as the checkpoint shipped them (used as they are)."""
+        it). `published`: fp8 weights as the checkpoint shipped them, used as they are;
+        with only_published, what the checkpoint kept in 16 bits stays so."""
         for name, module in self.named_modules():
             if isinstance(module, Linear):
                 skip = name.endswith("attn.wkv_b") or (name == "lm_head" and not lm_head)
@@ -248,6 +255,8 @@ class MoETransformer(nn.Module):
                 continue
             for attr in attrs:
                 kept = published.get(f"{name}.{attr}") if fmt == "fp8" else None
+                if kept is None and only_published:
+                    continue
                 set_weight(module, attr, kept or quant.quantize(getattr(module, attr).data, fmt))
 
     def weight_bytes(self) -> int:

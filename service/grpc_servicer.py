@@ -102,6 +102,11 @@ class InferenceServicer:
             num_experts_per_token=args.top_k,
             dtype=engine.dtype,
             device=engine.device,
+            quantization=engine.quantization,
+            kv_cache_dtype=engine.kv_cache_dtype,
+            weight_bytes=engine.weight_bytes,
+            kv_cache_tokens=engine.kv_cache_tokens,
+            kv_cache_bytes=engine.kv_cache_bytes,
         )
 
     async def _parse(

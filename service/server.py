@@ -207,7 +207,19 @@ def build_observability(engine: AsyncLLMEngine, settings: Settings, model: str) 
     args = engine.args
     num_moe_layers = args.num_layers - len(args.dense_layers) if args.num_experts else 0
     metrics = ServiceMetrics(
-        CollectorRegistry(), model, num_moe_layers, args.num_experts, engine.max_waiting
+        CollectorRegistry(),
+        model,
+        num_moe_layers,
+        args.num_experts,
+        engine.max_waiting,
+        info={
+            "dtype": engine.dtype,
+            "device": engine.device,
+            "quantization": engine.quantization,
+            "kv_cache_dtype": engine.kv_cache_dtype,
+        },
+        weight_bytes=engine.weight_bytes,
+        kv_cache_bytes=engine.kv_cache_bytes,
     )
     tokenizer = engine.tokenizer
     return Observability(

@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
-from inference.config import EngineConfig
+from inference.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from inference.tool_parsers import PARSERS
 
 
@@ -25,6 +25,9 @@ class Settings:
     max_model_len: int | None = None
     max_waiting: int = 256
     kv_cache_tokens: int | None = None
+    kv_cache_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
     compile: bool = False
     max_body_bytes: int = 1 << 20
     log_format: str | None = None  # json | console; default: console on a TTY, JSON otherwise
@@ -49,6 +52,13 @@ _HELP = {
     "api_key": "require 'Authorization: Bearer KEY' on /v1 routes and gRPC",
     "max_waiting": "waiting-queue bound; beyond it requests get 429 / RESOURCE_EXHAUSTED",
     "kv_cache_tokens": "KV cache size in tokens (CPU; GPU default: from free memory)",
+    "kv_cache_bytes": "KV cache size in bytes, instead of --kv-cache-tokens (an 8-bit cache "
+    "holds about twice the tokens of a bf16 one in the same bytes)",
+    "kv_cache_dtype": "KV cache format: auto (the model's dtype), int8 (per-row scales), "
+    "fp8_e4m3, fp8_e5m2",
+    "quantization": "weights: none, int8 (W8A8: int8 weights and per-token int8 activations) "
+    "or fp8 (e4m3, weight-only on the CPU); default: as the checkpoint ships (fp8 for FP8 "
+    "checkpoints, else none)",
     "compile": "torch.compile the decode steps at start-up (faster decoding, slower start)",
     "max_body_bytes": "request body size limit (413 beyond)",
     "log_prompts": "include prompt and output text in logs",
@@ -61,6 +71,8 @@ _HIDDEN = {"telemetry"}  # for benchmarks (telemetry on against off), not for op
 _CHOICES = {
     "device": ["auto", "cpu", "cuda"],
     "dtype": ["auto", "float32", "bfloat16", "float16"],
+    "kv_cache_dtype": list(KV_CACHE_DTYPES),
+    "quantization": list(QUANTIZATIONS),
     "log_format": ["json", "console"],
     "demo_preset": ["tiny", "small"],
     "tool_call_parser": ["auto", *PARSERS],

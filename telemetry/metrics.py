@@ -150,9 +150,13 @@ class ServiceMetrics:
         *,
         imbalance_window_steps: int = IMBALANCE_WINDOW_STEPS,
         span_export: Any = None,
+        info: dict[str, str] | None = None,
+        weight_bytes: int = 0,
+        kv_cache_bytes: int = 0,
     ) -> None:
         """`span_export`: the `SpanExportStats` the trace-export counters read (default: the
-        process's, telemetry.tracing.SPAN_EXPORT)."""
+        process's, telemetry.tracing.SPAN_EXPORT). `info`: what moeserve_model_info labels
+        (dtype, device, quantization, kv_cache_dtype); the byte counts: what is resident."""
         if span_export is None:
             from telemetry.tracing import SPAN_EXPORT as span_export
         self.registry = registry
@@ -262,6 +266,24 @@ class ServiceMetrics:
             ("model", "cache"),
             GRAMMAR_COMPILE_BUCKETS,
         )
+
+        info = info or {}
+        self.model_info = Gauge(
+            "moeserve_model_info",
+            "The served model's numeric formats (value 1): weights and KV cache.",
+            ("model", *sorted(info)),
+            registry=r,
+        )
+        self.model_info.labels(model, *(info[k] for k in sorted(info))).set(1)
+        self.memory = Gauge(
+            "moeserve_model_memory_bytes",
+            "Bytes resident for the model: weights (8-bit weights with their scales) and "
+            "the KV cache.",
+            ("model", "kind"),
+            registry=r,
+        )
+        self.memory.labels(model, "weights").set(weight_bytes)
+        self.memory.labels(model, "kv_cache").set(kv_cache_bytes)
 
         # Children resolved once: the hot paths never go through .labels().
         self._ttft = {api: self.ttft.labels(model, api) for api in APIS}

@@ -206,7 +206,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "max_model_len", "vocab_size", "hidden_size", "num_layers", "num_experts", "num_experts_per_token", "dtype", "device")
+    __slots__ = ("model_name", "architecture", "max_model_len", "vocab_size", "hidden_size", "num_layers", "num_experts", "num_experts_per_token", "dtype", "device", "quantization", "kv_cache_dtype", "weight_bytes", "kv_cache_tokens", "kv_cache_bytes")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,11 @@ class ModelInfoResponse(_message.Message):
     NUM_EXPERTS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     max_model_len: int
@@ -227,4 +232,9 @@ class ModelInfoResponse(_message.Message):
     num_experts_per_token: int
     dtype: str
     device: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_token: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    quantization: str
+    kv_cache_dtype: str
+    weight_bytes: int
+    kv_cache_tokens: int
+    kv_cache_bytes: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_token: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...

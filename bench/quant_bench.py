@@ -1,0 +1,207 @@
+"""`make bench`: 8-bit weights and KV cache (issue 19), accuracy and speed, each as a ratio
+against bf16 measured in the same run (a benchmark, not a test).
+
+Accuracy (`--accuracy`): perplexity of SmolLM2-135M-Instruct (the trained model `--model
+smollm2` serves) on a fixed English text every machine has, CPython's own
+`pydoc_data/topics.py` (the stdlib's documentation topics): its first 32,768 tokens in 32
+windows of 1,024, each window scored through the engine's prompt_logprobs. Windows are
+prefilled in chunks of 64 tokens, so every chunk after a window's first attends over the KV
+cache as stored (quantized, for the 8-bit caches). Configurations: bf16; int8 and fp8
+weights; int8, fp8_e4m3 and fp8_e5m2 KV caches. Each gets its relative perplexity increase
+over bf16 and its greedy agreement with bf16 over 16 prompts x 128 tokens (prompts: 16 runs
+of 64 tokens from later in the same text; agreement: the share of tokens generated before
+the first difference, and how many of the 16 are identical).
+
+Speed (`--speed`): the small demo model (as `make bench`'s engine rows), int8 and fp8
+weights against bf16, single stream 128 -> 128 and batched 32 x 128 -> 128, rounds
+alternating between the engines (best of each); resident weight bytes; and KV capacity: the
+tokens each cache format holds in the same byte budget, from the engines' own numbers.
+
+Results: bench/results/quant_bench.json (with the CPU's name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from bench.engine_bench import make_prompts
+from inference import LLMEngine, SamplingParams
+from inference.demo_model import ensure_demo_model
+
+RESULTS = Path(__file__).parent / "results"
+WINDOW, TOKENS, CHUNK = 1024, 32768, 64
+ACCURACY_CONFIGS = {
+    "bf16": {},
+    "int8_weights": {"quantization": "int8"},
+    "fp8_weights": {"quantization": "fp8"},
+    "int8_kv": {"kv_cache_dtype": "int8"},
+    "fp8_e4m3_kv": {"kv_cache_dtype": "fp8_e4m3"},
+    "fp8_e5m2_kv": {"kv_cache_dtype": "fp8_e5m2"},
+}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def corpus_ids(tokenizer) -> list[int]:
+    import pydoc_data.topics
+
+    text = Path(pydoc_data.topics.__file__).read_text(encoding="utf-8")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < TOKENS + 16 * 64:
+        raise RuntimeError(f"pydoc_data/topics.py gives only {len(ids)} tokens")
+    return ids
+
+
+def perplexity(engine: LLMEngine, ids: list[int]) -> float:
+    windows = [ids[i : i + WINDOW] for i in range(0, TOKENS, WINDOW)]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    nll, count = 0.0, 0
+    for out in engine.generate(windows, params):
+        values = [lp.logprob for lp in out.prompt_logprobs[1:]]
+        nll -= sum(values)
+        count += len(values)
+    return math.exp(nll / count)
+
+
+def greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=128, min_tokens=128, temperature=0.0, ignore_eos=True)
+    return [out.token_ids for out in engine.generate(prompts, params)]
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
+    prefix = []
+    for out, ref in zip(outputs, reference):
+        same = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), len(ref))
+        prefix.append(same / len(ref))
+    return {
+        "tokens_before_first_difference": round(sum(prefix) / len(prefix), 4),
+        "identical_outputs": sum(p == 1.0 for p in prefix),
+    }
+
+
+def bench_accuracy() -> dict:
+    from inference.model_zoo import resolve_model
+
+    model_dir = resolve_model("smollm2")
+    rows, ids, prompts, reference = {}, None, None, None
+    for name, options in ACCURACY_CONFIGS.items():
+        engine = LLMEngine.from_pretrained(
+            model_dir,
+            device="cpu",
+            dtype="bfloat16",
+            max_num_batched_tokens=CHUNK,
+            max_num_seqs=32,
+            kv_cache_tokens=40960,
+            enable_prefix_caching=False,
+            **options,
+        )
+        if ids is None:
+            ids = corpus_ids(engine.tokenizer)
+            later = ids[TOKENS:]
+            prompts = [later[i * 64 : (i + 1) * 64] for i in range(16)]
+        started = time.monotonic()
+        row = {"perplexity": perplexity(engine, ids), "weight_bytes": engine.weight_bytes}
+        outputs = greedy(engine, prompts)
+        row["seconds"] = round(time.monotonic() - started, 1)
+        if reference is None:
+            reference = outputs
+        row |= agreement(outputs, reference)
+        row["ppl_increase"] = row["perplexity"] / rows["bf16"]["perplexity"] - 1 if rows else 0.0
+        rows[name] = row
+        print(
+            f"{name:14s} ppl {row['perplexity']:.4f}  +{100 * row['ppl_increase']:.3f}%  "
+            f"greedy agreement {row['tokens_before_first_difference']:.3f} "
+            f"({row['identical_outputs']}/16 identical)  {row['seconds']} s",
+            flush=True,
+        )
+        del engine
+    return rows
+
+
+def rate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> float:
+    started = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - started)
+
+
+def bench_speed(rounds: int) -> dict:
+    model_dir = ensure_demo_model("small")
+    engines = {
+        name: LLMEngine.from_pretrained(model_dir, device="cpu", dtype="bfloat16", **options)
+        for name, options in (
+            ("bf16", {}),
+            ("int8", {"quantization": "int8"}),
+            ("fp8", {"quantization": "fp8"}),
+        )
+    }
+    prompts = make_prompts(32, 128, engines["bf16"].args.vocab_size)
+    params = SamplingParams(max_tokens=128, min_tokens=128, temperature=0.0, ignore_eos=True)
+    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for engine in engines.values():
+        engine.generate(prompts[:4], warm)
+    best = {(name, kind): 0.0 for name in engines for kind in ("single", "batched")}
+    for _ in range(rounds):  # alternating, so a slow patch of the machine hits every engine
+        for kind, batch in (("single", prompts[:1]), ("batched", prompts)):
+            for name, engine in engines.items():
+                best[name, kind] = max(best[name, kind], rate(engine, batch, params))
+    rows = {}
+    for name, engine in engines.items():
+        rows[name] = {
+            "single_stream": round(best[name, "single"], 1),
+            "batched": round(best[name, "batched"], 1),
+            "weight_bytes": engine.weight_bytes,
+        }
+        if name != "bf16":
+            for kind in ("single_stream", "batched", "weight_bytes"):
+                rows[name][f"{kind}_ratio"] = round(rows[name][kind] / rows["bf16"][kind], 3)
+        print(name, rows[name], flush=True)
+    # KV capacity: the same byte budget in each format, as the engine sizes it
+    budget = engines["bf16"].kv_cache_bytes
+    capacity = {}
+    for fmt in ("auto", "int8", "fp8_e4m3"):
+        engine = LLMEngine.from_pretrained(
+            model_dir, device="cpu", dtype="bfloat16", kv_cache_bytes=budget, kv_cache_dtype=fmt
+        )
+        capacity[fmt] = {"tokens": engine.kv_cache_tokens, "bytes": engine.kv_cache_bytes}
+    for fmt in ("int8", "fp8_e4m3"):
+        capacity[fmt]["tokens_ratio"] = round(
+            capacity[fmt]["tokens"] / capacity["auto"]["tokens"], 3
+        )
+    print("kv capacity at", budget, "bytes:", capacity, flush=True)
+    return {"engines": rows, "kv_capacity": capacity}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--accuracy", action="store_true", help="only the perplexity rows")
+    parser.add_argument("--speed", action="store_true", help="only the speed rows")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    both = not (args.accuracy or args.speed)
+    out = RESULTS / "quant_bench.json"
+    record = json.loads(out.read_text()) if out.exists() else {}
+    record |= {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name()}
+    if args.speed or both:
+        record["speed"] = bench_speed(args.rounds)
+    if args.accuracy or both:
+        record["accuracy"] = bench_accuracy()
+    out.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
