@@ -29,8 +29,6 @@ import platform
 import time
 from pathlib import Path
 
-import torch
-
 from bench.engine_bench import make_prompts
 from inference import LLMEngine, SamplingParams
 from inference.demo_model import ensure_demo_model
