@@ -7,7 +7,8 @@ STAMP  := $(VENV)/.installed
 TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test bench bench-peers proto lint clean loadtest bench-serving scenarios soak
+.PHONY: setup run test bench bench-peers proto lint clean loadtest bench-serving scenarios soak \
+	gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -50,6 +51,17 @@ scenarios: setup
 
 soak: setup
 	$(BIN)/python -m bench.scenarios --only soak $(SCENARIOS_ARGS)
+
+# The GPU check (issue 21; bench/gpu_check.sh): run on the lent GPU machine, whose image has
+# torch and no network, so no set-up here; .whl/ carries our other dependencies, filled first
+# by `make gpu-wheels` where there is network. `make gpu-check GPU_CHECK_ARGS=--cpu-dry-run`
+# runs the same stages on the CPU with a tiny model (no GPU figure).
+GPU_CHECK_ARGS ?=
+gpu-check:
+	bash bench/gpu_check.sh $(GPU_CHECK_ARGS)
+
+gpu-wheels: setup
+	$(BIN)/python -m bench.gpu_wheels download
 
 proto: setup
 	$(BIN)/python -m service.proto.generate

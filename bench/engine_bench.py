@@ -38,11 +38,12 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def hf_generate(model, batch: list[list[int]], new_tokens: int) -> int:
-    """Left-padded static batch; returns generated tokens."""
+def hf_generate(model, batch: list[list[int]], new_tokens: int, **options) -> int:
+    """Left-padded static batch on the model's device; returns generated tokens. `options` go
+    to `generate` (bench/gpu_bench.py caps the time with max_time)."""
     width = max(len(p) for p in batch)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
     out = model.generate(
         input_ids=ids,
         attention_mask=mask,
@@ -50,14 +51,18 @@ def hf_generate(model, batch: list[list[int]], new_tokens: int) -> int:
         min_new_tokens=new_tokens,
         do_sample=False,
         pad_token_id=0,
+        **options,
     )
     return (out.shape[1] - width) * len(batch)
 
 
-def hf_static_batches(model, prompts: list[list[int]], new_tokens: int, size: int = 16) -> int:
+def hf_static_batches(
+    model, prompts: list[list[int]], new_tokens: int, size: int = 16, **options
+) -> int:
     """transformers `generate` over static batches of `size`; returns generated tokens."""
     return sum(
-        hf_generate(model, prompts[i : i + size], new_tokens) for i in range(0, len(prompts), size)
+        hf_generate(model, prompts[i : i + size], new_tokens, **options)
+        for i in range(0, len(prompts), size)
     )
 
 

@@ -121,6 +121,10 @@ class Preset:
     max_positions: int
     rope_theta: float
     dtype: torch.dtype
+    shared_ffn: int = 0  # Qwen2-MoE's shared expert width; 0: ffn
+    # the tokenizer's vocabulary; 0: vocab_size. A smaller one leaves the ids above it
+    # without text (they decode to nothing), as in Qwen's own checkpoints.
+    tokenizer_vocab: int = 0
 
 
 PRESETS: dict[str, Preset] = {
@@ -188,7 +192,7 @@ def _qwen2_moe(p: Preset, ids: dict[str, int]) -> PretrainedConfig:
         **_common(p, ids),
         intermediate_size=p.ffn,
         moe_intermediate_size=p.ffn,
-        shared_expert_intermediate_size=p.ffn,
+        shared_expert_intermediate_size=p.shared_ffn or p.ffn,
         num_experts=p.num_experts,
         norm_topk_prob=False,
         use_sliding_window=False,
@@ -328,21 +332,27 @@ def _write_tokenizer(out: Path, tok: Tokenizer, max_len: int) -> None:
 
 
 def write_demo_model(
-    out_dir: str | Path, preset: str = "tiny", seed: int = 0, arch: str = "mixtral"
+    out_dir: str | Path,
+    preset: str | Preset = "tiny",
+    seed: int = 0,
+    arch: str = "mixtral",
+    device: str = "cpu",
 ) -> Path:
-    """Write a randomly initialised `arch` checkpoint of `preset` size into `out_dir`."""
-    if preset not in PRESETS:
+    """Write a randomly initialised `arch` checkpoint of `preset` size (a name in PRESETS, or
+    a Preset of one's own: bench/gpu_bench.py's Qwen1.5-MoE-A2.7B shape) into `out_dir`. The
+    weights are drawn on `device` (a GPU draws billions of them in seconds)."""
+    if isinstance(preset, str) and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose from {sorted(ARCHS)}")
-    p = PRESETS[preset]
+    p = PRESETS[preset] if isinstance(preset, str) else preset
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(p.vocab_size)
+    tok = build_tokenizer(p.tokenizer_vocab or p.vocab_size)
     eot, im_end = tok.token_to_id(ENDOFTEXT), tok.token_to_id(IM_END)
     config = ARCHS[arch](p, {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot})
     config.initializer_range = 0.02
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         torch.nn.init.normal_(model.get_output_embeddings().weight, std=_LOGIT_STD / p.hidden**0.5)
@@ -355,7 +365,8 @@ def write_demo_model(
     )
     model.save_pretrained(out)
     _write_tokenizer(out, tok, p.max_positions)
-    marker = {"version": FORMAT_VERSION, "preset": preset, "seed": seed, "arch": arch}
+    name = preset if isinstance(preset, str) else "custom"
+    marker = {"version": FORMAT_VERSION, "preset": name, "seed": seed, "arch": arch}
     (out / _MARKER).write_text(json.dumps(marker, sort_keys=True) + "\n")
     return out
 

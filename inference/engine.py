@@ -31,6 +31,7 @@ from inference.loader import (
 )
 from inference.model import MoETransformer
 from inference.model_runner import ModelRunner
+from inference.moe import gather_limit
 from inference.outputs import CompletionOutput, FinishedSequence, RequestOutput, StepStats
 from inference.prompts import Prompt, check_token_ids, tokenize_prompt
 from inference.sampler import Sampler
@@ -72,10 +73,8 @@ class LLMEngine:
         max_positions = min(
             args.max_position_embeddings, config.max_model_len or args.max_position_embeddings
         )
-        # The gather path avoids host syncs, which only matters on a GPU (see moe.py).
-        gather_max_tokens = 8 if self.device.type == "cuda" else 0
         with torch.device(self.device):
-            model = MoETransformer(args, max_positions, gather_max_tokens)
+            model = MoETransformer(args, max_positions, gather_limit(self.device.type))
         model.to(self.dtype)
         model.rope.to(torch.float32)
         fp8_weights = load_weights(model, path, args, keep_fp8=self.quantization == "fp8")

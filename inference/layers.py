@@ -96,7 +96,10 @@ class RotaryEmbedding(nn.Module):
             scaling = 1.0
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq.float())
+        # positions on the default device (the engine builds the model under torch.device(...)),
+        # the scaled initialisers' frequencies brought over from the CPU
+        positions = torch.arange(max_positions, dtype=torch.float)
+        freqs = torch.outer(positions, inv_freq.float().to(positions.device))
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)

@@ -16,6 +16,8 @@ tokens read once, the others not at all. Elsewhere four dispatch paths, same res
   never tokens. On CPU the per-expert counts cost nothing to read: large prefills take this
   path.
 - single token (CPU decode of one sequence): its A experts one after the other, a dozen ops.
+dispatch_path() names the path a step takes; dispatch(path=...) and MoE(dispatch_path=...)
+force one (tests/inference/test_moe_dispatch.py holds them all equal, the C kernels too).
 """
 
 from __future__ import annotations
@@ -60,11 +62,33 @@ def select_experts(
 # short prefill chunks); larger prefills go through grouped_dispatch, whose matmuls are big
 # enough on their own.
 _PADDED_MAX_ROUTED = 512
+DISPATCH_PATHS = ("gather", "single_token", "padded", "grouped")
+
+
+def gather_limit(device_type: str) -> int:
+    """Up to how many tokens the engine's MoE layers take the gather path on this device: 8
+    on a GPU (no host sync, a fixed number of ops), none on the CPU."""
+    return 8 if device_type == "cuda" else 0
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def dispatch_path(
+    num_tokens: int, num_routed: int, num_experts: int, device_type: str, gather_max_tokens: int
+) -> str:
+    """The path (one of DISPATCH_PATHS) dispatch() takes for a step of `num_tokens` tokens
+    routed to `num_routed` (token, expert) pairs on this device type."""
+    if num_tokens <= gather_max_tokens:
+        return "gather"
+    if device_type == "cpu":
+        if num_tokens == 1:
+            return "single_token"
+        if num_experts <= num_routed <= _PADDED_MAX_ROUTED:
+            return "padded"
+    return "grouped"
 
 
 def dispatch(
@@ -74,17 +98,26 @@ def dispatch(
     w13: torch.Tensor,
     w2: torch.Tensor,
     gather_max_tokens: int,
+    path: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routed tokens -> the MoE output [T, D] and the per-expert token counts [E]."""
-    counts = torch.bincount(ids.flatten(), minlength=w13.shape[0])
-    if x.shape[0] <= gather_max_tokens:
+    """Routed tokens -> the MoE output [T, D] and the per-expert token counts [E]. `path`
+    forces one of DISPATCH_PATHS; None chooses by size and device (dispatch_path)."""
+    flat = ids.flatten()
+    # not bincount: on CUDA it reads the largest id back to the host, a sync in every layer
+    counts = flat.new_zeros(w13.shape[0]).scatter_add_(0, flat, torch.ones_like(flat))
+    if path is None:
+        path = dispatch_path(
+            x.shape[0], ids.numel(), w13.shape[0], x.device.type, gather_max_tokens
+        )
+    if path == "gather":
         return gather_dispatch(x, weights, ids, w13, w2), counts
-    if x.device.type == "cpu":
-        if x.shape[0] == 1:
-            return single_token_dispatch(x, weights, ids, w13, w2), counts
-        if w13.shape[0] <= ids.numel() <= _PADDED_MAX_ROUTED:
-            return padded_dispatch(x, weights, ids, counts, w13, w2), counts
-    return grouped_dispatch(x, weights, ids, counts, w13, w2), counts
+    if path == "single_token":
+        return single_token_dispatch(x, weights, ids, w13, w2), counts
+    if path == "padded":
+        return padded_dispatch(x, weights, ids, counts, w13, w2), counts
+    if path == "grouped":
+        return grouped_dispatch(x, weights, ids, counts, w13, w2), counts
+    raise ValueError(f"unknown MoE dispatch path {path!r}; choose from {', '.join(DISPATCH_PATHS)}")
 
 
 def gather_dispatch(x, weights, ids, w13, w2) -> torch.Tensor:
@@ -97,6 +130,8 @@ def single_token_dispatch(x, weights, ids, w13, w2) -> torch.Tensor:
     """One token on the CPU: its A experts one after the other, in expert order (the
     reference's summation order), four kernels each: w13 GEMV, SiLU, gate * up, and the
     w2 GEMV accumulating weight * output into the result (addmv)."""
+    if x.shape[0] != 1:
+        raise ValueError(f"single_token_dispatch takes one token, got {x.shape[0]}")
     out = torch.zeros_like(x[0])
     for expert, weight in sorted(zip(ids[0].tolist(), weights[0].tolist())):
         gate, up = torch.mv(w13[expert], x[0]).chunk(2)
@@ -151,12 +186,13 @@ def dispatch_op(
     w13: torch.Tensor,
     w2: torch.Tensor,
     gather_max_tokens: int,
+    path: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return dispatch(x, weights, ids, w13, w2, gather_max_tokens)
+    return dispatch(x, weights, ids, w13, w2, gather_max_tokens, path)
 
 
 @dispatch_op.register_fake
-def _(x, weights, ids, w13, w2, gather_max_tokens):
+def _(x, weights, ids, w13, w2, gather_max_tokens, path=None):
     return torch.empty_like(x), x.new_empty(w13.shape[0], dtype=torch.long)
 
 
@@ -173,8 +209,11 @@ class MoE(nn.Module):
         topk_group: int = 1,
         routed_scaling_factor: float = 1.0,
         router_fp32: bool = False,
+        dispatch_path: str | None = None,
     ) -> None:
         super().__init__()
+        if dispatch_path not in (None, *DISPATCH_PATHS):
+            raise ValueError(f"unknown MoE dispatch path {dispatch_path!r}")
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.num_groups, self.topk_group, self.scaling = (
             num_groups,
@@ -184,6 +223,7 @@ class MoE(nn.Module):
         self.router_fp32 = router_fp32
         self.intermediate_size = intermediate_size
         self.gather_max_tokens = gather_max_tokens  # use the gather path up to this many tokens
+        self.dispatch_path = dispatch_path  # one path forced (None: by size and device)
         self.gate = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
@@ -205,7 +245,7 @@ class MoE(nn.Module):
             counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
             return grouped_dispatch(x, weights, ids, counts, self.w13, self.w2), counts
         run = dispatch_op if torch.compiler.is_compiling() else dispatch
-        return run(x, weights, ids, self.w13, self.w2, self.gather_max_tokens)
+        return run(x, weights, ids, self.w13, self.w2, self.gather_max_tokens, self.dispatch_path)
 
     def pack(self) -> None:
         """Prepacks the experts (and the router, unless it runs in float32) for the CPU kernels."""

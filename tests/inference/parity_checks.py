@@ -1,8 +1,13 @@
 """Parity checks of our engine against transformers (float32), shared by the architecture
-tests: prefill/decode logits, greedy decoding alone, and greedy decoding inside a continuous
-batch with chunked prefill and forced preemption."""
+tests: prefill/decode logits, greedy decoding alone, greedy decoding inside a continuous
+batch with chunked prefill and forced preemption, and bf16 logits against float32.
+
+They run on DEVICE: MOESERVE_TEST_DEVICE (default cpu; bench/gpu_check.sh sets cuda), both
+engine and transformers. A device that is not there fails them rather than skipping them."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -10,17 +15,21 @@ from transformers import AutoModelForCausalLM
 from inference import LLMEngine, SamplingParams
 from inference.attention import AttentionMetadata, PrefillChunk
 
+DEVICE = os.environ.get("MOESERVE_TEST_DEVICE", "cpu")
 # min_tokens: transformers' min_new_tokens masks the EOS ids, so the engine must too
 GREEDY_32 = SamplingParams(max_tokens=32, min_tokens=32, temperature=0.0, ignore_eos=True)
 
 
-def hf_model(path):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def hf_model(path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
 def hf_greedy(model, prompt: list[int], n: int = 32) -> list[int]:
     out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False
+        torch.tensor([prompt], device=model.device),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
     )
     return out[0, len(prompt) :].tolist()
 
@@ -30,35 +39,68 @@ def prompts(vocab: int, lengths) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def check_logits_match(path) -> None:
-    engine = LLMEngine.from_pretrained(path, device="cpu", dtype="float32", kv_cache_tokens=512)
-    ref = hf_model(path)
-    tokens = prompts(engine.args.vocab_size, [24])[0]
-    model, caches = engine.model, engine.kv_caches
+def model_logits(engine: LLMEngine, tokens: list[int], prefill: int) -> list[torch.Tensor]:
+    """Our logits over `tokens`: the first `prefill` in one prefill chunk ([prefill, V]), then
+    one decode step per token ([V] each) reading the paged cache through gathered slots."""
+    model, caches, dev = engine.model, engine.kv_caches, engine.device
     with torch.inference_mode():
-        meta = AttentionMetadata(torch.arange(20), 0, None, None, [PrefillChunk(0, 20, 0, None)])
-        hidden, counts = model(torch.tensor(tokens[:20]), torch.arange(20), meta, caches)
-        expected = ref(torch.tensor([tokens[:20]])).logits[0]
-        torch.testing.assert_close(model.logits(hidden), expected, atol=1e-4, rtol=1e-4)
-        assert counts.sum().item() == engine.args.top_k * 20 * counts.shape[0]  # 0 for dense models
-        for pos in range(20, 24):  # decode steps, one token each, reading the paged cache
+        meta = AttentionMetadata(
+            torch.arange(prefill, device=dev), 0, None, None, [PrefillChunk(0, prefill, 0, None)]
+        )
+        positions = torch.arange(prefill, device=dev)
+        hidden, counts = model(torch.tensor(tokens[:prefill], device=dev), positions, meta, caches)
+        assert counts.sum().item() == engine.args.top_k * prefill * counts.shape[0]  # 0: dense
+        logits = [model.logits(hidden)]
+        for pos in range(prefill, len(tokens)):
             meta = AttentionMetadata(
-                torch.tensor([pos]),
+                torch.tensor([pos], device=dev),
                 1,
-                torch.arange(pos + 1)[None],
-                torch.ones(1, 1, 1, pos + 1, dtype=torch.bool),
+                torch.arange(pos + 1, device=dev)[None],
+                torch.ones(1, 1, 1, pos + 1, dtype=torch.bool, device=dev),
                 [],
             )
-            hidden, _ = model(torch.tensor([tokens[pos]]), torch.tensor([pos]), meta, caches)
-            expected = ref(torch.tensor([tokens[: pos + 1]])).logits[0, -1]
-            torch.testing.assert_close(model.logits(hidden)[0], expected, atol=1e-4, rtol=1e-4)
+            step = torch.tensor([tokens[pos]], device=dev), torch.tensor([pos], device=dev)
+            hidden, _ = model(*step, meta, caches)
+            logits.append(model.logits(hidden)[0])
+    return logits
+
+
+def reference_logits(ref, tokens: list[int], prefill: int) -> list[torch.Tensor]:
+    """transformers' logits at the same positions as model_logits()."""
+    with torch.inference_mode():
+        full = ref(torch.tensor([tokens], device=ref.device)).logits[0]
+    return [full[:prefill], *full[prefill:]]
+
+
+def check_logits_match(path) -> None:
+    engine = LLMEngine.from_pretrained(path, device=DEVICE, dtype="float32", kv_cache_tokens=512)
+    tokens = prompts(engine.args.vocab_size, [24])[0]
+    ours = model_logits(engine, tokens, 20)
+    expected = reference_logits(hf_model(path, DEVICE), tokens, 20)
+    for got, want in zip(ours, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def bf16_logits_error(path) -> tuple[float, float]:
+    """Mean |logit - transformers' float32 logit| over a 20-token prefill and 4 decode steps:
+    of our bf16 engine, and of transformers' own bf16 model (what bf16 costs anyway)."""
+    engine = LLMEngine.from_pretrained(path, device=DEVICE, dtype="bfloat16", kv_cache_tokens=512)
+    tokens = prompts(engine.args.vocab_size, [24])[0]
+    exact = reference_logits(hf_model(path, DEVICE), tokens, 20)
+    theirs = reference_logits(hf_model(path, DEVICE, torch.bfloat16), tokens, 20)
+    ours = model_logits(engine, tokens, 20)
+
+    def error(logits: list[torch.Tensor]) -> float:
+        return torch.cat([(a.float() - b).abs().flatten() for a, b in zip(logits, exact)]).mean()
+
+    return float(error(ours)), float(error(theirs))
 
 
 def check_greedy_alone_matches_generate(path, **options) -> None:
     engine = LLMEngine.from_pretrained(
-        path, device="cpu", dtype="float32", kv_cache_tokens=1024, **options
+        path, device=DEVICE, dtype="float32", kv_cache_tokens=1024, **options
     )
-    ref = hf_model(path)
+    ref = hf_model(path, DEVICE)
     for prompt in prompts(engine.args.vocab_size, [7, 40]):
         [out] = engine.generate([prompt], GREEDY_32)
         assert out.token_ids == hf_greedy(ref, prompt)
@@ -70,14 +112,14 @@ def check_continuous_batch_with_chunked_prefill_and_preemption(path, **options) 
     12 blocks of 16 tokens, far below what the batch needs, so sequences get preempted."""
     engine = LLMEngine.from_pretrained(
         path,
-        device="cpu",
+        device=DEVICE,
         dtype="float32",
         kv_cache_tokens=192,
         max_num_batched_tokens=24,
         max_num_seqs=8,
         **options,
     )
-    ref = hf_model(path)
+    ref = hf_model(path, DEVICE)
     batch = prompts(engine.args.vocab_size, [5, 61, 17, 33, 9, 48])
     ids = [f"r{i}" for i in range(len(batch))]
     for rid, prompt in zip(ids, batch):

@@ -2,7 +2,8 @@
 DeepSeek-V2 with a low-rank query, YaRN rope scaling (mscale != mscale_all_dim, so both the
 cos/sin attention factor and the softmax mscale matter), greedy routing, a routed scaling
 factor and attention biases; OLMoE with clip_qkv; Qwen3-MoE with attention biases and dense
-(mlp_only) layers. Norm weights and biases are randomised so they are really exercised."""
+(mlp_only) layers. Norm weights and biases are randomised so they are really exercised.
+On MOESERVE_TEST_DEVICE (parity_checks.DEVICE)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from inference import LLMEngine
 from inference.attention import AttentionMetadata, PrefillChunk
 from inference.demo_model import ARCHS, PRESETS
+from tests.inference.parity_checks import DEVICE, hf_model
 
 VARIANTS = {
     "deepseek_v2_yarn_qlora": (
@@ -78,28 +80,34 @@ def variant_dir(model_dirs, tmp_path_factory):
 def test_variant_logits_match(variant_dir, name):
     """A fresh prefill, a prefill chunk continuing from the cache, then decode steps."""
     path = variant_dir(name)
-    engine = LLMEngine.from_pretrained(path, device="cpu", dtype="float32", kv_cache_tokens=256)
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = LLMEngine.from_pretrained(path, device=DEVICE, dtype="float32", kv_cache_tokens=256)
+    ref = hf_model(path, DEVICE)
     g = torch.Generator().manual_seed(2)
     tokens = torch.randint(3, engine.args.vocab_size, (24,), generator=g).tolist()
     model, caches = engine.model, engine.kv_caches
 
+    def at(*values):
+        return torch.tensor(values, device=DEVICE)
+
+    def span(start, end):
+        return torch.arange(start, end, device=DEVICE)
+
     def check(hidden, upto):
-        expected = ref(torch.tensor([tokens[:upto]])).logits[0, -hidden.shape[0] :]
+        expected = ref(at(tokens[:upto])).logits[0, -hidden.shape[0] :]
         torch.testing.assert_close(model.logits(hidden), expected, atol=1e-4, rtol=1e-4)
 
     with torch.inference_mode():
-        meta = AttentionMetadata(torch.arange(12), 0, None, None, [PrefillChunk(0, 12, 0, None)])
-        check(model(torch.tensor(tokens[:12]), torch.arange(12), meta, caches)[0], 12)
-        chunk = PrefillChunk(0, 8, 12, torch.arange(20))  # rows 12..19 over a cached context of 12
-        meta = AttentionMetadata(torch.arange(12, 20), 0, None, None, [chunk])
-        check(model(torch.tensor(tokens[12:20]), torch.arange(12, 20), meta, caches)[0], 20)
+        meta = AttentionMetadata(span(0, 12), 0, None, None, [PrefillChunk(0, 12, 0, None)])
+        check(model(at(*tokens[:12]), span(0, 12), meta, caches)[0], 12)
+        chunk = PrefillChunk(0, 8, 12, span(0, 20))  # rows 12..19 over a cached context of 12
+        meta = AttentionMetadata(span(12, 20), 0, None, None, [chunk])
+        check(model(at(*tokens[12:20]), span(12, 20), meta, caches)[0], 20)
         for pos in range(20, 24):
             meta = AttentionMetadata(
-                torch.tensor([pos]),
+                at(pos),
                 1,
-                torch.arange(pos + 1)[None],
-                torch.ones(1, 1, 1, pos + 1, dtype=torch.bool),
+                span(0, pos + 1)[None],
+                torch.ones(1, 1, 1, pos + 1, dtype=torch.bool, device=DEVICE),
                 [],
             )
-            check(model(torch.tensor([tokens[pos]]), torch.tensor([pos]), meta, caches)[0], pos + 1)
+            check(model(at(tokens[pos]), at(pos), meta, caches)[0], pos + 1)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import platform
 import shutil
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -22,58 +21,14 @@ from inference import LLMEngine, SamplingParams, cpu_kernels
 from inference.attention import AttentionMetadata, PrefillChunk
 from inference.layers import linear
 from inference.moe import select_experts
+from tests.inference.kernel_paths import PATHS, Path, forced
 from tests.inference.parity_checks import hf_model, prompts
-
-
-@dataclass(frozen=True)
-class Path:
-    isa: str
-    amx: bool = False
-    emulated: bool = False
-
-    def __str__(self) -> str:
-        return f"{self.isa}{'+amx' if self.amx else ''}{'-emulated' if self.emulated else ''}"
-
-    def missing(self) -> str | None:
-        """Why this CPU cannot run the path, or None."""
-        if platform.machine() not in ("x86_64", "AMD64"):
-            return f"{platform.machine()}: no x86 kernels"
-        if self.emulated:
-            if "avx2" not in cpu_kernels.runnable_isas():
-                return "emulation builds need AVX2"
-            return None
-        lacking = cpu_kernels.BUILDS[self.isa][1] - cpu_kernels.cpu_flags()
-        if self.amx:
-            lacking |= {"amx_tile", "amx_bf16"} - cpu_kernels.cpu_flags()
-        return f"this CPU lacks {', '.join(sorted(lacking))}" if lacking else None
-
-
-# Native paths best first (AMX, AVX512-BF16, AVX-512, AVX2), then the emulated builds.
-PATHS = [
-    Path("avx512", amx=True),
-    Path("avx512bf16"),
-    Path("avx512"),
-    Path("avx2"),
-    Path("avx512bf16", emulated=True),
-    Path("avx512", emulated=True),
-    Path("avx2", amx=True, emulated=True),
-]
 
 
 @pytest.fixture(params=PATHS, ids=str)
 def path(request):
-    p: Path = request.param
-    reason = p.missing()
-    if reason:
-        pytest.skip(f"{p}: {reason}")
-    chosen = cpu_kernels.enable(p.isa, amx=p.amx, emulated=p.emulated)
-    if p.amx and not p.emulated and chosen == p.isa and not cpu_kernels.AMX:
-        cpu_kernels.enable()
-        pytest.skip(f"{p}: Linux refused the AMX register state")
-    if chosen != p.isa or cpu_kernels.AMX != p.amx:
-        pytest.fail(f"{p}: enable() chose {chosen} amx={cpu_kernels.AMX}")
-    yield p
-    cpu_kernels.enable()
+    with forced(request.param) as p:
+        yield p
 
 
 def randn(*shape, scale=1.0, seed=0):

@@ -18,12 +18,13 @@ from inference import (
     QueueFullError,
     SamplingParams,
 )
+from tests.inference.parity_checks import DEVICE
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     return LLMEngine.from_pretrained(
-        tiny_model_dir, device="cpu", dtype="float32", kv_cache_tokens=1024, max_model_len=256
+        tiny_model_dir, device=DEVICE, dtype="float32", kv_cache_tokens=1024, max_model_len=256
     )
 
 

@@ -12,6 +12,7 @@ from inference import LLMEngine
 from inference.demo_model import CHAT_TEMPLATE
 from inference.gguf_import import import_gguf
 from tests.inference.parity_checks import (
+    DEVICE,
     GREEDY_32,
     check_continuous_batch_with_chunked_prefill_and_preemption,
     check_greedy_alone_matches_generate,
@@ -85,8 +86,8 @@ def test_imported_gguf_generates_like_transformers(llama_dirs, model_dirs, tmp_p
     gguf = tmp_path / "tiny.gguf"
     write_gguf(random_llama(tok_dir, seed=2), tok_dir, gguf, CHAT_TEMPLATE)
     path = import_gguf(gguf, tmp_path / "imported")
-    engine = LLMEngine.from_pretrained(path, device="cpu", dtype="float32", kv_cache_tokens=512)
-    ref = hf_model(path)
+    engine = LLMEngine.from_pretrained(path, device=DEVICE, dtype="float32", kv_cache_tokens=512)
+    ref = hf_model(path, DEVICE)
     for prompt in prompts(engine.args.vocab_size, [9, 30]):
         [out] = engine.generate([prompt], GREEDY_32)
         assert out.token_ids == hf_greedy(ref, prompt)
