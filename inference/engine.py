@@ -93,7 +93,9 @@ class LLMEngine:
                 only_published=published == "fp8" and self.quantization == "fp8",
             )
             self._note_quantized_path(kernels)
-            compile = False  # 8-bit weights are opaque to torch.compile
+            if compile:
+                log.info("not compiling: 8-bit weights run eagerly", quantization=self.quantization)
+            compile = False
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             if kernels:
                 model.pack_for_cpu_kernels()
