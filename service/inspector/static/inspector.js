@@ -116,7 +116,7 @@ function renderRequests(list) {
   $("p95").textContent = list.slow_threshold_ms === null ? "" : "> " + ms(list.slow_threshold_ms);
   $("no-requests").hidden = list.requests.length > 0;
   const rows = list.requests.map((r) => el("tr", {
-    "data-id": r.id, "data-outcome": r.outcome, "data-api": r.api,
+    "data-id": r.id, "data-request-id": r.request_id, "data-outcome": r.outcome, "data-api": r.api,
     class: r.id === state.selected ? "selected" : null,
     on: { click: () => select(r.id) },
   },
@@ -213,7 +213,7 @@ function renderDetail(detail) {
   const trace = r.trace_id
     ? (detail.trace_url ? el("a", { href: detail.trace_url, target: "_blank", rel: "noopener", text: r.trace_id }) : el("span", { class: "mono", text: r.trace_id }))
     : "–";
-  $("detail-facts").replaceChildren(
+  $("detail-facts").replaceChildren(...[
     fact("status", statusBadge(r)), fact("API", r.api === "grpc" ? "gRPC" : "REST"),
     fact("operation", `${r.operation || "–"}${r.stream ? " (stream)" : ""}`),
     fact("finish reason", r.finish_reason || "–"), fact("response id", r.response_id || "–"),
@@ -221,7 +221,8 @@ function renderDetail(detail) {
     fact("queue / TTFT", `${ms(r.queue_ms)} / ${ms(r.ttft_ms)}`),
     fact("TPOT / e2e", `${ms(r.tpot_ms)} / ${ms(r.e2e_ms)}`),
     fact("preemptions", String(r.preemptions)), fact("trace id", trace),
-    r.error ? fact("error", r.error) : null);
+    r.error ? fact("error", r.error) : null,
+  ].filter(Boolean));
   timeline(detail);
   stepRows(detail);
   logLines(detail.logs);
