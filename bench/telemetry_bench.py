@@ -76,7 +76,8 @@ def _watch_inspector(url: str, stop: threading.Event) -> None:
     with httpx.Client(base_url=url, timeout=10) as client:
         while not stop.wait(PAGE_INTERVAL_S):
             client.get("/inspect/api/engine").raise_for_status()
-            rows = client.get("/inspect/api/requests").raise_for_status().json()["requests"]
+            listing = client.get("/inspect/api/requests", params={"limit": 200})
+            rows = listing.raise_for_status().json()["requests"]
             if rows:
                 client.get(f"/inspect/api/requests/{rows[0]['id']}").raise_for_status()
 

@@ -3,6 +3,7 @@
 "use strict";
 
 const REFRESH_MS = 2000;
+const PAGE_ROWS = 200; // rows asked for each refresh: the newest (the API has them all)
 const SVG_NS = "http://www.w3.org/2000/svg";
 const state = { filter: "all", selected: null, key: sessionStorage.getItem("moeserve-key") || "" };
 
@@ -255,7 +256,7 @@ async function refresh() {
   try {
     const [engine, list] = await Promise.all([
       api("/inspect/api/engine"),
-      api("/inspect/api/requests?filter=" + state.filter),
+      api(`/inspect/api/requests?limit=${PAGE_ROWS}&filter=${state.filter}`),
     ]);
     renderEngine(engine);
     renderRequests(list);
