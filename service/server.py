@@ -224,9 +224,8 @@ def build_observability(engine: AsyncLLMEngine, settings: Settings, model: str) 
     # app built), unless the operator chose otherwise.
     os.environ.setdefault("OTEL_SEMCONV_STABILITY_OPT_IN", "http")
     args = engine.args
-    num_moe_layers = args.num_layers - len(args.dense_layers) if args.num_experts else 0
     metrics = ServiceMetrics(
-        CollectorRegistry(), model, num_moe_layers, args.num_experts, engine.max_waiting
+        CollectorRegistry(), model, args.num_moe_layers, args.num_experts, engine.max_waiting
     )
     tokenizer = engine.tokenizer
     return Observability(

@@ -59,8 +59,8 @@ class InspectorRecorder:
     def attach(self, engine: Any) -> None:
         """Starts recording `engine`'s steps (an AsyncLLMEngine) and this process's log lines."""
         args = engine.args
-        moe_layers = args.num_layers - len(args.dense_layers) if args.num_experts else 0
-        self.window = EngineWindow(moe_layers, args.num_experts if moe_layers else 0)
+        layers = args.num_moe_layers
+        self.window = EngineWindow(layers, args.num_experts if layers else 0)
         self._engine = engine
         engine.add_stats_listener(self.on_step)
         add_line_sink(self.logs.add)
@@ -135,10 +135,6 @@ class InspectorRecorder:
         if trace_id is None or self.trace_url_template is None:
             return None
         return self.trace_url_template.replace(TRACE_ID_FIELD, trace_id)
-
-    @property
-    def engine(self) -> Any:
-        return self._engine
 
     def ids_by_response_id(self) -> dict[str, str]:
         return {r.response_id: r.id for r in self.records.values() if r.response_id is not None}
