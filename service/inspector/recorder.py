@@ -15,18 +15,36 @@ most LogRing.max_lines each; SERIES_S one-second buckets.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from inference import InvalidParameterError
 from service.inspector.engine_window import EngineWindow
 from service.inspector.log_ring import LogRing
 from service.inspector.requests import RequestRecord, StepRecord
-from telemetry.logging import add_line_sink, remove_line_sink
+from telemetry.logging import add_line_sink, get_logger, remove_line_sink
 
+log = get_logger("service.inspector")
 TRACE_ID_FIELD = "{trace_id}"
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _failsafe(hook: F) -> F:
+    """A request hook whose errors are logged, never raised: the inspector must not fail a
+    request (the engine guards its stats listeners, on_step included, the same way)."""
+
+    @functools.wraps(hook)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return hook(*args, **kwargs)
+        except Exception:
+            log.exception("inspector hook failed", hook=hook.__name__)
+            return None
+
+    return guarded  # type: ignore[return-value]
 
 
 class InspectorRecorder:
@@ -71,7 +89,8 @@ class InspectorRecorder:
             self._engine.remove_stats_listener(self.on_step)
 
     # ---- one request ------------------------------------------------------------------------
-    def open(self, telemetry: Any) -> RequestRecord:
+    @_failsafe
+    def open(self, telemetry: Any) -> RequestRecord | None:
         """A request arrived (its RequestTelemetry, which the record reads while it runs)."""
         self.recorded += 1
         record = RequestRecord(str(self.recorded), telemetry)
@@ -80,12 +99,14 @@ class InspectorRecorder:
             self.records.popitem(last=False)
         return record
 
+    @_failsafe
     def admit(self, record: RequestRecord, spec: Any) -> None:
         """It enters the engine: from now on the steps that name it are its steps."""
         record.admit(spec, self.log_prompts)
         if record.response_id is not None:
             self._live[record.response_id] = record
 
+    @_failsafe
     def close(self, record: RequestRecord, code: str | None) -> None:
         """The API has answered it (`code`: the HTTP status or gRPC code name sent); once."""
         if record.telemetry is None:

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 from opentelemetry.trace import INVALID_SPAN
+from structlog.testing import capture_logs
 
 from inference import InvalidParameterError, SamplingParams
 from inference.outputs import StepStats
@@ -128,3 +129,11 @@ def test_settings_it_refuses_fail_the_start():
     assert build_inspector(Settings(no_inspector=True)) is None
     recorder = build_inspector(Settings(trace_url_template="http://t/{trace_id}", log_prompts=True))
     assert recorder.log_prompts and recorder.trace_url("ab" * 16) == "http://t/" + "ab" * 16
+
+
+def test_a_failing_hook_is_logged_not_raised():
+    recorder = InspectorRecorder(2)
+    record, _ = _admitted(recorder, "x")
+    with capture_logs() as logs:
+        assert recorder.admit(record, None) is None  # no spec: the hook fails inside
+    assert [(e["event"], e["hook"]) for e in logs] == [("inspector hook failed", "admit")]
