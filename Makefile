@@ -32,6 +32,7 @@ bench: setup
 	$(BIN)/python -m bench.engine_bench --smollm2
 	$(BIN)/python -m bench.serving_bench
 	$(BIN)/python -m bench.telemetry_bench
+	$(BIN)/python -m bench.telemetry_bench --compare inspector
 	$(BIN)/python -m bench.structured_bench
 	$(BIN)/python -m bench.quant_bench
 

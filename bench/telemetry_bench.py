@@ -1,10 +1,16 @@
 """`make bench`, telemetry overhead: REST serving throughput with tracing + metrics + logs on
 against all of them off, same server flags and same load, printed as a ratio (target >= 0.97).
+`--compare inspector` measures the request inspector the same way (target >= 0.99).
 
-On:  spans exported over OTLP/gRPC to a local sink (a real exporter doing real work), JSON
-     request logs to a file, /metrics scraped with exemplars every 5 s (the interval of the
-     moeserve job in deploy/prometheus/prometheus.yml).
-Off: MOESERVE_TELEMETRY=0 (no spans, no metrics, no request logs) and OTEL_TRACES_EXPORTER=none.
+telemetry (the request inspector off on both sides, --no-inspector):
+  On:  spans exported over OTLP/gRPC to a local sink (a real exporter doing real work), JSON
+       request logs to a file, /metrics scraped with exemplars every 5 s (the interval of the
+       moeserve job in deploy/prometheus/prometheus.yml).
+  Off: MOESERVE_TELEMETRY=0 (no spans, no metrics, no request logs), OTEL_TRACES_EXPORTER=none.
+inspector (telemetry on as above on both sides):
+  On:  the inspector recording (the default), and its page open: the engine view, the request
+       list and the newest request's detail fetched every 2 s, as /inspect does.
+  Off: --no-inspector.
 
 Load: `concurrency` clients streaming completions (SSE, EOS ignored) until `requests` are
 done. Both servers are started and warmed up before anything is timed (each idle while the
@@ -37,6 +43,8 @@ from inference.demo_model import ensure_demo_model
 
 RESULTS = Path(__file__).parent / "results"
 SCRAPE_INTERVAL_S = 5.0  # as deploy/prometheus/prometheus.yml scrapes moeserve
+PAGE_INTERVAL_S = 2.0  # as the /inspect page refreshes
+TARGETS = {"telemetry": 0.97, "inspector": 0.99}  # on/off throughput
 
 
 class _Sink(trace_service_pb2_grpc.TraceServiceServicer):
@@ -63,11 +71,27 @@ def _scrape(url: str, stop: threading.Event) -> None:
             )
 
 
+def _watch_inspector(url: str, stop: threading.Event) -> None:
+    """What an open /inspect page asks for."""
+    with httpx.Client(base_url=url, timeout=10) as client:
+        while not stop.wait(PAGE_INTERVAL_S):
+            client.get("/inspect/api/engine").raise_for_status()
+            listing = client.get("/inspect/api/requests", params={"limit": 200})
+            rows = listing.raise_for_status().json()["requests"]
+            if rows:
+                client.get(f"/inspect/api/requests/{rows[0]['id']}").raise_for_status()
+
+
+def _telemetry_on(args: argparse.Namespace, on: bool) -> bool:
+    return on or args.compare == "inspector"
+
+
 def server_for(
-    model: Path, args: argparse.Namespace, telemetry: bool, sink_port: int, tmp: Path
+    model: Path, args: argparse.Namespace, on: bool, sink_port: int, tmp: Path
 ) -> ServerProcess:
-    """The server with telemetry on or off (not started yet), logging to a file in `tmp`."""
-    if telemetry:
+    """The server with the compared feature on or off (not started yet), logging to a file in
+    `tmp`."""
+    if _telemetry_on(args, on):
         env = {
             "OTEL_TRACES_EXPORTER": "otlp",
             "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}",
@@ -75,8 +99,10 @@ def server_for(
         }
     else:
         env = {"OTEL_TRACES_EXPORTER": "none", "MOESERVE_TELEMETRY": "0"}
-    log = tmp / f"server-{'on' if telemetry else 'off'}.log"
+    log = tmp / f"server-{'on' if on else 'off'}.log"
     flags = ["--device", args.device, "--max-num-seqs", str(args.concurrency)]
+    if args.compare == "telemetry" or not on:
+        flags.append("--no-inspector")
     return ServerProcess(model, *flags, env=env, log_path=log, start_timeout=300, stop_timeout=60)
 
 
@@ -96,12 +122,14 @@ def engine_core_pid(pid: int) -> int:
     return int(children[0])
 
 
-def run_round(url: str, pid: int, args: argparse.Namespace, telemetry: bool) -> dict:
-    """Throughput, and the CPU per output token of the API process (where telemetry runs) and
-    of the engine core."""
+def run_round(url: str, pid: int, args: argparse.Namespace, on: bool) -> dict:
+    """Throughput, and the CPU per output token of the API process (where telemetry and the
+    inspector run) and of the engine core."""
     stop = threading.Event()
-    if telemetry:
+    if _telemetry_on(args, on):
         threading.Thread(target=_scrape, args=(url, stop), daemon=True).start()
+    if args.compare == "inspector" and on:
+        threading.Thread(target=_watch_inspector, args=(url, stop), daemon=True).start()
     core = engine_core_pid(pid)
     api_cpu, core_cpu = cpu_seconds(pid), cpu_seconds(core)
     try:
@@ -109,7 +137,7 @@ def run_round(url: str, pid: int, args: argparse.Namespace, telemetry: bool) -> 
     finally:
         stop.set()
     return {
-        "telemetry": telemetry,
+        "on": on,
         "seconds": elapsed,
         "output_tokens": tokens,
         "tokens_per_s": tokens / elapsed,
@@ -126,8 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=6, help="off/on pairs")
-    parser.add_argument("--out", type=Path, default=RESULTS / "telemetry_bench.json")
+    parser.add_argument("--compare", choices=sorted(TARGETS), default="telemetry")
+    parser.add_argument("--out", type=Path, help="default: bench/results/<compare>_bench.json")
     args = parser.parse_args(argv)
+    args.out = args.out or RESULTS / f"{args.compare}_bench.json"
+    name, target = args.compare, TARGETS[args.compare]
 
     model = ensure_demo_model(args.preset)
     sink = _Sink()
@@ -139,18 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         stack.callback(sink_server.stop, None)  # last: after both servers are stopped
         servers: dict[bool, ServerProcess] = {}
-        for telemetry in (False, True):
-            server = stack.enter_context(server_for(model, args, telemetry, sink_port, Path(tmp)))
+        for on in (False, True):
+            server = stack.enter_context(server_for(model, args, on, sink_port, Path(tmp)))
             asyncio.run(_load(server.url, args, args.concurrency))  # warm-up
-            servers[telemetry] = server
+            servers[on] = server
         for r in range(args.rounds):
             rates = {}
-            for telemetry in (False, True) if r % 2 == 0 else (True, False):
-                server = servers[telemetry]
-                rounds.append(run_round(server.url, server.pid, args, telemetry))
-                rates[telemetry] = rounds[-1]["tokens_per_s"]
+            for on in (False, True) if r % 2 == 0 else (True, False):
+                server = servers[on]
+                rounds.append(run_round(server.url, server.pid, args, on))
+                rates[on] = rounds[-1]["tokens_per_s"]
                 print(
-                    f"telemetry {'on ' if telemetry else 'off'}: {rates[telemetry]:8.1f} tok/s, CPU per "
+                    f"{name} {'on ' if on else 'off'}: {rates[on]:8.1f} tok/s, CPU per "
                     f"output token: API process {rounds[-1]['api_cpu_ms_per_token']:.3f} ms, engine core "
                     f"{rounds[-1]['engine_cpu_ms_per_token']:.2f} ms",
                     flush=True,
@@ -160,11 +191,12 @@ def main(argv: list[str] | None = None) -> int:
             1 for line in servers[True].log_text().splitlines() if '"request finished"' in line
         )
     ratio = statistics.median(pairs)
-    on = statistics.median(r["tokens_per_s"] for r in rounds if r["telemetry"])
-    off = statistics.median(r["tokens_per_s"] for r in rounds if not r["telemetry"])
+    on = statistics.median(r["tokens_per_s"] for r in rounds if r["on"])
+    off = statistics.median(r["tokens_per_s"] for r in rounds if not r["on"])
     result = {
+        "compare": name,
         "ratio_on_over_off": ratio,
-        "target": 0.97,
+        "target": target,
         "on_tokens_per_s": on,
         "off_tokens_per_s": off,
         "pair_ratios": pairs,
@@ -174,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": {**{k: str(v) for k, v in vars(args).items()}, "machine": platform.platform()},
     }
     print(
-        f"telemetry overhead: on/off throughput = {ratio:.3f} (median of {args.rounds} paired rounds; "
-        f"target >= 0.97); {sink.spans} spans exported, {summary_lines} request summary lines"
+        f"{name} overhead: on/off throughput = {ratio:.3f} (median of {args.rounds} paired rounds; "
+        f"target >= {target}); {sink.spans} spans exported, {summary_lines} request summary lines"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

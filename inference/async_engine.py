@@ -85,7 +85,9 @@ class AsyncLLMEngine:
     ) -> None:
         """Starts the engine core process and waits until it has loaded the model (blocking:
         call it off the event loop). `process_init` (picklable) runs first in that process,
-        e.g. to configure logging the way the API process does."""
+        e.g. to configure logging the way the API process does; when it returns a callable,
+        the core calls it after each step for (trace_id, line) pairs of request log lines to
+        ship with the step's stats (StepStats.log_lines)."""
         path = Path(model_dir)
         config = config or EngineConfig()
         self.max_waiting = config.max_waiting

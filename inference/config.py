@@ -58,6 +58,11 @@ class ModelArgs:
         return self.qk_rope_head_dim or self.head_dim
 
     @property
+    def num_moe_layers(self) -> int:
+        """Layers that route tokens to experts (the rows of StepStats.expert_tokens)."""
+        return self.num_layers - len(self.dense_layers) if self.num_experts else 0
+
+    @property
     def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
         """Per layer, the [heads, width] of each paged cache tensor (one row per token slot):
         key and value, or for MLA one compressed latent plus the shared rope key."""

@@ -129,8 +129,8 @@ def main(fd: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
     model_dir, device, dtype, config, process_init = pickle.loads(conn.recv_bytes())
-    if process_init is not None:
-        process_init()
+    # process_init may return take_log_lines() (telemetry.logging.capture_request_lines)
+    take_log_lines = process_init() if process_init is not None else None
     encoder = msgspec.msgpack.Encoder()
     from inference.engine import LLMEngine  # torch is imported here, after logging is set up
 
@@ -153,14 +153,23 @@ def main(fd: int) -> None:
             )
         )
     )
-    EngineCore(engine, conn, encoder).run()
+    EngineCore(engine, conn, encoder, take_log_lines if callable(take_log_lines) else None).run()
 
 
 class EngineCore:
-    def __init__(self, engine, conn: Connection, encoder: msgspec.msgpack.Encoder) -> None:
+    def __init__(
+        self,
+        engine,
+        conn: Connection,
+        encoder: msgspec.msgpack.Encoder,
+        take_log_lines: Callable[[], list[tuple[str, str]]] | None = None,
+    ) -> None:
+        """`take_log_lines()`: the request lines logged since its last call, shipped with
+        each step's stats (StepStats.log_lines)."""
         self.engine = engine
         self.conn = conn
         self.encoder = encoder
+        self.take_log_lines = take_log_lines
         self.inputs: queue.SimpleQueue = queue.SimpleQueue()
         self.wakeup = threading.Event()
         self.stopping = False
@@ -222,6 +231,8 @@ class EngineCore:
                     self.wakeup.wait()
                     continue
                 outputs, stats = self.engine.step()
+                if self.take_log_lines is not None:
+                    stats.log_lines = self.take_log_lines()
                 self._send(StepResult(outputs, stats))
         except (BrokenPipeError, EOFError):  # the API process is gone
             return

@@ -108,3 +108,6 @@ class StepStats(msgspec.Struct):
     expert_tokens: list[list[int]] | None = None  # [layer][expert] routed token counts
     bitmask_s: float = 0.0  # grammar masks and logit_bias this step cost the step
     finished: list[FinishedSequence] = []
+    # (trace_id, JSON line) of the lines the engine core logged on requests' behalf since
+    # its previous step, when its process_init captures them (the inspector shows them)
+    log_lines: list[tuple[str, str]] = []

@@ -28,6 +28,7 @@ from service.controllers.openai import OpenAIController
 from service.controllers.probes import ProbesController
 from service.controllers.tokenize import TokenizeController
 from service.errors import Overloaded, ServiceError
+from service.inspector.controller import inspector_routes
 from service.openapi import TruthfulOpenAPI
 from service.responses import ErrorBody, ErrorResponse
 from service.state import ServingState
@@ -107,8 +108,9 @@ async def _add_request_id(message: Message, scope: Scope) -> None:
         message["headers"] = headers
 
 
-# Probes, scrapes and the schema get no spans (Prometheus alone would send one a second).
-_UNTRACED_PATHS = ["^/health$", "^/ready$", "^/metrics$", "^/schema"]
+# Probes, scrapes, the schema and the inspector (its page polls) get no spans (Prometheus
+# alone would send one a second).
+_UNTRACED_PATHS = ["^/health$", "^/ready$", "^/metrics$", "^/schema", "^/inspect"]
 
 
 def _span_details(scope: Scope) -> tuple[str, dict[str, str]]:
@@ -144,8 +146,9 @@ def create_app(state: ServingState) -> Litestar:
     token_text = lru_cache(maxsize=65536)(
         lambda t: tokenizer.decode([t], skip_special_tokens=False)
     )
+    inspector = inspector_routes() if state.inspector is not None else []
     return Litestar(
-        route_handlers=[OpenAIController, TokenizeController, ProbesController],
+        route_handlers=[OpenAIController, TokenizeController, ProbesController, *inspector],
         state=State({"serving": state, "started_at": int(time.time()), "token_text": token_text}),
         request_class=_Request,
         exception_handlers={Exception: error_response},

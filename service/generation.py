@@ -4,8 +4,9 @@ The REST controllers and the gRPC servicer parse their wire format into a Genera
 (service/validation.py), run it through a `Generation` and render the updates it yields.
 Everything else happens here, once for both: admission (503 / UNAVAILABLE while draining;
 the engine's refusals as service errors), the request's telemetry (service/observability.py)
-finished exactly once, per-choice deltas and usage, in-flight accounting for the drain, and
-aborting the request in the engine when the caller stops reading.
+finished exactly once, its record in the inspector (service/inspector/), per-choice deltas
+and usage, in-flight accounting for the drain, and aborting the request in the engine when
+the caller stops reading.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class Generation:
         # OpenAI's `id` ("cmpl-..."); gRPC has none, so there it is the request id
         self.response_id = response_id or request_id
         self.telemetry = RequestTelemetry(state.observability, api, request_id, span)
+        inspector = state.inspector
+        self.inspection = inspector.open(self.telemetry) if inspector is not None else None
         self._done_choices: set[int] = set()
         self._finished = False
 
@@ -73,6 +76,8 @@ class Generation:
             context = self.telemetry.admit(
                 self.response_id, spec, {"response_id": self.response_id}
             )
+            if self.inspection is not None:
+                state.inspector.admit(self.inspection, spec)
             state.enter()
             outputs = state.engine.stream(
                 spec.prompt_ids, spec.params, request_id=self.response_id, log_context=context
@@ -119,10 +124,13 @@ class Generation:
         """An error the request ends with (the first one counts)."""
         self.telemetry.fail(exc, status_of(exc))
 
-    def finish(self, status: str = "ok") -> None:
+    def finish(self, status: str = "ok", code: str | None = None) -> None:
         """Once, when the transport has answered; `status` its view (requests_total label) of
-        the answer, unless a failure recorded before decides."""
+        the answer, unless a failure recorded before decides; `code` the HTTP status or gRPC
+        code name it sent (the inspector shows it)."""
         self.telemetry.finish(status)
+        if self.inspection is not None:
+            self.state.inspector.close(self.inspection, code)
 
 
 def _usage(out: RequestOutput) -> Usage:

@@ -133,7 +133,7 @@ def _wrap(state: ServingState, method: str, fn: Callable, request_type) -> Calla
                 trailing = (*(context.trailing_metadata() or ()), *trailing)
         finally:
             if gen is not None:
-                gen.finish(status_from_grpc(code))
+                gen.finish(status_from_grpc(code), code.name)
             _end_span(span, code, details)
             otel_context.detach(token)
         if not context.done():

@@ -118,6 +118,7 @@ class RequestTelemetry:
         self.failed_status: str | None = None
         self.abandoned = False  # the caller left before the end (disconnect, cancel, deadline)
         self.done = False
+        self.status: str | None = None  # the requests_total status, once finished
 
     # ---- while serving --------------------------------------------------------------------
     def admit(self, engine_request_id: str, spec: Any, log_context: dict) -> dict:
@@ -185,10 +186,11 @@ class RequestTelemetry:
         if self.done:
             return
         self.done = True
+        self.status = self.failed_status or status
         if not self.obs.enabled:
             return
         try:
-            self._finish(self.failed_status or status)
+            self._finish(self.status)
         except Exception:  # telemetry must never fail a request
             log.exception("request telemetry failed", request_id=self.request_id)
         finally:
@@ -207,9 +209,8 @@ class RequestTelemetry:
         common = {"api": self.api, "request_id": self.request_id, "status": status, "logger": log}
         times = merged_times(out.outputs) if out is not None else None
         if times is None:  # never produced an output: rejected, invalid, aborted while queued
-            admitted = self.engine_request_id is not None
             num_prompt = len(self.prompt_ids) if self.prompt_ids is not None else 0
-            if span.is_recording() and admitted:
+            if span.is_recording() and self.engine_request_id is not None:
                 span.set_attributes(
                     genai_response_attributes(input_tokens=num_prompt, output_tokens=0)
                 )
@@ -218,16 +219,14 @@ class RequestTelemetry:
             finish_unserved_request(
                 span,
                 num_prompt_tokens=num_prompt,
-                finish_reason="abort" if admitted and self.abandoned else None,
+                finish_reason=self.finish_reason,
                 metrics=obs.metrics,
                 **common,
                 **extra,
             )
             return
         reasons = [c.finish_reason for c in out.outputs]
-        finish_reason = (
-            reasons[0] if out.finished else "error" if self.failure is not None else "abort"
-        )
+        finish_reason = self.finish_reason
         if out.finished and len(set(reasons)) > 1:
             extra["finish_reasons"] = reasons
         if obs.log_prompts:
@@ -247,6 +246,17 @@ class RequestTelemetry:
         )
         if span.is_recording() and len(reasons) > 1:
             span.set_attribute("gen_ai.response.finish_reasons", [r or "abort" for r in reasons])
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The request's finish reason: the first sample's once finished; "error" or "abort"
+        when it ended early (aborted while queued: "abort"; refused: None)."""
+        out = self.output
+        if out is None or merged_times(out.outputs) is None:
+            return "abort" if self.engine_request_id is not None and self.abandoned else None
+        if out.finished:
+            return out.outputs[0].finish_reason
+        return "error" if self.failure is not None else "abort"
 
     def _prompt_text(self, ids: list[int] | None = None) -> str | None:
         ids = ids if ids is not None else self.prompt_ids

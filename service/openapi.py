@@ -21,6 +21,7 @@ from litestar.openapi.plugins import JsonRenderPlugin
 
 from service import responses as response_bodies
 from service import schemas
+from service.inspector import schemas as inspector_bodies
 
 _DESCRIPTIONS = {
     400: "Invalid request: `error.param` names the field",
@@ -122,7 +123,7 @@ def _correct(document: dict, secured: bool, limits: dict[str, int]) -> dict:
     components = document.setdefault("components", {})
     structs = [
         t
-        for module in (schemas, response_bodies)
+        for module in (schemas, response_bodies, inspector_bodies)
         for _, t in inspect.getmembers(module, inspect.isclass)
         if issubclass(t, msgspec.Struct) and not t.__name__.startswith("_")
     ]

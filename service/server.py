@@ -28,10 +28,11 @@ from prometheus_client import CollectorRegistry
 from inference import AsyncLLMEngine, InvalidParameterError, ModelLoadError
 from service.app import create_app
 from service.grpc_server import GrpcServer
+from service.inspector.recorder import InspectorRecorder
 from service.observability import Observability
 from service.settings import Settings
 from service.state import ServingState
-from telemetry.logging import configure_logging, get_logger
+from telemetry.logging import capture_request_lines, configure_logging, get_logger
 from telemetry.metrics import ServiceMetrics
 from telemetry.tracing import configure_tracing, shutdown_tracing
 
@@ -90,20 +91,25 @@ class MoeServer:
 
     async def start(self) -> None:
         s = self.settings
+        inspector = build_inspector(s)  # first: its settings can fail the start at once
         path, name = await asyncio.to_thread(model_path_and_name, s)
-        # the engine core process logs like this one (same stdout, same format)
+        # the engine core process logs like this one (same stdout, same format); for the
+        # inspector it also ships the lines it logs on requests' behalf with its steps
+        logging_init = capture_request_lines if inspector is not None else configure_logging
         engine = await asyncio.to_thread(
             AsyncLLMEngine.from_pretrained,
             path,
             s.device,
             s.dtype,
-            functools.partial(configure_logging, s.log_format),
+            functools.partial(logging_init, s.log_format),
             **s.engine_limits(),
         )
         engine.start()
         obs = build_observability(engine, s, name)
         engine.add_stats_listener(obs.on_step)
-        self.state = ServingState(engine, s, name, observability=obs)
+        if inspector is not None:
+            inspector.attach(engine)
+        self.state = ServingState(engine, s, name, observability=obs, inspector=inspector)
         self._sock = _bind(s.host, s.port)
         self.rest_port = self._sock.getsockname()[1]
         config = uvicorn.Config(
@@ -142,6 +148,8 @@ class MoeServer:
                 await asyncio.gather(self._shutdown, return_exceptions=True)
             await self._stop_grpc()  # no-op if the drain stopped it already
             await self.state.engine.shutdown()
+            if self.state.inspector is not None:
+                self.state.inspector.detach()
             log.info("server stopped")
         if self._engine_died:
             return EXIT_ENGINE_DEAD
@@ -195,6 +203,17 @@ class MoeServer:
             await server.stop(1.0)
 
 
+def build_inspector(settings: Settings) -> InspectorRecorder | None:
+    """The request inspector's recorder (service/inspector/), or None with --no-inspector."""
+    if settings.no_inspector:
+        return None
+    return InspectorRecorder(
+        settings.inspector_requests,
+        log_prompts=settings.log_prompts,
+        trace_url_template=settings.trace_url_template,
+    )
+
+
 def build_observability(engine: AsyncLLMEngine, settings: Settings, model: str) -> Observability:
     """Tracing (the process's provider, from OTEL_* variables; configured on first use) and a
     Prometheus registry shaped like the model: one `layer` per MoE layer (dense layers
@@ -205,11 +224,10 @@ def build_observability(engine: AsyncLLMEngine, settings: Settings, model: str) 
     # app built), unless the operator chose otherwise.
     os.environ.setdefault("OTEL_SEMCONV_STABILITY_OPT_IN", "http")
     args = engine.args
-    num_moe_layers = args.num_layers - len(args.dense_layers) if args.num_experts else 0
     metrics = ServiceMetrics(
         CollectorRegistry(),
         model,
-        num_moe_layers,
+        args.num_moe_layers,
         args.num_experts,
         engine.max_waiting,
         info={

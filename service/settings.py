@@ -35,6 +35,9 @@ class Settings:
     demo_preset: str = "small"
     tool_call_parser: str = "auto"  # the model's tool-call syntax; auto: from the checkpoint
     drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    inspector_requests: int = 1000  # requests the inspector (/inspect) keeps
+    no_inspector: bool = False
+    trace_url_template: str | None = None  # the inspector's trace link, with {trace_id}
     telemetry: bool = True  # hidden: MOESERVE_TELEMETRY=0 turns spans, metrics, request logs off
 
     def engine_limits(self) -> dict:
@@ -66,6 +69,10 @@ _HELP = {
     "tool_call_parser": "the model's tool-call syntax under tool_choice auto "
     "(auto: from the checkpoint's architecture and chat template)",
     "drain_timeout": "grace period for in-flight requests after SIGTERM (seconds)",
+    "inspector_requests": "recent requests the inspector (GET /inspect) keeps",
+    "no_inspector": "serve no inspector (/inspect and /inspect/api/* answer 404)",
+    "trace_url_template": "the inspector's link to a request's trace: a URL containing "
+    "{trace_id} (e.g. a Grafana Explore or Tempo URL)",
 }
 _HIDDEN = {"telemetry"}  # for benchmarks (telemetry on against off), not for operators
 _CHOICES = {

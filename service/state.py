@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from inference import AsyncLLMEngine
 from inference.tool_parsers import parser_for
+from service.inspector.recorder import InspectorRecorder
 from service.observability import Observability
 from service.settings import Settings
 
@@ -19,6 +20,7 @@ class ServingState:
     draining: bool = False
     in_flight: int = 0
     observability: Observability = field(default_factory=Observability.disabled)
+    inspector: InspectorRecorder | None = None  # None with --no-inspector
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property

@@ -8,6 +8,10 @@ Inside a request the service should `clear_contextvars()` then
 `bind_contextvars(request_id=...)`; `add_otel_ids` adds `trace_id`/`span_id` of the current
 OTel span. Contextvars do not cross into the engine core process, so code there passes
 `trace_id=`/`span_id=`/`request_id=` explicitly; explicit fields always win.
+
+Lines that carry a `trace_id` can also be handed, as the JSON line, to sinks registered with
+`add_line_sink` (the inspector keeps each request's lines); `capture_request_lines` does the
+same in a process whose lines travel elsewhere (the engine core ships them with its steps).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal, TextIO
 
@@ -36,7 +41,15 @@ except ImportError:  # pragma: no cover
         return json.dumps(obj, default=default, separators=(",", ":"))
 
 
-__all__ = ["add_otel_ids", "bind_request_context", "configure_logging", "get_logger"]
+__all__ = [
+    "add_line_sink",
+    "add_otel_ids",
+    "bind_request_context",
+    "capture_request_lines",
+    "configure_logging",
+    "get_logger",
+    "remove_line_sink",
+]
 
 LogFormat = Literal["json", "console"]
 
@@ -53,6 +66,46 @@ _FOREIGN_LOGGERS = (
     "asyncio",
 )
 _HANDLER_NAME = "moeserve-structlog"
+
+LineSink = Callable[[str, str], None]
+# sink(trace_id, JSON line) for every line with a trace_id; process-wide like the logging
+# configuration itself, and kept across configure_logging() calls
+_line_sinks: list[LineSink] = []
+
+
+def add_line_sink(sink: LineSink) -> None:
+    """From now on `sink(trace_id, line)` gets every line logged with a `trace_id`, as one
+    JSON object (the line itself when the format is JSON). Sinks run on the logging thread:
+    they must be quick and thread-safe, and must not log."""
+    _line_sinks.append(sink)
+
+
+def remove_line_sink(sink: LineSink) -> None:
+    if sink in _line_sinks:
+        _line_sinks.remove(sink)
+
+
+class _TappedRenderer:
+    """The chain's renderer, which also hands lines with a trace_id to the line sinks.
+    Lines without one (most of them) cost one dict lookup more."""
+
+    def __init__(self, renderer: Any, is_json: bool) -> None:
+        self.renderer = renderer
+        self.json = (
+            renderer
+            if is_json
+            else structlog.processors.JSONRenderer(serializer=_dumps, default=_fallback)
+        )
+
+    def __call__(self, logger: Any, method_name: str, event_dict: dict[str, Any]) -> Any:
+        trace_id = event_dict.get("trace_id")
+        if trace_id is None or not _line_sinks:
+            return self.renderer(logger, method_name, event_dict)
+        line = self.json(logger, method_name, event_dict)  # before the console renderer pops
+        out = line if self.json is self.renderer else self.renderer(logger, method_name, event_dict)
+        for sink in _line_sinks:
+            sink(str(trace_id), line)
+        return out
 
 
 def _fallback(obj: Any) -> Any:
@@ -175,6 +228,7 @@ def configure_logging(
         renderer = structlog.processors.JSONRenderer(serializer=_dumps, default=_fallback)
     else:
         renderer = structlog.dev.ConsoleRenderer(colors=_isatty(stream))
+    renderer = _TappedRenderer(renderer, is_json=fmt == "json")
     foreign_chain = [*shared, structlog.stdlib.ExtraAdder(allow=("suppressed",))]
 
     structlog.reset_defaults()
@@ -211,6 +265,25 @@ def configure_logging(
         foreign.propagate = True
     # Access logs are the service's job (one summary line per request), not uvicorn's.
     logging.getLogger("uvicorn.access").setLevel(max(min_level, logging.WARNING))
+
+
+def capture_request_lines(
+    fmt: LogFormat | None = None, max_lines: int = 1024
+) -> Callable[[], list[tuple[str, str]]]:
+    """`configure_logging(fmt)` for a process whose request lines must also reach another
+    one: returns `take()`, which hands over (trace_id, JSON line) of the lines logged since
+    the previous call (at most `max_lines` of them; older ones are dropped)."""
+    configure_logging(fmt)
+    captured: deque[tuple[str, str]] = deque(maxlen=max_lines)
+    add_line_sink(lambda trace_id, line: captured.append((trace_id, line)))
+
+    def take() -> list[tuple[str, str]]:
+        lines = []
+        while captured:  # popleft is atomic: lines logged meanwhile wait for the next call
+            lines.append(captured.popleft())
+        return lines
+
+    return take
 
 
 def _isatty(stream: TextIO) -> bool:

@@ -88,7 +88,7 @@ def generation_lifecycle(prefix: str):
                 if message["type"] == "http.response.start":
                     status_code = message["status"]
                 elif message["type"] == "http.response.body" and not message.get("more_body"):
-                    gen.finish(status_from_http(status_code))
+                    gen.finish(status_from_http(status_code), str(status_code))
                 await send(message)
 
             try:
@@ -101,7 +101,7 @@ def generation_lifecycle(prefix: str):
                 status_code = 499
                 raise
             finally:
-                gen.finish(status_from_http(status_code))
+                gen.finish(status_from_http(status_code), str(status_code))
 
         return middleware
 

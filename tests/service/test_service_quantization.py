@@ -91,6 +91,5 @@ def test_flags_and_environment_variables_name_the_formats(monkeypatch):
 
 def test_a_bad_combination_is_refused_at_start_up(tiny_model_dir):
     settings = make_settings(tiny_model_dir, kv_cache_tokens=4096, kv_cache_bytes=1 << 20)
-    with pytest.raises(Exception, match="kv_cache_bytes"):
-        with InProcessServer(settings):
-            pass
+    with pytest.raises(Exception, match="kv_cache_bytes"), InProcessServer(settings):
+        pass

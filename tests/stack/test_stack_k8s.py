@@ -97,6 +97,7 @@ def app_routes() -> set[str]:
         engine=SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, **kw: "")),
         settings=SimpleNamespace(max_body_bytes=1 << 20),
         observability=observability,
+        inspector=None,
     )
     app = create_app(state)  # builds the route table only; nothing is served
     return {route.path for route in app.routes}

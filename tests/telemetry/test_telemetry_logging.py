@@ -8,6 +8,7 @@ from datetime import datetime
 
 import structlog
 
+from telemetry import logging as tlog
 from telemetry.logging import configure_logging, get_logger
 
 
@@ -132,3 +133,59 @@ def test_noisy_library_warnings_are_rate_limited():
         "different logger",
         "{'unhashable': ['msg']}",
     ]
+
+
+def test_line_sinks_get_the_json_line_of_each_line_with_a_trace_id(log_stream, tracer):
+    got: list[tuple[str, str]] = []
+
+    def sink(trace_id: str, line: str) -> None:
+        got.append((trace_id, line))
+
+    tlog.add_line_sink(sink)
+    try:
+        get_logger("t").info("no trace")
+        with tracer.start_as_current_span("request") as span:
+            get_logger("t").info("in a trace", n=1)
+            logging.getLogger("grpc").warning("stdlib in a trace")
+    finally:
+        tlog.remove_line_sink(sink)
+    get_logger("t").info("after removal", trace_id="c" * 32)
+    trace_id = format(span.get_span_context().trace_id, "032x")
+    written = [line for line in log_stream.getvalue().splitlines() if trace_id in line]
+    assert got == [(trace_id, line) for line in written]  # the very lines the logger wrote
+    assert [json.loads(line)["event"] for _, line in got] == ["in a trace", "stdlib in a trace"]
+
+
+def test_line_sinks_get_json_under_the_console_format():
+    stream = io.StringIO()
+    configure_logging("console", stream=stream, cache_loggers=False)
+    got: list[tuple[str, str]] = []
+
+    def sink(trace_id: str, line: str) -> None:
+        got.append((trace_id, line))
+
+    tlog.add_line_sink(sink)
+    try:
+        get_logger("t").info("engine line", trace_id="a" * 32, span_id="b" * 16, k="v")
+    finally:
+        tlog.remove_line_sink(sink)
+    ((trace_id, line),) = got
+    record = json.loads(line)
+    assert trace_id == "a" * 32 and record["event"] == "engine line" and record["k"] == "v"
+    assert "engine line" in stream.getvalue() and not stream.getvalue().startswith("{")
+
+
+def test_capture_request_lines_hands_over_each_line_once():
+    before = list(tlog._line_sinks)
+    take = tlog.capture_request_lines("json", max_lines=2)
+    try:
+        for i in range(3):
+            get_logger("t").info("captured", i=i, trace_id="d" * 32)
+        get_logger("t").info("not a request's")
+        lines = take()
+        assert [json.loads(line)["i"] for _, line in lines] == [1, 2]  # the oldest dropped
+        assert {trace for trace, _ in lines} == {"d" * 32}
+        assert take() == []
+    finally:
+        for sink in [s for s in tlog._line_sinks if s not in before]:
+            tlog.remove_line_sink(sink)
