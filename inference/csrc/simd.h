@@ -243,12 +243,13 @@ static inline void vf_store_n(float *p, vf v, int64_t n) {
  * kernels.h: 4 inputs of one column per lane) as: */
 /* int8 */
 #define vf_from_s8(w, i) vi_to_vf(vi_srai(vi_slli((w), 24 - 8 * (i)), 24))
-/* fp8 e4m3 (OCP "fn": no infinities), times 2^-120: the sign and the 7 other bits placed
- * at float32's sign and exponent/mantissa boundary; multiplying by 2^120 (folded into the
- * scale) rebiases the exponent, subnormals included */
+/* fp8 e4m3 (OCP "fn": no infinities), times 2^-120: byte i moved to the top, an arithmetic
+ * shift by 4 puts its 7 magnitude bits at float32's exponent/mantissa boundary (bits 20-26)
+ * with the sign still at bit 31, and a mask clears the sign copies and the other bytes.
+ * Multiplying by 2^120 (folded into the scale) rebiases the exponent, subnormals included. */
 static inline vf vf_from_e4m3_raw(vi w, int i) {
-    const vi b = vi_srli(vi_slli(w, 24 - 8 * i), 24);
-    return vi_as_vf(vi_or(vi_slli(vi_and(b, vi_set1(0x80)), 24), vi_slli(vi_and(b, vi_set1(0x7f)), 20)));
+    const vi top = i == 3 ? w : vi_slli(w, 24 - 8 * i);
+    return vi_as_vf(vi_and(vi_srai(top, 4), vi_set1((int32_t)0x87f00000u)));
 }
 /* fp8 e5m2, times 2^-112 likewise */
 static inline vf vf_from_e5m2_raw(vi w, int i) {
