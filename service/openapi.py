@@ -107,7 +107,7 @@ class TruthfulOpenAPI(JsonRenderPlugin):
 
     def render(self, request: Request, openapi_schema: dict[str, Any]) -> bytes:
         state = request.app.state.serving
-        secured = bool(state.settings.api_key)
+        secured = state.keys.required
         if secured not in self._rendered:
             limits = {
                 "TokenId": state.engine.args.vocab_size - 1,

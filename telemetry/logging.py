@@ -170,11 +170,19 @@ def configure_logging(
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     renderer: Any
+    # Tracebacks without the frames' local variables (structlog shows them by default): they
+    # hold request headers, API keys and prompts, none of which may reach a log.
     if fmt == "json":
-        shared.append(structlog.processors.dict_tracebacks)
+        shared.append(
+            structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+            )
+        )
         renderer = structlog.processors.JSONRenderer(serializer=_dumps, default=_fallback)
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=_isatty(stream))
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=_isatty(stream), exception_formatter=_console_tracebacks()
+        )
     foreign_chain = [*shared, structlog.stdlib.ExtraAdder(allow=("suppressed",))]
 
     structlog.reset_defaults()
@@ -211,6 +219,13 @@ def configure_logging(
         foreign.propagate = True
     # Access logs are the service's job (one summary line per request), not uvicorn's.
     logging.getLogger("uvicorn.access").setLevel(max(min_level, logging.WARNING))
+
+
+def _console_tracebacks() -> Any:
+    """Rich's tracebacks when rich is installed (structlog's default), without locals."""
+    if structlog.dev.rich is not None:
+        return structlog.dev.RichTracebackFormatter(show_locals=False)
+    return structlog.dev.plain_traceback
 
 
 def _isatty(stream: TextIO) -> bool:
