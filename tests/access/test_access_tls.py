@@ -13,7 +13,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.harness import InProcessServer
+from bench.harness import InProcessServer, ServerProcess
 from service.proto.moeserve.v1 import inference_pb2 as pb
 from service.proto.moeserve.v1 import inference_pb2_grpc
 from service.settings import Settings
@@ -149,3 +149,25 @@ def test_tls_flags_are_checked_before_serving(tmp_path, pki):
     for message, flags in cases.items():
         with pytest.raises(TlsConfigError, match=message):
             check(**flags)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--ssl-certfile", "{cert}"), "--ssl-certfile needs --ssl-keyfile"),
+        (("--api-keys-file", "{missing}"), "cannot read"),
+    ],
+)
+def test_unusable_tls_or_keys_files_stop_the_server_before_the_model_loads(
+    tiny_model_dir, pki, tmp_path, flags, message
+):
+    paths = {"cert": pki.server_cert, "ca": pki.ca, "missing": tmp_path / "keys.json"}
+    argv = [f.format(**paths) for f in flags]
+    server = ServerProcess(tiny_model_dir, *argv, env={"OTEL_TRACES_EXPORTER": "none"}).start()
+    try:
+        assert server.proc.wait(120) == 2
+    finally:
+        server.stop()
+    (failed,) = [r for r in server.records if r.get("event") == "startup failed"]
+    assert message in failed["error"]
+    assert not [r for r in server.records if r.get("event") == "loading weights"]
