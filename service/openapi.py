@@ -27,7 +27,8 @@ _DESCRIPTIONS = {
     401: "Missing or invalid API key",
     404: "Unknown model",
     413: "Body over the size limit",
-    429: "Waiting queue full: retry after the `retry-after` header's seconds",
+    429: "Waiting queue full, or the API key over one of its limits (`code`: "
+    "rate_limit_exceeded): retry after the `retry-after` header's seconds",
     503: "Draining after SIGTERM, or the engine is not running",
 }
 # Rules across fields, which one field's annotation cannot state.
