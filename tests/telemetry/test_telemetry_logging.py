@@ -10,6 +10,8 @@ import structlog
 
 from telemetry.logging import configure_logging, get_logger
 
+LOCAL_SECRET = "sk-local-secret"
+
 
 def _lines(stream: io.StringIO) -> list[dict]:
     return [json.loads(line) for line in stream.getvalue().splitlines() if line.strip()]
@@ -81,7 +83,7 @@ def test_tracebacks_never_show_local_variables():
         key = authorization.removeprefix("Bearer ")
         raise RuntimeError(f"failed for a key of {len(key)} characters")
 
-    secret = "-".join(("sk", "local", "secret"))  # not in the source rich quotes
+    secret = LOCAL_SECRET  # defined far from the lines rich quotes around each frame
     for fmt in ("json", "console"):
         stream = io.StringIO()
         configure_logging(fmt, "info", stream=stream, cache_loggers=False)
