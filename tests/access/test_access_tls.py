@@ -151,6 +151,7 @@ def test_tls_flags_are_checked_before_serving(tmp_path, pki):
             check(**flags)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, message",
     [
