@@ -257,9 +257,10 @@ class AsyncLLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         log_context: dict | None = None,
+        tenant: str | None = None,
     ) -> RequestOutput:
         output = None
-        async for output in self.stream(prompt, params, request_id, log_context):
+        async for output in self.stream(prompt, params, request_id, log_context, tenant=tenant):
             pass
         return output
 

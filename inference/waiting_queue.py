@@ -2,7 +2,8 @@
 
 A tenant is whatever the caller tags a request with (the service: the API key's name). While
 the queue is contended, one tenant with a hundred queued requests must not hold back another
-tenant's one: admission takes the head of each tenant's queue in turn. Preempted sequences
+tenant's one: admission takes the head of each tenant's queue in turn, and the tenant served
+last always comes last, behind a tenant that has just arrived. Preempted sequences
 come first, ahead of every tenant (they were running; their cache is being recomputed), in the
 order the scheduler put them back. With a single tenant (untagged requests, one key) this is
 the plain FIFO it replaces, at the same cost: deque operations and one dict lookup.
@@ -20,6 +21,7 @@ class WaitingQueue:
         self._resume: deque[Sequence] = deque()  # preempted, to be recomputed first
         # tenant -> its sequences in arrival order; the tenant whose turn it is comes first
         self._tenants: OrderedDict[str | None, deque[Sequence]] = OrderedDict()
+        self._served: str | None = None  # the tenant whose sequence was admitted last
         self._len = 0
 
     def __len__(self) -> int:
@@ -33,6 +35,8 @@ class WaitingQueue:
         queue = self._tenants.get(seq.tenant)
         if queue is None:
             queue = self._tenants[seq.tenant] = deque()
+            if self._served in self._tenants and self._served != seq.tenant:
+                self._tenants.move_to_end(self._served)  # it has just had its turn
         queue.append(seq)
         self._len += 1
 
@@ -60,6 +64,7 @@ class WaitingQueue:
             del self._tenants[tenant]
         elif len(self._tenants) > 1:
             self._tenants.move_to_end(tenant)
+        self._served = tenant
         self._len -= 1
         return seq
 

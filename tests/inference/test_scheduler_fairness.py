@@ -3,8 +3,11 @@ plain FIFO with one tenant, preempted sequences first; pure bookkeeping, no mode
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from inference import AsyncLLMEngine
 from inference.block_manager import BlockManager
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
@@ -59,6 +62,23 @@ def test_turns_carry_over_between_steps():
     assert order == ["a0", "b0", "a1", "b1", "a2", "b2"]
 
 
+def test_a_tenant_just_served_goes_behind_a_newcomer():
+    """The flood was alone and had a turn; a request of another key is next, not the flood's."""
+    sched = _scheduler(max_num_seqs=1)
+    for i in range(4):
+        sched.add(_seq(f"a{i}", "flood"))
+    assert _admitted(sched) == ["a0"]
+    sched.add(_seq("b0", "b"))
+    sched.add(_seq("c0", "c"))
+    sched.finish(sched.running[0], "stop")
+    order = []
+    while sched.has_work:
+        (seq,) = [s for s, _ in sched.schedule().scheduled]
+        order.append(seq.seq_id)
+        sched.finish(seq, "stop")
+    assert order == ["b0", "c0", "a1", "a2", "a3"]
+
+
 @pytest.mark.parametrize("tenant", [None, "only-key"])
 def test_one_tenant_is_first_come_first_served(tenant):
     sched = _scheduler(max_num_seqs=3)
@@ -100,3 +120,22 @@ def test_abort_while_waiting_leaves_the_turns_intact():
         q.remove(seqs["a0"])
     with pytest.raises(IndexError):
         q.peek()
+
+
+async def test_the_tenant_reaches_the_engine_core(tiny_model_dir):
+    """Through AsyncLLMEngine and the core process: one sequence at a time, three requests of
+    tenant a queued before one of b; b's is scheduled right after a's first."""
+    engine = AsyncLLMEngine.from_pretrained(
+        tiny_model_dir, device="cpu", dtype="float32", kv_cache_tokens=1024, max_num_seqs=1
+    )
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
+        requests = [("a1", "a"), ("a2", "a"), ("a3", "a"), ("b1", "b")]
+        outputs = await asyncio.gather(
+            *(engine.generate("hello", params, request_id=rid, tenant=t) for rid, t in requests)
+        )
+    finally:
+        await engine.shutdown()
+    scheduled = sorted(outputs, key=lambda out: out.outputs[0].times.first_scheduled)
+    assert [out.request_id for out in scheduled] == ["a1", "b1", "a2", "a3"]
