@@ -35,6 +35,7 @@ bench: setup
 	$(BIN)/python -m bench.telemetry_bench --compare inspector
 	$(BIN)/python -m bench.structured_bench
 	$(BIN)/python -m bench.quant_bench
+	$(BIN)/python -m bench.access_bench
 
 # Peer benchmark (not part of `make test` or CI): sets up vLLM and llama.cpp once under
 # ~/.cache/moeserve/peers (tens of minutes), then measures; later runs reuse the peers.

@@ -305,7 +305,9 @@ class ServerProcess(ManagedProcess):
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.rest_port}"
+        """http://, or https:// for a server given --ssl-certfile."""
+        scheme = "https" if "--ssl-certfile" in self.argv else "http"
+        return f"{scheme}://{HOST}:{self.rest_port}"
 
     @property
     def grpc_target(self) -> str:
@@ -438,7 +440,9 @@ class InProcessServer:
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.server.rest_port}"
+        """http://, or https:// for a server with TLS."""
+        scheme = "https" if self.settings.ssl_certfile else "http"
+        return f"{scheme}://{HOST}:{self.server.rest_port}"
 
     @property
     def grpc_target(self) -> str:

@@ -706,6 +706,41 @@ def overview() -> dict[str, Any]:
         8,
     )
 
+    g.row("API keys")
+    g.add(
+        timeseries(
+            "Requests by API key",
+            "Requests per second by API key name (--api-keys-file; default: --api-key, none: "
+            "no key required, unauthenticated: refused with 401) and outcome.",
+            [
+                prom(
+                    f"sum by (key, status) (rate(moeserve_requests_total{{{SEL}}}[{RATE}]))",
+                    "{{key}} {{status}}",
+                )
+            ],
+            "reqps",
+            stack=True,
+        ),
+        12,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Rate-limited requests by key",
+            "Requests refused (429 / RESOURCE_EXHAUSTED) per second because their API key was "
+            "over one of its limits: requests_per_minute, tokens_per_minute, max_concurrent.",
+            [
+                prom(
+                    f"sum by (key, limit) (rate(moeserve_rate_limited_total{{{SEL}}}[{RATE}]))",
+                    "{{key}} {{limit}}",
+                )
+            ],
+            "reqps",
+        ),
+        12,
+        8,
+    )
+
     g.row("Structured outputs")
     g.add(
         timeseries(

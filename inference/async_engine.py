@@ -219,9 +219,11 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         log_context: dict | None = None,
         prompt_token_ids: list[int] | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields outputs as tokens arrive (deltas in `delta_*`); aborts the request in the
-        engine if the consumer stops early (disconnect, cancellation, deadline)."""
+        engine if the consumer stops early (disconnect, cancellation, deadline). `tenant`
+        tags the request for the scheduler's round-robin admission (LLMEngine.add_request)."""
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         ids = (
@@ -241,7 +243,7 @@ class AsyncLLMEngine:
         finished = False
         try:
             try:
-                self._send(AddRequest(request_id, ids, params, log_context))
+                self._send(AddRequest(request_id, ids, params, log_context, tenant))
             except OSError as exc:  # the core died just now; the reader has not noticed yet
                 raise EngineDeadError(f"the engine process is gone: {exc!r}") from exc
             while not finished:
@@ -260,9 +262,10 @@ class AsyncLLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         log_context: dict | None = None,
+        tenant: str | None = None,
     ) -> RequestOutput:
         output = None
-        async for output in self.stream(prompt, params, request_id, log_context):
+        async for output in self.stream(prompt, params, request_id, log_context, tenant=tenant):
             pass
         return output
 

@@ -251,9 +251,11 @@ class LLMEngine:
         params: SamplingParams,
         log_context: dict | None = None,
         prompt_token_ids: list[int] | None = None,
+        tenant: str | None = None,
     ) -> None:
         """Queues a request; raises InvalidParameterError (nothing queued) for a bad prompt or
-        parameter, including a structured_outputs constraint that does not compile."""
+        parameter, including a structured_outputs constraint that does not compile. `tenant`
+        (e.g. an API key's name): while requests queue, each tenant's get admitted in turn."""
         if request_id in self.requests:
             raise InvalidParameterError("request_id", f"{request_id!r} is already in use")
         arrival = time.monotonic()
@@ -281,6 +283,7 @@ class LLMEngine:
                 params,
                 gen,
                 log_context,
+                tenant,
             )
             seq.detok = IncrementalDetokenizer(
                 self.tokenizer, ids, params.stop, params.skip_special_tokens

@@ -41,6 +41,7 @@ class AddRequest(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     log_context: dict[str, Any] | None = None
+    tenant: str | None = None
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -124,9 +125,10 @@ def spawn_engine_core(
 def main(fd: int) -> None:
     """The core process's entry point."""
     # Ctrl-C, or a SIGTERM sent to the whole group (systemd, a terminal), must not cut the
-    # steps under a graceful drain: the API process decides when the core stops.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # steps under a graceful drain, nor a SIGHUP (the API process's reload) kill the core:
+    # the API process decides when the core stops.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     conn = Connection(fd)
     model_dir, device, dtype, config, process_init = pickle.loads(conn.recv_bytes())
     # process_init may return take_log_lines() (telemetry.logging.capture_request_lines)
@@ -203,6 +205,7 @@ class EngineCore:
                         message.params,
                         message.log_context,
                         prompt_token_ids=message.prompt_token_ids,
+                        tenant=message.tenant,
                     )
                 except InvalidParameterError as exc:
                     self._send(Rejected(message.request_id, exc.param, exc.message))

@@ -3,17 +3,18 @@
 No prefill or decode phases (vLLM v1): every sequence has num_computed_tokens and
 num_tokens, and each step hands out tokens under a budget. Running sequences go first, in
 arrival order; when the cache is full the most recently admitted one is preempted (its
-blocks freed, its tokens recomputed later) so older requests always make progress.
+blocks freed, its tokens recomputed later) so older requests always make progress. Waiting
+sequences are admitted round-robin across their tenants (inference/waiting_queue.py).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from inference.block_manager import BlockManager
 from inference.sequence import Sequence, SequenceStatus
+from inference.waiting_queue import WaitingQueue
 
 
 @dataclass(slots=True)
@@ -36,7 +37,7 @@ class Scheduler:
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self.on_preempt = on_preempt or (lambda seq: None)
 
@@ -69,7 +70,7 @@ class Scheduler:
             return out
         now = time.monotonic()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             if not seq.block_table and seq.params.prompt_logprobs is None:
                 cached = self.bm.use_cached_prefix(seq)
                 if seq.num_output_tokens == 0:

@@ -31,6 +31,7 @@ class Sequence:
         params: SamplingParams,
         generator: torch.Generator | None,
         log_context: dict | None = None,
+        tenant: str | None = None,
     ) -> None:
         self.seq_id, self.request_id, self.index = seq_id, request_id, index
         self.token_ids = list(prompt_token_ids)  # prompt then output
@@ -38,6 +39,7 @@ class Sequence:
         self.params = params
         self.generator = generator  # per-request RNG for seeded sampling
         self.log_context = log_context or {}  # trace_id/span_id/request_id for engine log lines
+        self.tenant = tenant  # whose request: waiting sequences are admitted round-robin by it
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache

@@ -15,8 +15,13 @@ from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.plugins.opentelemetry import OpenTelemetryConfig, OpenTelemetryPlugin
 from litestar.types import Message, Scope
 from opentelemetry import trace
+from opentelemetry.util.http import (
+    OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_SANITIZE_FIELDS,
+    get_custom_headers,
+)
 
 from service import validation
+from service.auth import SECRET_HEADERS
 from service.controllers.common import (
     REQUEST_ID_HEADER,
     ClientClosedRequest,
@@ -137,6 +142,12 @@ def _telemetry_config(state: ServingState) -> dict:
         exclude=_UNTRACED_PATHS,
         exclude_spans=["receive", "send"],
         scope_span_details_extractor=_span_details,
+        # headers an operator asks to capture (OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_*)
+        # go on the span, except the credentials: their values become "[REDACTED]"
+        http_capture_headers_sanitize_fields=[
+            *get_custom_headers(OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_SANITIZE_FIELDS),
+            *SECRET_HEADERS,
+        ],
     )
     return {"plugins": [OpenTelemetryPlugin(config)], "middleware": [bind_request_id]}
 

@@ -50,6 +50,14 @@ class Overloaded(ServiceError):
     retry_after_s = 1
 
 
+class RateLimited(Overloaded):
+    """An API key over one of its limits (service/rate_limits.py); `limit` names it."""
+
+    def __init__(self, message: str, *, limit: str, retry_after_s: int) -> None:
+        super().__init__(message, code="rate_limit_exceeded")
+        self.limit, self.retry_after_s = limit, retry_after_s
+
+
 class Unavailable(ServiceError):
     """Draining after SIGTERM, or the engine is not running."""
 

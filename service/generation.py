@@ -3,10 +3,11 @@
 The REST controllers and the gRPC servicer parse their wire format into a GenerationInput
 (service/validation.py), run it through a `Generation` and render the updates it yields.
 Everything else happens here, once for both: admission (503 / UNAVAILABLE while draining;
-the engine's refusals as service errors), the request's telemetry (service/observability.py)
+429 / RESOURCE_EXHAUSTED for a key over its limits, before the engine sees the request; the
+engine's refusals as service errors), the request's telemetry (service/observability.py)
 finished exactly once, its record in the inspector (service/inspector/), per-choice deltas
-and usage, in-flight accounting for the drain, and aborting the request in the engine when
-the caller stops reading.
+and usage, tokens charged to the caller's key as they are produced, in-flight accounting for
+the drain, and aborting the request in the engine when the caller stops reading.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 from opentelemetry.trace import Span
 
 from inference import CompletionOutput, RequestOutput
-from service.errors import ENGINE_ERRORS, Unavailable, from_engine_error, status_of
+from service.api_keys import Caller
+from service.errors import ENGINE_ERRORS, RateLimited, Unavailable, from_engine_error, status_of
 from service.observability import RequestTelemetry
 from service.responses import Usage
 from service.state import ServingState
@@ -55,10 +57,17 @@ class Generation:
         # OpenAI's `id` ("cmpl-..."); gRPC has none, so there it is the request id
         self.response_id = response_id or request_id
         self.telemetry = RequestTelemetry(state.observability, api, request_id, span)
+        self.caller = state.keys.anonymous
+        self.telemetry.key = self.caller.name
         inspector = state.inspector
         self.inspection = inspector.open(self.telemetry) if inspector is not None else None
         self._done_choices: set[int] = set()
         self._finished = False
+
+    def authenticated(self, caller: Caller) -> None:
+        """Who sent the request, once its key has been checked (service/auth.py)."""
+        self.caller = caller
+        self.telemetry.key = caller.name
 
     def identify(self, request_id: str, response_id: str | None = None) -> None:
         """The caller's request id, once the transport has parsed it (before admission)."""
@@ -69,10 +78,15 @@ class Generation:
         """The engine's outputs for `spec`. The first one comes after admission, so a refusal
         raises before the transport has sent anything. Closing the iterator early aborts the
         request in the engine and frees its blocks before the next step."""
-        state = self.state
+        state, caller = self.state, self.caller
         try:
             if state.draining:
                 raise Unavailable("server is shutting down", code="draining")
+            try:
+                caller.acquire(len(spec.prompt_ids))
+            except RateLimited as exc:
+                self.telemetry.rate_limited(exc.limit)
+                raise
             context = self.telemetry.admit(
                 self.response_id, spec, {"response_id": self.response_id}
             )
@@ -80,18 +94,24 @@ class Generation:
                 state.inspector.admit(self.inspection, spec)
             state.enter()
             outputs = state.engine.stream(
-                spec.prompt_ids, spec.params, request_id=self.response_id, log_context=context
+                spec.prompt_ids,
+                spec.params,
+                request_id=self.response_id,
+                log_context=context,
+                tenant=caller.name,
             )
             try:
                 async for out in outputs:
                     self.telemetry.observe(out)
                     self._finished = out.finished
+                    caller.charge(sum(len(c.delta_token_ids) for c in out.outputs))
                     yield Update(out, self._new(out), _usage(out))
             except ENGINE_ERRORS as exc:
                 raise from_engine_error(exc, spec.constraint_field) from exc
             finally:
                 await outputs.aclose()
                 state.leave()
+                caller.release()
         except BaseException as exc:
             if not (self._finished and isinstance(exc, (GeneratorExit, asyncio.CancelledError))):
                 self.fail(exc)

@@ -17,17 +17,21 @@ from collections.abc import Callable
 
 import grpc
 import structlog
+from google.protobuf.any_pb2 import Any as AnyProto
+from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
 
 from service import validation
-from service.auth import check_bearer
-from service.errors import BadRequest, Overloaded, ServiceError, Unauthorized
+from service.auth import authenticate
+from service.errors import BadRequest, Overloaded, ServiceError
 from service.generation import Generation
 from service.grpc_servicer import SAMPLING_FIELDS, InferenceServicer
 from service.proto.moeserve.v1 import inference_pb2 as pb
@@ -55,10 +59,22 @@ def _status(exc: Exception, method: str) -> tuple[grpc.StatusCode, str, tuple]:
                 message = field + message[len(exc.param) :]
             else:
                 message = f"{field}: {message}"
-        trailing = (("retry-after", str(exc.retry_after_s)),) if isinstance(exc, Overloaded) else ()
+        trailing = _retry_info(exc, message) if isinstance(exc, Overloaded) else ()
         return exc.grpc_code, message, trailing
     log.exception("unexpected error in gRPC handler", method=method)
     return grpc.StatusCode.INTERNAL, "internal server error", ()
+
+
+def _retry_info(exc: Overloaded, message: str) -> tuple:
+    """When to retry, twice: `retry-after` (seconds, as REST's header) and the standard
+    google.rpc.RetryInfo in the status details (grpcio-status' rpc_status.from_call reads it)."""
+    info = AnyProto()
+    info.Pack(error_details_pb2.RetryInfo(retry_delay=Duration(seconds=exc.retry_after_s)))
+    status = status_pb2.Status(code=exc.grpc_code.value[0], message=message, details=[info])
+    return (
+        ("retry-after", str(exc.retry_after_s)),
+        *rpc_status.to_status(status).trailing_metadata,
+    )
 
 
 def _open_span(state: ServingState, method: str, context: grpc.aio.ServicerContext) -> Span:
@@ -87,10 +103,16 @@ def _end_span(span: Span, code: grpc.StatusCode, details: str) -> None:
     span.end()
 
 
-def _authorized(state: ServingState, context: grpc.aio.ServicerContext) -> bool:
-    """`authorization: Bearer KEY` metadata, checked as REST checks it (constant time)."""
+def _authenticate(state: ServingState, context: grpc.aio.ServicerContext, gen: Generation | None):
+    """`authorization: Bearer KEY` metadata, checked as REST checks the header."""
     given = dict(context.invocation_metadata() or ()).get("authorization")
-    return check_bearer(given if isinstance(given, str) else "", state.settings.api_key)
+    caller = authenticate(
+        state.keys,
+        given if isinstance(given, str) else None,
+        "metadata 'authorization: Bearer KEY'",
+    )
+    if gen is not None:
+        gen.authenticated(caller)
 
 
 def _wrap(state: ServingState, method: str, fn: Callable, request_type) -> Callable:
@@ -106,10 +128,7 @@ def _wrap(state: ServingState, method: str, fn: Callable, request_type) -> Calla
         gen = Generation(state, "grpc", uuid.uuid4().hex, span) if generation else None
         code, details, trailing = grpc.StatusCode.OK, "", ()
         try:
-            if not _authorized(state, context):
-                raise Unauthorized(
-                    "missing or invalid API key (metadata 'authorization: Bearer KEY')"
-                )
+            _authenticate(state, context, gen)
             try:
                 request = request_type.FromString(raw)
             except DecodeError as exc:
@@ -202,7 +221,14 @@ class GrpcServer:
         self._poller = asyncio.get_running_loop().create_task(health.poll())
 
     @classmethod
-    async def start(cls, state: ServingState, host: str, port: int) -> GrpcServer:
+    async def start(
+        cls,
+        state: ServingState,
+        host: str,
+        port: int,
+        credentials: grpc.ServerCredentials | None = None,
+    ) -> GrpcServer:
+        """Binds `host:port`, over TLS with `credentials` (service/tls.py), and serves."""
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", state.settings.max_body_bytes),
@@ -220,14 +246,19 @@ class GrpcServer:
             f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
         )
         try:
-            bound = server.add_insecure_port(address)
+            if credentials is None:
+                bound = server.add_insecure_port(address)
+            else:
+                bound = server.add_secure_port(address, credentials)
         except RuntimeError as exc:
             raise RuntimeError(f"cannot bind the gRPC server to {address}: {exc}") from None
         if not bound:
             raise RuntimeError(f"cannot bind the gRPC server to {address}")
         await health.sync()
         await server.start()
-        log.info("grpc server started", grpc_host=host, grpc_port=bound)
+        log.info(
+            "grpc server started", grpc_host=host, grpc_port=bound, tls=credentials is not None
+        )
         return cls(server, health, bound)
 
     async def mark_not_serving(self) -> None:

@@ -21,7 +21,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanContext, Status, StatusCode
 
 from telemetry.logging import get_logger
-from telemetry.metrics import ServiceMetrics
+from telemetry.metrics import NO_KEY, ServiceMetrics
 from telemetry.requests import finish_request, finish_unserved_request, merged_times
 from telemetry.tracing import (
     genai_request_attributes,
@@ -78,6 +78,13 @@ class Observability:
     def disabled(cls) -> Observability:
         return cls("", enabled=False, tracer=trace.NoOpTracer())
 
+    def add_keys(self, labels: dict[str, tuple[str, ...]]) -> None:
+        """API key names (-> their configured limits) the request metrics export from now on
+        (service.api_keys.KeyRing.labels; at start-up and after each reload)."""
+        if self.metrics is not None:
+            for key, limits in labels.items():
+                self.metrics.add_key(key, limits)
+
     # ---- engine steps ---------------------------------------------------------------------
     def on_step(self, stats: Any) -> None:
         """Stats listener (event loop, after every step): metrics and the step span."""
@@ -111,6 +118,7 @@ class RequestTelemetry:
         """`span`: the server span the request's transport opened and ends (REST: the
         OpenTelemetryPlugin's, gRPC: grpc_server's)."""
         self.obs, self.api, self.request_id, self.span = obs, api, request_id, span
+        self.key = NO_KEY  # the name of the request's API key (service.api_keys)
         self.engine_request_id: str | None = None
         self.output: Any = None
         self.prompt_ids: list[int] | None = None
@@ -127,7 +135,7 @@ class RequestTelemetry:
         the engine's log_context."""
         self.engine_request_id = engine_request_id
         self.prompt_ids = spec.prompt_ids
-        context = {**log_context, "request_id": self.request_id, "api": self.api}
+        context = {**log_context, "request_id": self.request_id, "api": self.api, "key": self.key}
         try:
             self._describe(engine_request_id, spec)
             constraint = spec.params.structured_outputs
@@ -165,6 +173,14 @@ class RequestTelemetry:
 
     def observe(self, output: Any) -> None:
         self.output = output
+
+    def rate_limited(self, limit: str) -> None:
+        """The request was refused for its key's `limit` (moeserve_rate_limited_total)."""
+        if self.obs.metrics is not None:
+            try:
+                self.obs.metrics.count_rate_limited(self.api, self.key, limit)
+            except Exception:  # telemetry must never fail a request
+                log.exception("request telemetry failed", request_id=self.request_id)
 
     def fail(self, exc: BaseException | None, status: str) -> None:
         """Records a failure (first one wins); the exception goes on the span unless it is
@@ -206,7 +222,13 @@ class RequestTelemetry:
                 Status(StatusCode.ERROR, f"{status}: {exc}" if exc is not None else status)
             )
         extra: dict[str, Any] = {"model": obs.model}
-        common = {"api": self.api, "request_id": self.request_id, "status": status, "logger": log}
+        common = {
+            "api": self.api,
+            "request_id": self.request_id,
+            "status": status,
+            "logger": log,
+            "key": self.key,
+        }
         times = merged_times(out.outputs) if out is not None else None
         if times is None:  # never produced an output: rejected, invalid, aborted while queued
             num_prompt = len(self.prompt_ids) if self.prompt_ids is not None else 0

@@ -28,7 +28,8 @@ _DESCRIPTIONS = {
     401: "Missing or invalid API key",
     404: "Unknown model",
     413: "Body over the size limit",
-    429: "Waiting queue full: retry after the `retry-after` header's seconds",
+    429: "Waiting queue full, or the API key over one of its limits (`code`: "
+    "rate_limit_exceeded): retry after the `retry-after` header's seconds",
     503: "Draining after SIGTERM, or the engine is not running",
 }
 # Rules across fields, which one field's annotation cannot state.
@@ -108,7 +109,7 @@ class TruthfulOpenAPI(JsonRenderPlugin):
 
     def render(self, request: Request, openapi_schema: dict[str, Any]) -> bytes:
         state = request.app.state.serving
-        secured = bool(state.settings.api_key)
+        secured = state.keys.required
         if secured not in self._rendered:
             limits = {
                 "TokenId": state.engine.args.vocab_size - 1,

@@ -3,6 +3,7 @@ one process and one event loop, with a graceful drain on SIGTERM/SIGINT.
 
 Shutdown order: stop admitting (/ready 503, new requests 503 on both APIs), let in-flight
 requests finish within `drain_timeout`, stop uvicorn and gRPC, stop the engine, exit 0.
+SIGHUP reads --api-keys-file again (service/api_keys.py); requests in flight are untouched.
 
 When the engine core process dies (killed, OOM, crashed) the server cannot serve again: its
 streams end with an engine_dead error event, /health, /ready and new requests answer 503
@@ -26,12 +27,14 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from inference import AsyncLLMEngine, InvalidParameterError, ModelLoadError
+from service.api_keys import KeyRing, KeysFileError
 from service.app import create_app
 from service.grpc_server import GrpcServer
 from service.inspector.recorder import InspectorRecorder
 from service.observability import Observability
 from service.settings import Settings
 from service.state import ServingState
+from service.tls import TlsConfigError, TlsFiles
 from telemetry.logging import capture_request_lines, configure_logging, get_logger
 from telemetry.metrics import ServiceMetrics
 from telemetry.tracing import configure_tracing, shutdown_tracing
@@ -88,10 +91,14 @@ class MoeServer:
         self._sock: socket.socket | None = None
         self._shutdown: asyncio.Task | None = None
         self._engine_died = False
+        self.tls: TlsFiles | None = None
 
     async def start(self) -> None:
         s = self.settings
         inspector = build_inspector(s)  # first: its settings can fail the start at once
+        # the files first: a bad one stops the server before the model loads
+        self.tls = TlsFiles.from_settings(s)
+        keys = KeyRing(s.api_key, s.api_keys_file)
         path, name = await asyncio.to_thread(model_path_and_name, s)
         # the engine core process logs like this one (same stdout, same format); for the
         # inspector it also ships the lines it logs on requests' behalf with its steps
@@ -109,7 +116,9 @@ class MoeServer:
         engine.add_stats_listener(obs.on_step)
         if inspector is not None:
             inspector.attach(engine)
-        self.state = ServingState(engine, s, name, observability=obs, inspector=inspector)
+        self.state = ServingState(
+            engine, s, name, observability=obs, inspector=inspector, keys=keys
+        )
         self._sock = _bind(s.host, s.port)
         self.rest_port = self._sock.getsockname()[1]
         config = uvicorn.Config(
@@ -118,10 +127,12 @@ class MoeServer:
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=5,
+            **(self.tls.uvicorn_options() if self.tls else {}),
         )
         self._uvicorn = _Uvicorn(config)
         if s.grpc_port >= 0:
-            self._grpc = await GrpcServer.start(self.state, s.host, s.grpc_port)
+            credentials = self.tls.grpc_credentials() if self.tls else None
+            self._grpc = await GrpcServer.start(self.state, s.host, s.grpc_port, credentials)
             self.grpc_port = self._grpc.port
 
     async def run(self) -> int:
@@ -136,6 +147,8 @@ class MoeServer:
                 rest_port=self.rest_port,
                 grpc_port=self.grpc_port,
                 host=self.settings.host,
+                tls=self.tls.mode if self.tls else "off",
+                api_keys=len(self.state.keys.names),
                 model=self.state.model_name,
                 max_model_len=self.state.engine.max_model_len,
             )
@@ -174,6 +187,21 @@ class MoeServer:
             await self._grpc.mark_not_serving()
         self._uvicorn.should_exit = True
         await self._stop_grpc()
+
+    def reload_keys(self) -> None:
+        """SIGHUP: --api-keys-file read again. A file that does not load leaves the keys in
+        force as they were; requests in flight go on either way (a revoked key's included)."""
+        keys = self.state.keys
+        if keys.path is None:
+            log.warning("SIGHUP ignored: no --api-keys-file to reload")
+            return
+        try:
+            keys.reload()
+        except KeysFileError as exc:
+            log.error("API keys not reloaded; the previous keys stay in force", error=str(exc))
+            return
+        self.state.observability.add_keys(keys.labels())
+        log.info("API keys reloaded", keys=keys.names)
 
     def request_shutdown(self) -> None:
         """Starts the graceful drain; a second call forces an immediate exit."""
@@ -253,7 +281,14 @@ async def _serve(settings: Settings) -> int:
     server = MoeServer(settings)
     try:
         await server.start()
-    except (ModelLoadError, InvalidParameterError, OSError, RuntimeError) as exc:
+    except (
+        ModelLoadError,
+        InvalidParameterError,
+        KeysFileError,
+        TlsConfigError,
+        OSError,
+        RuntimeError,
+    ) as exc:
         log.error("startup failed", error=str(exc))
         if server.state is not None:
             await server.state.engine.shutdown()
@@ -261,6 +296,7 @@ async def _serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_shutdown)
+    loop.add_signal_handler(signal.SIGHUP, server.reload_keys)
     return await server.run()
 
 

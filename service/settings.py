@@ -18,6 +18,10 @@ class Settings:
     port: int = 8000
     grpc_port: int = 50051
     api_key: str | None = None
+    api_keys_file: str | None = None  # named keys with limits (service/api_keys.py); SIGHUP
+    ssl_certfile: str | None = None  # TLS on both APIs (service/tls.py)
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None  # mutual TLS: clients need a certificate from this CA
     device: str = "auto"
     dtype: str = "auto"
     max_num_seqs: int | None = None
@@ -53,6 +57,12 @@ _HELP = {
     "grpc_port": "gRPC port (0: a free port, -1: no gRPC server)",
     "port": "REST port (0: a free port)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1 routes and gRPC",
+    "api_keys_file": "JSON file of named API keys with optional per-key limits "
+    '({"keys": [{"name", "key" | "sha256", "requests_per_minute", "tokens_per_minute", '
+    '"max_concurrent"}]}); read again on SIGHUP',
+    "ssl_certfile": "serve REST and gRPC over TLS with this certificate (PEM)",
+    "ssl_keyfile": "the certificate's private key (PEM)",
+    "ssl_ca_certs": "mutual TLS: require client certificates signed by these CAs (PEM)",
     "max_waiting": "waiting-queue bound; beyond it requests get 429 / RESOURCE_EXHAUSTED",
     "kv_cache_tokens": "KV cache size in tokens (CPU; GPU default: from free memory)",
     "kv_cache_bytes": "KV cache size in bytes, instead of --kv-cache-tokens (an 8-bit cache "

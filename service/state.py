@@ -1,4 +1,5 @@
-"""What the REST and gRPC servers share: the engine, the settings, readiness and draining."""
+"""What the REST and gRPC servers share: the engine, the settings, the API keys, readiness and
+draining."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 
 from inference import AsyncLLMEngine
 from inference.tool_parsers import parser_for
+from service.api_keys import KeyRing
 from service.inspector.recorder import InspectorRecorder
 from service.observability import Observability
 from service.settings import Settings
@@ -21,7 +23,13 @@ class ServingState:
     in_flight: int = 0
     observability: Observability = field(default_factory=Observability.disabled)
     inspector: InspectorRecorder | None = None  # None with --no-inspector
+    keys: KeyRing | None = None  # None: from --api-key / --api-keys-file (KeysFileError)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        if self.keys is None:
+            self.keys = KeyRing(self.settings.api_key, self.settings.api_keys_file)
+        self.observability.add_keys(self.keys.labels())
 
     @property
     def tool_parser(self) -> str:

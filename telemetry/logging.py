@@ -223,11 +223,19 @@ def configure_logging(
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     renderer: Any
+    # Tracebacks without the frames' local variables (structlog shows them by default): they
+    # hold request headers, API keys and prompts, none of which may reach a log.
     if fmt == "json":
-        shared.append(structlog.processors.dict_tracebacks)
+        shared.append(
+            structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+            )
+        )
         renderer = structlog.processors.JSONRenderer(serializer=_dumps, default=_fallback)
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=_isatty(stream))
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=_isatty(stream), exception_formatter=_console_tracebacks()
+        )
     renderer = _TappedRenderer(renderer, is_json=fmt == "json")
     foreign_chain = [*shared, structlog.stdlib.ExtraAdder(allow=("suppressed",))]
 
@@ -284,6 +292,13 @@ def capture_request_lines(
         return lines
 
     return take
+
+
+def _console_tracebacks() -> Any:
+    """Rich's tracebacks when rich is installed (structlog's default), without locals."""
+    if structlog.dev.rich is not None:
+        return structlog.dev.RichTracebackFormatter(show_locals=False)
+    return structlog.dev.plain_traceback
 
 
 def _isatty(stream: TextIO) -> bool:

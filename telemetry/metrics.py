@@ -6,7 +6,7 @@ known label set so each metric is exported from start-up. The engine's `StepStat
 to `observe_request` (latency histograms with trace-id exemplars, tokens, outcome), and
 requests that never reached the engine to `count_request`/`count_rejected`. Label values
 are all bounded: api and status/finish_reason are normalised to fixed sets, layer/expert
-come from the model's shape.
+come from the model's shape, `key` (an API key's name) from the service's keys file.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 __all__ = [
     "APIS",
     "FINISH_REASONS",
+    "NO_KEY",
     "STATUSES",
     "STRUCTURED_KINDS",
     "ExpertLoadCollector",
@@ -42,6 +43,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "none")
 # no inference code)
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 GRAMMAR_CACHE = ("hit", "miss")
+NO_KEY = "none"  # the `key` label of requests to a server that takes no API key
 
 # OTel GenAI server recommendations (gen_ai.server.*), extended below 1 ms (GPU decode
 # steps) and above 10 s (long generations, queueing under overload).
@@ -206,8 +208,15 @@ class ServiceMetrics:
         )
         self.requests = Counter(
             "moeserve_requests",
-            "Requests by outcome.",
-            ("model", "api", "status", "finish_reason"),
+            "Requests by outcome and API key name.",
+            ("model", "api", "status", "finish_reason", "key"),
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            "moeserve_rate_limited",
+            "Requests refused (429 / RESOURCE_EXHAUSTED) because their API key was over one "
+            "of its limits, by key name and limit.",
+            ("model", "api", "key", "limit"),
             registry=r,
         )
         self.running = Gauge(
@@ -291,12 +300,9 @@ class ServiceMetrics:
         self._e2e = {api: self.e2e.labels(model, api) for api in APIS}
         self._prompt = {api: self.prompt_tokens.labels(model, api) for api in APIS}
         self._generated = {api: self.generation_tokens.labels(model, api) for api in APIS}
-        self._requests = {
-            (api, status, reason): self.requests.labels(model, api, status, reason)
-            for api in APIS
-            for status in STATUSES
-            for reason in FINISH_REASONS
-        }
+        self._requests: dict[tuple[str, str, str, str], Any] = {}
+        self._rate_limited: dict[tuple[str, str, str], Any] = {}
+        self.add_key(NO_KEY)
         self._queue = self.queue_time.labels(*m)
         self._running = self.running.labels(*m)
         self._waiting = self.waiting.labels(*m)
@@ -341,6 +347,7 @@ class ServiceMetrics:
         finish_reason: str | None,
         status: str = "ok",
         trace_id: str | None = None,
+        key: str = NO_KEY,
     ) -> RequestLatencies:
         """Record a request the engine finished (or aborted): latency histograms (with a
         {"trace_id"} exemplar when given), token counters and requests_total. Returns the
@@ -360,15 +367,47 @@ class ServiceMetrics:
             self._prompt[api].inc(num_prompt_tokens)
         if num_output_tokens > 0:
             self._generated[api].inc(num_output_tokens)
-        self.count_request(api, status, finish_reason)
+        self.count_request(api, status, finish_reason, key)
         return lat
 
-    def count_request(self, api: str, status: str, finish_reason: str | None = None) -> None:
+    def count_request(
+        self, api: str, status: str, finish_reason: str | None = None, key: str = NO_KEY
+    ) -> None:
         """requests_total += 1. Unknown status/finish_reason values map to bounded ones
-        (server_error, none); an unknown api raises ValueError."""
+        (server_error, none); an unknown api raises ValueError. `key` is an API key's name
+        or a fixed label: the caller bounds it (service/api_keys.py)."""
         status = status if status in STATUSES else "server_error"
         reason = finish_reason if finish_reason in FINISH_REASONS else "none"
-        self._requests[(_api(api), status, reason)].inc()
+        labels = (_api(api), status, reason, key)
+        child = self._requests.get(labels)
+        if child is None:
+            self.add_key(key)
+            child = self._requests[labels]
+        child.inc()
+
+    def add_key(self, key: str, limits: Iterable[str] = ()) -> None:
+        """Exports requests_total for API key name `key` (and rate_limited_total for each of
+        its `limits`) from now on, at 0 where new; idempotent (keys-file reloads)."""
+        model = self.model
+        for api in APIS:
+            for status in STATUSES:
+                for reason in FINISH_REASONS:
+                    labels = (api, status, reason, key)
+                    if labels not in self._requests:
+                        self._requests[labels] = self.requests.labels(model, *labels)
+            for limit in limits:
+                if (api, key, limit) not in self._rate_limited:
+                    self._rate_limited[(api, key, limit)] = self.rate_limited.labels(
+                        model, api, key, limit
+                    )
+
+    def count_rate_limited(self, api: str, key: str, limit: str) -> None:
+        """rate_limited_total{key, limit} += 1: a request refused for its key's `limit`."""
+        child = self._rate_limited.get((_api(api), key, limit))
+        if child is None:
+            self.add_key(key, (limit,))
+            child = self._rate_limited[(api, key, limit)]
+        child.inc()
 
     def count_structured(self, kind: str) -> None:
         """structured_requests_total{kind} += 1, for a request constrained by a grammar

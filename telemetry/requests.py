@@ -10,7 +10,7 @@ from typing import Any
 from opentelemetry.trace import Span, Tracer
 
 from telemetry.logging import get_logger
-from telemetry.metrics import RequestLatencies, ServiceMetrics, request_latencies
+from telemetry.metrics import NO_KEY, RequestLatencies, ServiceMetrics, request_latencies
 from telemetry.tracing import genai_response_attributes, record_request_phases, span_ids
 
 __all__ = ["finish_request", "merged_times"]
@@ -32,6 +32,7 @@ def finish_request(
     response_id: str | None = None,
     logger: Any = None,
     tracer: Tracer | None = None,
+    key: str = NO_KEY,
     **log_fields: Any,
 ) -> RequestLatencies:
     """Record a request the engine finished or aborted; call before ending `span`.
@@ -39,8 +40,8 @@ def finish_request(
     `times` is the sequence's `RequestTimes`; a constrained request's grammar_compile_s goes
     to moeserve_grammar_compile_seconds and a "grammar_compile" span. The summary line
     carries trace_id/span_id of `span` explicitly, so it may be called from any thread or
-    task. Extra keyword arguments go into the log line (never prompt or output text unless
-    asked for).
+    task. `key` is the name of the request's API key (metrics label and log field). Extra
+    keyword arguments go into the log line (never prompt or output text unless asked for).
     """
     record_request_phases(span, times, tracer=tracer)
     span.set_attributes(
@@ -66,6 +67,7 @@ def finish_request(
             finish_reason,
             status,
             ids[0] if sampled else None,
+            key,
         )
     else:
         latencies = request_latencies(times, num_output_tokens)
@@ -79,7 +81,7 @@ def finish_request(
         latencies.log_fields(),
         finish_reason,
         status,
-        log_fields,
+        {"key": key, **log_fields},
     )
     return latencies
 
@@ -94,12 +96,13 @@ def finish_unserved_request(
     status: str,
     metrics: ServiceMetrics | None = None,
     logger: Any = None,
+    key: str = NO_KEY,
     **log_fields: Any,
 ) -> None:
     """Record a request that never produced an output (rejected, invalid, aborted while
     queued): counted, and one summary line with no latencies."""
     if metrics is not None:
-        metrics.count_request(api, status, finish_reason)
+        metrics.count_request(api, status, finish_reason, key)
     _summary_line(
         logger,
         span,
@@ -110,7 +113,7 @@ def finish_unserved_request(
         RequestLatencies(None, None, None, None).log_fields(),
         finish_reason,
         status,
-        log_fields,
+        {"key": key, **log_fields},
     )
 
 

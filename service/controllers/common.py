@@ -15,6 +15,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from opentelemetry import trace
 
 from service import validation
+from service.auth import CALLER_SCOPE_KEY
 from service.errors import BadRequest, ServiceError
 from service.generation import Generation
 from service.state import ServingState
@@ -109,7 +110,13 @@ def generation_lifecycle(prefix: str):
 
 
 def generation(request: Request) -> Generation:
-    return request.scope[_GENERATION_KEY]  # type: ignore[literal-required]
+    """The request's Generation, run as the caller whose key the API key guard accepted (its
+    key's limits, its name in the metrics, the logs and the scheduler's turns)."""
+    gen: Generation = request.scope[_GENERATION_KEY]  # type: ignore[literal-required]
+    caller = request.scope.get(CALLER_SCOPE_KEY)
+    if caller is not None:
+        gen.authenticated(caller)
+    return gen
 
 
 def record_error(scope: Scope, exc: BaseException) -> None:

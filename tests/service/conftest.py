@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from bench.harness import InProcessServer
+from service.api_keys import KeyRing
 from service.settings import Settings
 
 MAX_MODEL_LEN = 256
@@ -54,12 +55,13 @@ def http(server) -> Iterator[httpx.Client]:
 
 @pytest.fixture
 def api_key(server) -> Iterator[str]:
-    """Turns on --api-key for the duration of one test (the guard reads the live settings)."""
-    server.state.settings.api_key = "sk-test-key"
+    """Turns on --api-key for the duration of one test (the guard reads the live key ring)."""
+    open_keys = server.state.keys
+    server.state.keys = KeyRing("sk-test-key")
     try:
         yield "sk-test-key"
     finally:
-        server.state.settings.api_key = None
+        server.state.keys = open_keys
 
 
 @pytest.fixture(scope="session")

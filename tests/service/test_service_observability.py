@@ -32,7 +32,7 @@ def _summaries(logs: list[dict]) -> list[dict]:
 
 def _requests_total(srv, **labels) -> float:
     metrics = srv.state.observability.metrics
-    labels = {"model": srv.state.model_name, "api": "rest", **labels}
+    labels = {"model": srv.state.model_name, "api": "rest", "key": "none", **labels}
     return metrics.registry.get_sample_value("moeserve_requests_total", labels) or 0.0
 
 
@@ -186,7 +186,7 @@ def test_generation_fills_the_span_it_is_given(server):
     assert (
         metrics.registry.get_sample_value(
             "moeserve_requests_total",
-            {"model": "m", "api": "rest", "status": "ok", "finish_reason": "length"},
+            {"model": "m", "api": "rest", "status": "ok", "finish_reason": "length", "key": "none"},
         )
         == 1
     )

@@ -62,8 +62,11 @@ SCRAPE_INTERVAL_S = 1
 # or dropped)
 EVENT_DEPENDENT = re.compile(
     r'moeserve_preemptions_total|status="rejected"|status="server_error"|status!="ok"'
-    r"|moeserve_trace_spans_(exported|dropped)_total"
+    r"|moeserve_trace_spans_(exported|dropped)_total|moeserve_rate_limited_total"
 )
+# the load runs under a named API key with limits, so the per-key series exist
+LOAD_KEY = "sk-stack-e2e-load"
+AUTH = {"authorization": f"Bearer {LOAD_KEY}"}
 # Instantaneous state that is legitimately back to 0 once the load is over; every other
 # query must show the load (a non-zero value).
 STATE_GAUGES = {
@@ -101,10 +104,13 @@ NOT_YET = (httpx.HTTPError, KeyError, ValueError, IndexError)
 
 def start_service(model_dir: Path, workdir: Path, rest_port: int) -> ServerProcess:
     """`moeserve serve` on `rest_port` (and a free gRPC port), started, not waited for."""
+    limits = {"requests_per_minute": 100_000, "tokens_per_minute": 10_000_000}
+    keys = workdir / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"name": "load", "key": LOAD_KEY, **limits}]}))
     return ServerProcess(
         model_dir,
         "--served-model-name", MODEL, "--device", "cpu", "--max-num-seqs", "8",
-        "--drain-timeout", "5",
+        "--drain-timeout", "5", "--api-keys-file", keys,
         port=rest_port,
         grpc=True,
         env={
@@ -182,7 +188,7 @@ def drive_load(rest: str, grpc_port: int | None) -> dict:
                 seen["trace_ids"].add(tp.split("-")[1])
 
     def completion(i: int) -> None:
-        with httpx.Client(base_url=rest, timeout=60) as c:
+        with httpx.Client(base_url=rest, timeout=60, headers=AUTH) as c:
             note(
                 c.post(
                     "/v1/completions",
@@ -197,7 +203,7 @@ def drive_load(rest: str, grpc_port: int | None) -> dict:
             )
 
     def chat(i: int) -> None:
-        with httpx.Client(base_url=rest, timeout=60) as c:
+        with httpx.Client(base_url=rest, timeout=60, headers=AUTH) as c:
             note(
                 c.post(
                     "/v1/chat/completions",
@@ -225,18 +231,21 @@ def drive_load(rest: str, grpc_port: int | None) -> dict:
             if i % 2
             else {"prompt": f"Stream {i}"}
         )
-        with httpx.Client(base_url=rest, timeout=60) as c, c.stream("POST", path, json=body) as r:
+        with (
+            httpx.Client(base_url=rest, timeout=60, headers=AUTH) as c,
+            c.stream("POST", path, json=body) as r,
+        ):
             note(r, 200)
             read_sse(r)  # data: {json} events to data: [DONE]
 
     def constrained(i: int) -> None:  # a distinct regex each: compiled, not cached
-        with httpx.Client(base_url=rest, timeout=60) as c:
+        with httpx.Client(base_url=rest, timeout=60, headers=AUTH) as c:
             body = {"model": MODEL, "prompt": "Pick:", "max_tokens": 4}
             body["structured_outputs"] = {"regex": f"[ab]{{1,{i + 2}}}"}
             note(c.post("/v1/completions", json=body), 200)
 
     def invalid(i: int) -> None:
-        with httpx.Client(base_url=rest, timeout=60) as c:
+        with httpx.Client(base_url=rest, timeout=60, headers=AUTH) as c:
             note(
                 c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 0}),
                 400,
@@ -263,13 +272,16 @@ def drive_load(rest: str, grpc_port: int | None) -> dict:
             params = inference_pb2.SamplingParams(max_tokens=8, temperature=0)
             for i in range(3):
                 reply = stub.Generate(
-                    inference_pb2.GenerateRequest(prompt=f"gRPC {i}", params=params), timeout=60
+                    inference_pb2.GenerateRequest(prompt=f"gRPC {i}", params=params),
+                    timeout=60,
+                    metadata=tuple(AUTH.items()),
                 )
                 assert reply.finish_reason
                 chunks = list(
                     stub.GenerateStream(
                         inference_pb2.GenerateRequest(prompt=f"gRPC stream {i}", params=params),
                         timeout=60,
+                        metadata=tuple(AUTH.items()),
                     )
                 )
                 assert chunks and chunks[-1].finish_reason

@@ -11,6 +11,8 @@ import structlog
 from telemetry import logging as tlog
 from telemetry.logging import configure_logging, get_logger
 
+LOCAL_SECRET = "sk-local-secret"
+
 
 def _lines(stream: io.StringIO) -> list[dict]:
     return [json.loads(line) for line in stream.getvalue().splitlines() if line.strip()]
@@ -73,6 +75,27 @@ def test_level_filtering_and_exceptions():
     for line in lines:
         assert line["level"] == "error"
         assert "RuntimeError" in json.dumps(line["exception"])
+
+
+def test_tracebacks_never_show_local_variables():
+    """A frame's locals can hold a request's Authorization header, an API key or a prompt."""
+
+    def handler(authorization: str) -> None:
+        key = authorization.removeprefix("Bearer ")
+        raise RuntimeError(f"failed for a key of {len(key)} characters")
+
+    secret = LOCAL_SECRET  # defined far from the lines rich quotes around each frame
+    for fmt in ("json", "console"):
+        stream = io.StringIO()
+        configure_logging(fmt, "info", stream=stream, cache_loggers=False)
+        try:
+            handler(f"Bearer {secret}")
+        except RuntimeError:
+            get_logger("t").exception("failed")
+            logging.getLogger("grpc").exception("stdlib failed")
+        out = re.sub(r"\x1b\[[0-9;]*m", "", stream.getvalue())  # rich's colours
+        assert "failed for a key of 15 characters" in out and "handler" in out, fmt
+        assert secret not in out, fmt
 
 
 def test_unserialisable_values_do_not_break_a_line(log_stream):
