@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from inference.demo_model import cache_root
 from inference.kv_cache import kv_kind, kv_width
+from inference import quant
 from inference.quant import QWeight
 
 log = structlog.get_logger(__name__)
@@ -505,10 +506,17 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
 
 def pack_qweight(w: QWeight) -> QWeight:
     """A row-major 8-bit weight -> the kernels' layout: input quads [..., ceil(K/4), N, 4]
-    (the quad vpdpbusd and AMX's int8 tiles read), with int8's column sums."""
+    (the quad vpdpbusd and AMX's int8 tiles read), with int8's column sums per activation
+    group [..., groups, N] (VNNI multiplies unsigned activations and takes them off)."""
     if w.packed:
         return w
-    colsum = w.data.to(torch.int32).sum(dim=-1, dtype=torch.int32) if w.fmt == "int8" else None
+    colsum = None
+    if w.fmt == "int8":
+        *lead, n, k = w.data.shape
+        groups = -(-k // quant.ACT_GROUP)
+        padded = F.pad(w.data.to(torch.int32), (0, groups * quant.ACT_GROUP - k))
+        sums = padded.view(*lead, n, groups, quant.ACT_GROUP).sum(dim=-1, dtype=torch.int32)
+        colsum = sums.transpose(-1, -2).contiguous()
     if w.fmt == "fp8" and float(w.scale.max()) >= 2.0**7:
         # the kernels fold fp8's exponent rebias (2^120) into the scale: keep it finite
         raise ValueError(f"fp8 weight scales must be below 128 (largest {float(w.scale.max())})")

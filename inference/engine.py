@@ -202,7 +202,7 @@ class LLMEngine:
             path = (
                 "torch._scaled_mm with per-token fp8 activations"
                 if self.quantization == "fp8"
-                else "torch._int_mm (W8A8)"
+                else "float32 matmuls of each activation group (W8A8)"
             )
             log.warning(
                 "8-bit weights on CUDA: unmeasured path (no GPU run has proven it); "

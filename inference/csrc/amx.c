@@ -81,32 +81,50 @@ void ms_amx_block(const bf16 *A, int64_t lda, int64_t rows, const bf16 *B, int64
     _tile_release();
 }
 
-/* C[r][0..16) = sum_k A[r][k] B[k][.] exactly, in int32: A signed bytes (stride lda, Kq
- * columns), B one packed 16-column int8 block (Kq / 4 quad rows); Kq a multiple of 64 (the
- * caller checks). colsum: unused (signed products need no offset), as the other int8 paths'
- * signature has it. */
+/* C[r][0..16) = sum over activation groups g (64 inputs: one tile's depth) of a_scale[r * lds
+ * + g] * (group g's exact int32 sum), added with one float32 FMA per group in group order,
+ * as the other int8 paths do: A signed bytes (stride lda, Kq columns), B one packed 16-column
+ * int8 block (Kq / 4 quad rows); Kq a multiple of 64 (the caller checks). colsum: unused
+ * (signed products need no offset), as the other paths' signature has it. */
+/* one group of n rows (n <= 16) on tiles C and A (constants: the tile instructions take their
+ * register numbers as immediates) */
+#define INT8_ROWS(C_TILE, A_TILE)                                                              \
+    do {                                                                                       \
+        memset(out, 0, sizeof out);                                                            \
+        for (int64_t k = 0; k < Kq; k += 64) {                                                 \
+            _tile_zero(C_TILE);                                                                \
+            _tile_loadd(A_TILE, rows_a + k, lda);                                              \
+            _tile_loadd(2, B + k * 16, 64);                                                    \
+            _tile_dpbssd(C_TILE, A_TILE, 2);                                                   \
+            _tile_stored(C_TILE, sums, 64);                                                    \
+            for (int r = 0; r < n; r++) {                                                      \
+                const float s = scales[r * lds + k / 64];                                      \
+                for (int j = 0; j < 16; j++) out[r][j] = __builtin_fmaf((float)sums[r][j], s, out[r][j]); \
+            }                                                                                  \
+        }                                                                                      \
+        for (int r = 0; r < n; r++) memcpy(rows_c + r * ldc, out[r], sizeof out[r]);          \
+    } while (0)
+
 void ms_amx_int8_block(const int8_t *A, int64_t lda, int64_t rows, const int8_t *B, int64_t Kq,
-                       const int32_t *colsum, int32_t *C, int64_t ldc) {
+                       const int32_t *colsum, const float *a_scale, int64_t lds, float *C, int64_t ldc) {
     (void)colsum;
+    int32_t sums[16][16];
+    float out[16][16];
     const int64_t full = rows / 16, tail = rows % 16;
     configure((int)tail);
     for (int64_t g = 0; g < full; g++) {
-        _tile_zero(0);
-        for (int64_t k = 0; k < Kq; k += 64) {
-            _tile_loadd(1, A + g * 16 * lda + k, lda);
-            _tile_loadd(2, B + k * 16, 64);
-            _tile_dpbssd(0, 1, 2);
-        }
-        _tile_stored(0, C + g * 16 * ldc, ldc * sizeof(int32_t));
+        const int n = 16;
+        const int8_t *rows_a = A + g * 16 * lda;
+        const float *scales = a_scale + g * 16 * lds;
+        float *rows_c = C + g * 16 * ldc;
+        INT8_ROWS(0, 1);
     }
     if (tail) {
-        _tile_zero(3);
-        for (int64_t k = 0; k < Kq; k += 64) {
-            _tile_loadd(4, A + full * 16 * lda + k, lda);
-            _tile_loadd(2, B + k * 16, 64);
-            _tile_dpbssd(3, 4, 2);
-        }
-        _tile_stored(3, C + full * 16 * ldc, ldc * sizeof(int32_t));
+        const int n = (int)tail;
+        const int8_t *rows_a = A + full * 16 * lda;
+        const float *scales = a_scale + full * 16 * lds;
+        float *rows_c = C + full * 16 * ldc;
+        INT8_ROWS(3, 4);
     }
     _tile_release();
 }

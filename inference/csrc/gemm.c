@@ -294,7 +294,9 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
     const int copy = narrow && K != Kp;          /* which need a zero-padded copy for odd K */
     const size_t a_bytes = wide ? round64((size_t)batch * M * Kp * sizeof(float)) : 0;
     const size_t c_bytes = copy ? round64((size_t)batch * M * Kp * sizeof(bf16)) : 0;
-    const size_t q_bytes = need8 ? round64((size_t)batch * M * Kq) + round64((size_t)batch * M * sizeof(float)) : 0;
+    const int64_t groups = act_groups(K);
+    const size_t q_bytes =
+        need8 ? round64((size_t)batch * M * Kq) + round64((size_t)batch * M * groups * sizeof(float)) : 0;
     const size_t pad = round64(pad_bytes(K));
     region_enter();
     char *scratch = region_alloc(a_bytes + c_bytes + q_bytes + (size_t)nthreads * pad);
@@ -322,7 +324,7 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
                 }
                 if (Q) {
                     widen_row(row, K, row32, K);
-                    S[i * M + m] = quantize_row_s8(row32, K, Q + (i * M + m) * Kq, Kq);
+                    quantize_row_s8(row32, K, Q + (i * M + m) * Kq, Kq, S + (i * M + m) * groups);
                 }
             }
 #pragma omp for collapse(3) schedule(static)
@@ -334,7 +336,7 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
                     const rows_t r = {
                         A ? A + i * M * Kp : NULL, Kp,
                         X16 ? X16 + i * M * Kp : narrow ? x + i * x_bs : NULL, X16 ? Kp : ldx,
-                        Q ? Q + i * M * Kq : NULL, Kq, S ? S + i * M : NULL,
+                        Q ? Q + i * M * Kq : NULL, Kq, S ? S + i * M * groups : NULL,
                     };
                     const int64_t end = (ch + 1) * rows < M ? (ch + 1) * rows : M;
                     for (int64_t m0 = ch * rows; m0 < end; m0 += TILE_ROWS) {

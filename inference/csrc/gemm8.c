@@ -1,11 +1,12 @@
 /* Products with 8-bit weights (int8, fp8 e4m3), the generic block product every kernel calls
  * (wblock_gemm: bf16, int8 or fp8 weights), and the 8-bit KV-cache row formats.
  *
- * int8 weights (W8A8): activations are quantized per row (symmetric, scale amax / 127) and
- * multiplied in integers, int32 sums, then scaled by the row's and the column's scale. The
- * integer product of a block runs, best first: AMX int8 tiles (amx.c, from 4 rows with whole
- * 64-input tiles), VNNI's vpdpbusd (int8_vnni.c), or AVX2/AVX512BW vpmaddubsw on |w| and the
- * activation carrying w's sign (here, every build): the same exact sums on every CPU.
+ * int8 weights (W8A8): activations are quantized per row and group of ACT_GROUP inputs
+ * (symmetric, scale amax / 127) and multiplied in integers, each group's int32 sum scaled by
+ * its activation scale, then by the column's. The products of a block run, best first: AMX
+ * int8 tiles (amx.c, from 4 rows with whole 64-input tiles), VNNI's vpdpbusd (int8_vnni.c),
+ * or AVX2/AVX512BW vpmaddubsw on |w| and the activation carrying w's sign (here, every
+ * build): the same floats on every CPU.
  *
  * fp8 weights run weight-only on the CPU: each weight widened to float32 in registers (shift
  * and mask, the exponent rebias folded into the scale) times its group's scale, float32 FMAs
@@ -23,7 +24,6 @@
 #define MR8 4
 #endif
 #define DEQUANT_MIN_ROWS 16 /* fp8: from this many rows, dequantize the block to bf16 once */
-#define INT8_TILE 256        /* rows per integer product (C on the stack: 16 KB) */
 
 /* ---- packed 8-bit blocks ----------------------------------------------------------- */
 
@@ -53,12 +53,12 @@ wmat wmat_expert(const wmat *w, int64_t e, int64_t N, int64_t K) {
     const int64_t groups = (K + w->group - 1) / w->group;
     x.data = (const uint8_t *)w->data + e * N * quad(K);
     x.scale = w->scale + e * groups * N;
-    x.colsum = w->colsum ? w->colsum + e * N : NULL;
+    x.colsum = w->colsum ? w->colsum + e * act_groups(K) * N : NULL;
     return x;
 }
 
 /* scratch per thread for wblock_gemm: a narrow 8-bit block, a dequantized bf16 block, the
- * block's scales per group */
+ * block's scales per group (fp8) or column sums per activation group (int8) */
 size_t pad_bytes(int64_t K) {
     const int64_t Kq = quad(K);
     return round64((size_t)Kq * BLOCK) + round64((size_t)Kq * BLOCK * sizeof(bf16)) +
@@ -82,87 +82,104 @@ void ms_set_int8(void *vnni, void *amx) {
 /* which integer product runs (for the start-up log line): 2 AMX, 1 VNNI, 0 vpmaddubsw */
 int ms_int8_path(void) { return int8_amx ? 2 : int8_vnni ? 1 : 0; }
 
-/* rows x one block without VNNI: vpmaddubsw on |w| and x carrying w's sign (simd.h vi_dot4) */
+/* rows x one block without VNNI: vpmaddubsw on |w| and x carrying w's sign (simd.h
+ * vi_dot4), each activation group's sums scaled into float32 accumulators */
 static inline __attribute__((always_inline)) void int8_tile(const int rows, const int8_t *A, int64_t lda,
-                                                            const int8_t *B, int64_t Kq, int32_t *C, int64_t ldc) {
+                                                            const int8_t *B, int64_t Kq, const float *sa,
+                                                            int64_t lds, float *C, int64_t ldc) {
     vi acc[MR8][VPB];
+    vf out[MR8][VPB];
 #pragma GCC unroll 8
     for (int m = 0; m < rows; m++)
 #pragma GCC unroll 2
-        for (int v = 0; v < VPB; v++) acc[m][v] = vi_set1(0);
-    for (int64_t kq = 0; kq < Kq / 4; kq++) {
-        vi w[VPB], wa[VPB];
+        for (int v = 0; v < VPB; v++) acc[m][v] = vi_set1(0), out[m][v] = vf_zero();
+    for (int64_t k0 = 0, g = 0; k0 < Kq; k0 += ACT_GROUP, g++) {
+        const int64_t k1 = k0 + ACT_GROUP < Kq ? k0 + ACT_GROUP : Kq;
+        for (int64_t kq = k0 / 4; kq < k1 / 4; kq++) {
+            vi w[VPB], wa[VPB];
 #pragma GCC unroll 2
-        for (int v = 0; v < VPB; v++) {
-            w[v] = vi_load(B + kq * 4 * BLOCK + v * 4 * VL);
-            wa[v] = vi_abs8(w[v]);
+            for (int v = 0; v < VPB; v++) {
+                w[v] = vi_load(B + kq * 4 * BLOCK + v * 4 * VL);
+                wa[v] = vi_abs8(w[v]);
+            }
+#pragma GCC unroll 8
+            for (int m = 0; m < rows; m++) {
+                int32_t x4;
+                memcpy(&x4, A + m * lda + 4 * kq, 4);
+                const vi x = vi_set1(x4);
+#pragma GCC unroll 2
+                for (int v = 0; v < VPB; v++) acc[m][v] = vi_dot4(acc[m][v], wa[v], w[v], x);
+            }
         }
 #pragma GCC unroll 8
         for (int m = 0; m < rows; m++) {
-            int32_t x4;
-            memcpy(&x4, A + m * lda + 4 * kq, 4);
-            const vi x = vi_set1(x4);
+            const vf s = vf_set1(sa[m * lds + g]);
 #pragma GCC unroll 2
-            for (int v = 0; v < VPB; v++) acc[m][v] = vi_dot4(acc[m][v], wa[v], w[v], x);
+            for (int v = 0; v < VPB; v++) {
+                out[m][v] = vf_fma(vi_to_vf(acc[m][v]), s, out[m][v]);
+                acc[m][v] = vi_set1(0);
+            }
         }
     }
 #pragma GCC unroll 8
     for (int m = 0; m < rows; m++)
 #pragma GCC unroll 2
-        for (int v = 0; v < VPB; v++) vi_store(C + m * ldc + v * VL, acc[m][v]);
+        for (int v = 0; v < VPB; v++) vf_store(C + m * ldc + v * VL, out[m][v]);
 }
 
 void int8_block(const int8_t *A, int64_t lda, int64_t rows, const int8_t *B, int64_t Kq, const int32_t *colsum,
-                int32_t *C, int64_t ldc) {
+                const float *a_scale, int64_t lds, float *C, int64_t ldc) {
     if (int8_amx && rows >= 4 && Kq % 64 == 0) {
-        int8_amx(A, lda, rows, B, Kq, colsum, C, ldc);
+        int8_amx(A, lda, rows, B, Kq, colsum, a_scale, lds, C, ldc);
         return;
     }
     if (int8_vnni) {
-        int8_vnni(A, lda, rows, B, Kq, colsum, C, ldc);
+        int8_vnni(A, lda, rows, B, Kq, colsum, a_scale, lds, C, ldc);
         return;
     }
     for (int64_t m0 = 0; m0 < rows; m0 += MR8) {
         const int8_t *a = A + m0 * lda;
-        int32_t *c = C + m0 * ldc;
+        const float *sa = a_scale + m0 * lds;
+        float *c = C + m0 * ldc;
         switch (rows - m0 < MR8 ? rows - m0 : MR8) {
-        case 1: int8_tile(1, a, lda, B, Kq, c, ldc); break;
-        case 2: int8_tile(2, a, lda, B, Kq, c, ldc); break;
-        case 3: int8_tile(3, a, lda, B, Kq, c, ldc); break;
-        case 4: int8_tile(4, a, lda, B, Kq, c, ldc); break;
+        case 1: int8_tile(1, a, lda, B, Kq, sa, lds, c, ldc); break;
+        case 2: int8_tile(2, a, lda, B, Kq, sa, lds, c, ldc); break;
+        case 3: int8_tile(3, a, lda, B, Kq, sa, lds, c, ldc); break;
+        case 4: int8_tile(4, a, lda, B, Kq, sa, lds, c, ldc); break;
 #if MR8 > 4
-        case 5: int8_tile(5, a, lda, B, Kq, c, ldc); break;
-        case 6: int8_tile(6, a, lda, B, Kq, c, ldc); break;
-        case 7: int8_tile(7, a, lda, B, Kq, c, ldc); break;
-        case 8: int8_tile(8, a, lda, B, Kq, c, ldc); break;
+        case 5: int8_tile(5, a, lda, B, Kq, sa, lds, c, ldc); break;
+        case 6: int8_tile(6, a, lda, B, Kq, sa, lds, c, ldc); break;
+        case 7: int8_tile(7, a, lda, B, Kq, sa, lds, c, ldc); break;
+        case 8: int8_tile(8, a, lda, B, Kq, sa, lds, c, ldc); break;
 #endif
         }
     }
 }
 
-float quantize_row_s8(const float *x, int64_t K, int8_t *q, int64_t Kq) {
-    vf vmax = vf_zero();
-    int64_t k = 0;
-    for (; k + VL <= K; k += VL) vmax = vf_max(vmax, vf_max(vf_load(x + k), vf_sub(vf_zero(), vf_load(x + k))));
-    float amax = 0.0f;
-    {
-        float lanes[VL];
+void quantize_row_s8(const float *x, int64_t K, int8_t *q, int64_t Kq, float *scales) {
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += ACT_GROUP, g++) {
+        const int64_t k1 = k0 + ACT_GROUP < K ? k0 + ACT_GROUP : K;
+        vf vmax = vf_zero();
+        int64_t k = k0;
+        for (; k + VL <= k1; k += VL) vmax = vf_max(vmax, vf_max(vf_load(x + k), vf_sub(vf_zero(), vf_load(x + k))));
+        float amax = 0.0f, lanes[VL];
         vf_store(lanes, vmax);
         for (int i = 0; i < VL; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+        for (; k < k1; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
+        if (amax == 0.0f) {
+            memset(q + k0, 0, k1 - k0);
+            scales[g] = 0.0f;
+            continue;
+        }
+        const float inv = 127.0f / amax;
+        for (k = k0; k < k1; k++) {
+            float r = nearbyintf(x[k] * inv);
+            r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+            q[k] = (int8_t)r;
+        }
+        scales[g] = amax / 127.0f;
     }
-    for (; k < K; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
-    if (amax == 0.0f) {
-        memset(q, 0, Kq);
-        return 0.0f;
-    }
-    const float inv = 127.0f / amax;
-    for (k = 0; k < K; k++) {
-        float r = nearbyintf(x[k] * inv);
-        r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
-        q[k] = (int8_t)r;
-    }
-    for (; k < Kq; k++) q[k] = 0;
-    return amax / 127.0f;
+    for (int64_t k = K; k < Kq; k++) q[k] = 0;
 }
 
 /* ---- fp8 weight-only ----------------------------------------------------------------- */
@@ -269,19 +286,17 @@ void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64
     const uint8_t *B = weight_block8(w->data, N, Kq, j, narrow, cols);
     const int64_t n0 = j * BLOCK, nc = *cols;
     if (w->kind == W_INT8) {
-        int32_t sums[BLOCK] = {0}, Ci[INT8_TILE * BLOCK];
+        /* the block's column sums per activation group (VNNI's offset), zero past its width */
+        const int64_t ag = act_groups(K);
+        int32_t *sums = (int32_t *)sc;
+        for (int64_t g = 0; g < ag; g++)
+            for (int64_t c = 0; c < BLOCK; c++) sums[g * BLOCK + c] = c < nc ? w->colsum[g * N + n0 + c] : 0;
         float ws[BLOCK] = {0};
-        for (int64_t c = 0; c < nc; c++) sums[c] = w->colsum[n0 + c], ws[c] = w->scale[n0 + c];
-        for (int64_t r0 = 0; r0 < rows; r0 += INT8_TILE) {
-            const int64_t r1 = r0 + INT8_TILE < rows ? r0 + INT8_TILE : rows;
-            int8_block(a->s8 + (m0 + r0) * a->ld8, a->ld8, r1 - r0, (const int8_t *)B, Kq, sums, Ci, BLOCK);
-            for (int64_t m = r0; m < r1; m++) {
-                const vf sa = vf_set1(a->s8_scale[m0 + m]);
-                for (int v = 0; v < VPB; v++)
-                    vf_store(C + m * ldc + v * VL,
-                             vf_mul(vf_mul(vi_to_vf(vi_load(Ci + (m - r0) * BLOCK + v * VL)), sa), vf_load(ws + v * VL)));
-            }
-        }
+        for (int64_t c = 0; c < nc; c++) ws[c] = w->scale[n0 + c];
+        int8_block(a->s8 + m0 * a->ld8, a->ld8, rows, (const int8_t *)B, Kq, sums, a->s8_scale + m0 * ag, ag, C,
+                   ldc);
+        for (int64_t m = 0; m < rows; m++)
+            for (int v = 0; v < VPB; v++) vf_store(C + m * ldc + v * VL, vf_mul(vf_load(C + m * ldc + v * VL), vf_load(ws + v * VL)));
         return;
     }
     /* fp8: the block's scales (times the exponent rebias) per group, zero past its width */

@@ -22,13 +22,20 @@ static inline size_t round64(size_t bytes) { return (bytes + 63) & ~(size_t)63; 
 static inline int64_t even(int64_t k) { return k + (k & 1); }
 static inline int64_t quad(int64_t k) { return (k + 3) & ~(int64_t)3; }
 
-/* A packed weight matrix [N, K] (cpu_kernels.pack_weight / pack_weight_8bit), as the kernels
+/* int8 activations (W8A8) are quantized per row and per group of ACT_GROUP inputs, each with
+ * its own scale (amax / 127): per-token scales alone cost SmolLM2 3% of perplexity, groups of
+ * 64 about 1% (bench/NOTES.md). ACT_GROUP is a multiple of 64, AMX's int8 tile depth. */
+#define ACT_GROUP 64
+static inline int64_t act_groups(int64_t K) { return (K + ACT_GROUP - 1) / ACT_GROUP; }
+
+/* A packed weight matrix [N, K] (cpu_kernels.pack_weight / pack_qweight), as the kernels
  * take it. bf16: blocks of 16 columns of input pairs ([Kp/2][16][2] bf16 each, Kp = K even).
  * 8-bit (int8, fp8 e4m3): blocks of 16 columns of input quads ([Kq/4][16][4] bytes each,
  * Kq = K rounded up to 4), the layout vpdpbusd and AMX's int8 tiles read; a float32 scale
  * per (group of `group` inputs, column), scale[g * N + n]; int8 weights also carry each
- * column's sum (colsum[n]) for products on unsigned activations (VNNI). Per-expert stacks
- * are E such matrices back to back (data, scales and sums alike). */
+ * column's sum per activation group (colsum[g * N + n], g < act_groups(K)) for products on
+ * unsigned activations (VNNI). Per-expert stacks are E such matrices back to back (data,
+ * scales and sums alike). */
 enum { W_BF16 = 0, W_INT8 = 1, W_FP8 = 2 };
 typedef struct {
     const void *data;
@@ -40,7 +47,8 @@ typedef struct {
 
 /* Rows of activations in the forms the products read, for rows [0, rows) of one call:
  * f32: widened (FMA tiles; stride ld32); b16: bf16 (AMX, vdpbf16ps; stride ld16, or NULL);
- * s8 + s8_scale: quantized per row for int8 weights (stride ld8, or NULL). */
+ * s8 + s8_scale: quantized for int8 weights (stride ld8, or NULL), the scales of row m's
+ * activation groups at s8_scale + m * act_groups(K). */
 typedef struct {
     const float *f32;
     int64_t ld32;
@@ -61,9 +69,10 @@ int rows_need_s8(const wmat *w);
 void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j,
                  void *pad, float *C, int64_t ldc, int64_t *cols);
 size_t pad_bytes(int64_t K);
-/* symmetric int8 quantization of one row: q = rne(x * 127 / amax) in [-127, 127], Kq
- * entries (zero padded); returns the row's scale amax / 127 (0 for a zero row) */
-float quantize_row_s8(const float *x, int64_t K, int8_t *q, int64_t Kq);
+/* symmetric int8 quantization of one row, per group of ACT_GROUP inputs: q = rne(x * 127 /
+ * amax) in [-127, 127], Kq entries (zero padded); each group's scale amax / 127 (0 for a
+ * zero group) into scales[act_groups(K)] */
+void quantize_row_s8(const float *x, int64_t K, int8_t *q, int64_t Kq, float *scales);
 
 /* Rows of bf16 (stride ld, K columns) -> float32 rows of Kp columns (zero padded). */
 static inline void widen_row(const bf16 *x, int64_t K, float *out, int64_t Kp) {
@@ -89,14 +98,16 @@ int tiles_read_bf16(void);
 /* moe.c: silu(gate) * up, rounded as the reference's bf16 ops round */
 void swiglu_row(const float *gate, const float *up, float *out, int64_t n);
 
-/* gemm8.c: the integer products of int8 blocks, C[m][0..16) = sum_k A[m][k] B[k][.] exactly
- * (A: rows of signed bytes, stride lda, Kq columns; B: one packed 16-column block; colsum:
- * the block's 16 column sums, for kernels that multiply unsigned bytes). VNNI and AMX
+/* gemm8.c: the products of int8 blocks, C[m][0..16) = sum over activation groups g of
+ * a_scale[m * lds + g] * (the exact integer sum of group g's products), each group's sum
+ * added with one FMA in group order, so every path gives the same floats. A: rows of signed
+ * bytes (stride lda, Kq columns); B: one packed 16-column block; colsum: the block's column
+ * sums per group ([groups][16]), for kernels that multiply unsigned bytes. VNNI and AMX
  * kernels live in libraries of their own (int8_vnni.c, amx.c) set by cpu_kernels.enable. */
 typedef void (*int8_fn)(const int8_t *A, int64_t lda, int64_t rows, const int8_t *B, int64_t Kq,
-                        const int32_t *colsum, int32_t *C, int64_t ldc);
+                        const int32_t *colsum, const float *a_scale, int64_t lds, float *C, int64_t ldc);
 void int8_block(const int8_t *A, int64_t lda, int64_t rows, const int8_t *B, int64_t Kq, const int32_t *colsum,
-                int32_t *C, int64_t ldc);
+                const float *a_scale, int64_t lds, float *C, int64_t ldc);
 
 /* The paged KV cache's row formats (cpu_kernels.KV_KINDS): bf16; int8 with a bf16 scale
  * after each (slot, head) row's values; fp8 e4m3 or e5m2 (no scale). Strides in elements of

@@ -102,8 +102,8 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
         (size_t)nthreads * pad,
         x16 ? round64((size_t)pairs * Dp * sizeof(bf16)) : 0, /* the tokens and */
         h16 ? round64((size_t)pairs * Ip * sizeof(bf16)) : 0, /* silu(gate) * up as bf16 */
-        x8 ? round64((size_t)pairs * Dq) + round64(pairs * sizeof(float)) : 0, /* the tokens and */
-        h8 ? round64((size_t)pairs * Iq) + round64(pairs * sizeof(float)) : 0, /* silu(gate) * up as int8 */
+        x8 ? round64((size_t)pairs * Dq) + round64(pairs * act_groups(D) * sizeof(float)) : 0, /* the tokens */
+        h8 ? round64((size_t)pairs * Iq) + round64(pairs * act_groups(I) * sizeof(float)) : 0, /* and h, int8 */
     };
     size_t total = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) total += sizes[i];
@@ -158,7 +158,7 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
             if (xs8) { /* the same token's rows quantize alike */
                 float *row32 = tpad;
                 widen_row(row, D, row32, D);
-                xs8_scale[r] = quantize_row_s8(row32, D, xs8 + r * Dq, Dq);
+                quantize_row_s8(row32, D, xs8 + r * Dq, Dq, xs8_scale + r * act_groups(D));
             }
         }
         if (fused) {
@@ -185,7 +185,8 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
         }
         if (hidden8) {
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < pairs; r++) hidden8_scale[r] = quantize_row_s8(hidden + r * Ip, I, hidden8 + r * Iq, Iq);
+            for (int64_t r = 0; r < pairs; r++)
+                quantize_row_s8(hidden + r * Ip, I, hidden8 + r * Iq, Iq, hidden8_scale + r * act_groups(I));
         }
 #pragma omp for schedule(dynamic, 4)
         for (int64_t it = 0; it < chunks * blocks2; it++) {

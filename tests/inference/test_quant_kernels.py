@@ -29,18 +29,39 @@ def int8_path(request, path):  # noqa: F811
     yield f"{path} int8={cpu_kernels.INT8}"
 
 
+def int8_reference(x: torch.Tensor, qw: quant.QWeight) -> torch.Tensor:
+    """W8A8 in float64: the rows quantized as the kernels quantize them (quant.quantize_rows:
+    the same float32 operations), each activation group's integer sum exact, scaled by the
+    group's activation scale and the column's weight scale."""
+    q, sx = quant.quantize_rows(x, quant.ACT_GROUP)
+    out = torch.zeros(x.shape[0], qw.out_features, dtype=torch.float64)
+    for g in range(sx.shape[1]):
+        cols = slice(g * quant.ACT_GROUP, (g + 1) * quant.ACT_GROUP)
+        sums = q[:, cols].long() @ qw.data[:, cols].long().t()
+        out += sums.double() * sx[:, g : g + 1].double()
+    return out * qw.scale[0].double()
+
+
 @pytest.mark.parametrize(
     "m,n,k",
     [(1, 4000, 512), (1, 40, 70), (3, 17, 1), (5, 64, 510), (17, 96, 64), (64, 48, 256)],
 )
-def test_int8_linear_equals_the_exact_integer_arithmetic(int8_path, m, n, k):
+def test_int8_linear_matches_the_integer_arithmetic(int8_path, path, m, n, k):  # noqa: F811
     w, x, b = randn(n, k, scale=0.05), randn(m, k, seed=1), randn(n, seed=2)
     qw = quant.quantize_int8(w.float())
     packed = cpu_kernels.pack_qweight(qw)
-    assert packed.colsum.tolist() == qw.data.int().sum(-1).tolist()
-    # the same quantized rows, integer sums and scales, rounded once: bit for bit
-    assert torch.equal(cpu_kernels.linear(x, packed, b), quant.linear(x, qw, b))
-    assert torch.equal(cpu_kernels.linear(x, packed), quant.linear(x, qw))
+    groups = -(-k // quant.ACT_GROUP)
+    padded = F.pad(qw.data.int(), (0, groups * quant.ACT_GROUP - k))
+    assert torch.equal(packed.colsum, padded.view(n, groups, -1).sum(-1).t())
+    exact = int8_reference(x, qw)
+    # group sums exact, then a few float32 roundings and one to bf16
+    close_to_bf16(cpu_kernels.linear(x, packed), exact.float())
+    close_to_bf16(cpu_kernels.linear(x, packed, b), (exact + b.double()).float())
+    close_to_bf16(quant.linear(x, qw, b), (exact + b.double()).float())
+    # every int8 path (AMX tiles, VNNI, vpmaddubsw) sums and scales in the same order
+    ours = cpu_kernels.linear(x, packed, b)
+    cpu_kernels.enable(path.isa, amx=False, emulated=path.emulated, vnni=False)
+    assert torch.equal(cpu_kernels.linear(x, packed, b), ours)
 
 
 def test_int8_products_need_no_offset_and_never_saturate(int8_path):
@@ -52,7 +73,7 @@ def test_int8_products_need_no_offset_and_never_saturate(int8_path):
     w[::2, 1::2] = -1.0
     qw = quant.quantize_int8(w)
     out = cpu_kernels.linear(x, cpu_kernels.pack_qweight(qw))
-    exact = x.float() @ w.t()
+    exact = x.float() @ w.t()  # every group's sum is +-64, exactly
     torch.testing.assert_close(out.float(), exact)
 
 
