@@ -45,9 +45,9 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from inference import quant
 from inference.demo_model import cache_root
 from inference.kv_cache import kv_kind, kv_width
-from inference import quant
 from inference.quant import QWeight
 
 log = structlog.get_logger(__name__)
