@@ -86,30 +86,47 @@ void ms_amx_block(const bf16 *A, int64_t lda, int64_t rows, const bf16 *B, int64
  * as the other int8 paths do: A signed bytes (stride lda, Kq columns), B one packed 16-column
  * int8 block (Kq / 4 quad rows); Kq a multiple of 64 (the caller checks). colsum: unused
  * (signed products need no offset), as the other paths' signature has it. */
+/* out[r] += scale of row r's group * (its exact group sums), r < n: in vector registers
+ * where the build has AVX-512 (the flush runs once per tile multiply, so it is the int8
+ * path's overhead), in plain C for the emulated build */
+#if defined(MS_AMX_EMULATED)
+typedef struct { float v[16]; } acc16;
+static inline acc16 acc_zero(void) { acc16 a; memset(&a, 0, sizeof a); return a; }
+static inline acc16 acc_add(acc16 out, const int32_t *sums, float s) {
+    for (int j = 0; j < 16; j++) out.v[j] = __builtin_fmaf((float)sums[j], s, out.v[j]);
+    return out;
+}
+static inline void acc_store(float *c, acc16 a) { memcpy(c, a.v, sizeof a.v); }
+#else
+typedef __m512 acc16;
+static inline acc16 acc_zero(void) { return _mm512_setzero_ps(); }
+static inline acc16 acc_add(acc16 out, const int32_t *sums, float s) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(sums)), _mm512_set1_ps(s), out);
+}
+static inline void acc_store(float *c, acc16 a) { _mm512_storeu_ps(c, a); }
+#endif
+
 /* one group of n rows (n <= 16) on tiles C and A (constants: the tile instructions take their
  * register numbers as immediates) */
 #define INT8_ROWS(C_TILE, A_TILE)                                                              \
     do {                                                                                       \
-        memset(out, 0, sizeof out);                                                            \
+        acc16 out[16];                                                                         \
+        for (int r = 0; r < 16; r++) out[r] = acc_zero();                                      \
         for (int64_t k = 0; k < Kq; k += 64) {                                                 \
             _tile_zero(C_TILE);                                                                \
             _tile_loadd(A_TILE, rows_a + k, lda);                                              \
             _tile_loadd(2, B + k * 16, 64);                                                    \
             _tile_dpbssd(C_TILE, A_TILE, 2);                                                   \
             _tile_stored(C_TILE, sums, 64);                                                    \
-            for (int r = 0; r < n; r++) {                                                      \
-                const float s = scales[r * lds + k / 64];                                      \
-                for (int j = 0; j < 16; j++) out[r][j] = __builtin_fmaf((float)sums[r][j], s, out[r][j]); \
-            }                                                                                  \
+            for (int r = 0; r < n; r++) out[r] = acc_add(out[r], sums[r], scales[r * lds + k / 64]); \
         }                                                                                      \
-        for (int r = 0; r < n; r++) memcpy(rows_c + r * ldc, out[r], sizeof out[r]);          \
+        for (int r = 0; r < n; r++) acc_store(rows_c + r * ldc, out[r]);                      \
     } while (0)
 
 void ms_amx_int8_block(const int8_t *A, int64_t lda, int64_t rows, const int8_t *B, int64_t Kq,
                        const int32_t *colsum, const float *a_scale, int64_t lds, float *C, int64_t ldc) {
     (void)colsum;
     int32_t sums[16][16];
-    float out[16][16];
     const int64_t full = rows / 16, tail = rows % 16;
     configure((int)tail);
     for (int64_t g = 0; g < full; g++) {

@@ -172,7 +172,10 @@ void quantize_row_s8(const float *x, int64_t K, int8_t *q, int64_t Kq, float *sc
             continue;
         }
         const float inv = 127.0f / amax;
-        for (k = k0; k < k1; k++) {
+        const vf vinv = vf_set1(inv), lim = vf_set1(127.0f), neg = vf_set1(-127.0f);
+        for (k = k0; k + VL <= k1; k += VL) /* cvtps2dq rounds to nearest even, as nearbyintf */
+            vi_store_s8(q + k, vf_to_vi(vf_max(vf_min(vf_mul(vf_load(x + k), vinv), lim), neg)));
+        for (; k < k1; k++) {
             float r = nearbyintf(x[k] * inv);
             r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
             q[k] = (int8_t)r;

@@ -92,6 +92,8 @@ static inline vi vi_dot4(vi acc, vi w_abs, vi w, vi x) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(p16, _mm512_set1_epi16(1)));
 }
 static inline vi vi_abs8(vi w) { return _mm512_abs_epi8(w); }
+/* VL int32 in [-127, 127] -> VL int8 */
+static inline void vi_store_s8(int8_t *p, vi v) { _mm_storeu_si128((__m128i *)p, _mm512_cvtsepi32_epi8(v)); }
 
 static inline float vf_sum(vf v) {
     const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
@@ -165,6 +167,12 @@ static inline vi vi_dot4(vi acc, vi w_abs, vi w, vi x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
 }
 static inline vi vi_abs8(vi w) { return _mm256_abs_epi8(w); }
+static inline void vi_store_s8(int8_t *p, vi v) {
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v, v), _mm256_setzero_si256());
+    const int32_t lo = _mm256_extract_epi32(b, 0), hi = _mm256_extract_epi32(b, 4);
+    memcpy(p, &lo, 4);
+    memcpy(p + 4, &hi, 4);
+}
 
 static inline float vf_sum(vf v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
