@@ -77,7 +77,7 @@ def perplexity(engine: LLMEngine, ids: list[int]) -> float:
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(max_tokens=128, min_tokens=128, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     return [out.token_ids for out in engine.generate(prompts, params)]
 
 
@@ -148,7 +148,7 @@ def bench_speed(rounds: int) -> dict:
         )
     }
     prompts = make_prompts(32, 128, engines["bf16"].args.vocab_size)
-    params = SamplingParams(max_tokens=128, min_tokens=128, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for engine in engines.values():
         engine.generate(prompts[:4], warm)

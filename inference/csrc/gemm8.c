@@ -53,7 +53,7 @@ wmat wmat_expert(const wmat *w, int64_t e, int64_t N, int64_t K) {
     const int64_t groups = (K + w->group - 1) / w->group;
     x.data = (const uint8_t *)w->data + e * N * quad(K);
     x.scale = w->scale + e * groups * N;
-    x.colsum = w->colsum ? w->colsum + e * act_groups(K) * N : NULL;
+    x.colsum = w->colsum ? w->colsum + e * act_groups(K) * ((N + BLOCK - 1) / BLOCK) * BLOCK : NULL;
     return x;
 }
 
@@ -289,13 +289,15 @@ void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64
     const uint8_t *B = weight_block8(w->data, N, Kq, j, narrow, cols);
     const int64_t n0 = j * BLOCK, nc = *cols;
     if (w->kind == W_INT8) {
-        /* the block's column sums per activation group (VNNI's offset), zero past its width */
+        /* the block's column sums per activation group (VNNI's offset) as packed, [groups][16] */
         const int64_t ag = act_groups(K);
-        int32_t *sums = (int32_t *)sc;
-        for (int64_t g = 0; g < ag; g++)
-            for (int64_t c = 0; c < BLOCK; c++) sums[g * BLOCK + c] = c < nc ? w->colsum[g * N + n0 + c] : 0;
-        float ws[BLOCK] = {0};
-        for (int64_t c = 0; c < nc; c++) ws[c] = w->scale[n0 + c];
+        const int32_t *sums = w->colsum + j * ag * BLOCK;
+        float narrow_scale[BLOCK] = {0};
+        const float *ws = w->scale + n0;
+        if (nc < BLOCK) {
+            memcpy(narrow_scale, ws, nc * sizeof(float));
+            ws = narrow_scale;
+        }
         int8_block(a->s8 + m0 * a->ld8, a->ld8, rows, (const int8_t *)B, Kq, sums, a->s8_scale + m0 * ag, ag, C,
                    ldc);
         for (int64_t m = 0; m < rows; m++)

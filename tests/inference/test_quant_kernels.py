@@ -50,9 +50,10 @@ def test_int8_linear_matches_the_integer_arithmetic(int8_path, path, m, n, k):  
     w, x, b = randn(n, k, scale=0.05), randn(m, k, seed=1), randn(n, seed=2)
     qw = quant.quantize_int8(w.float())
     packed = cpu_kernels.pack_qweight(qw)
-    groups = -(-k // quant.ACT_GROUP)
+    groups, blocks = -(-k // quant.ACT_GROUP), -(-n // 16)
     padded = F.pad(qw.data.int(), (0, groups * quant.ACT_GROUP - k))
-    assert torch.equal(packed.colsum, padded.view(n, groups, -1).sum(-1).t())
+    sums = F.pad(padded.view(n, groups, -1).sum(-1).t(), (0, 16 * blocks - n))  # [groups, N16]
+    assert torch.equal(packed.colsum, sums.view(groups, blocks, 16).transpose(0, 1))
     exact = int8_reference(x, qw)
     # group sums exact, then a few float32 roundings and one to bf16
     close_to_bf16(cpu_kernels.linear(x, packed), exact.float())
