@@ -356,49 +356,56 @@ static inline uint8_t f32_to_fp8(float x, int mbits, int bias, float max) {
     return sign | (uint8_t)((u >> shift) - ((uint32_t)(127 - bias) << mbits));
 }
 
+/* the scale written after an 8-bit row's d values */
+static inline float row_scale(const uint8_t *b, int64_t scale_at) {
+    bf16 s16;
+    memcpy(&s16, b + scale_at, 2);
+    return bf16_to_f32(s16);
+}
+
 void kv_widen_row(const void *row, int kind, int64_t d, int64_t scale_at, float *out) {
     const uint8_t *b = row;
-    switch (kind) {
-    case KV_BF16: widen_row(row, d, out, d); return;
-    case KV_INT8: {
-        bf16 s16;
-        memcpy(&s16, b + scale_at, 2);
-        const float s = bf16_to_f32(s16);
-        for (int64_t i = 0; i < d; i++) out[i] = (float)(int8_t)b[i] * s;
+    if (kind == KV_BF16) {
+        widen_row(row, d, out, d);
         return;
     }
-    case KV_E4M3:
-        for (int64_t i = 0; i < d; i++) out[i] = e4m3_to_f32(b[i]);
+    const float s = row_scale(b, scale_at);
+    int64_t i = 0;
+    if (kind == KV_INT8) {
+        for (; i < d; i++) out[i] = (float)(int8_t)b[i] * s;
         return;
-    default:
-        for (int64_t i = 0; i < d; i++) out[i] = e5m2_to_f32(b[i]);
     }
+    /* fp8: four values per 32-bit lane, widened by the same shifts as the fp8 weights */
+    const vf scale = vf_set1(s * (kind == KV_E4M3 ? E4M3_UNBIAS : E5M2_UNBIAS));
+    for (; i + 4 * VL <= d; i += 4 * VL) {
+        const vi w = vi_load(b + i);
+        for (int k = 0; k < 4; k++) {
+            const vf v = kind == KV_E4M3 ? vf_from_e4m3_raw(w, k) : vf_from_e5m2_raw(w, k);
+            float lanes[VL];
+            vf_store(lanes, vf_mul(v, scale));
+            for (int l = 0; l < VL; l++) out[i + 4 * l + k] = lanes[l];
+        }
+    }
+    for (; i < d; i++) out[i] = (kind == KV_E4M3 ? e4m3_to_f32(b[i]) : e5m2_to_f32(b[i])) * s;
 }
 
 void kv_store_row(const float *x, int kind, int64_t d, void *row) {
     uint8_t *b = row;
-    switch (kind) {
-    case KV_BF16:
+    if (kind == KV_BF16) {
         for (int64_t i = 0; i < d; i++) ((bf16 *)row)[i] = f32_to_bf16(x[i]);
         return;
-    case KV_INT8: {
-        float amax = 0.0f;
-        for (int64_t i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-        /* the scale is stored as bf16: quantize with the stored value, so reading is exact */
-        const bf16 s16 = f32_to_bf16(amax / 127.0f);
-        const float s = bf16_to_f32(s16);
-        for (int64_t i = 0; i < d; i++) {
-            float r = s > 0.0f ? nearbyintf(x[i] / s) : 0.0f;
-            r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
-            b[i] = (uint8_t)(int8_t)r;
-        }
-        memcpy(b + d, &s16, 2);
-        return;
     }
-    case KV_E4M3:
-        for (int64_t i = 0; i < d; i++) b[i] = f32_to_fp8(x[i], 3, 7, 448.0f);
-        return;
-    default:
-        for (int64_t i = 0; i < d; i++) b[i] = f32_to_fp8(x[i], 2, 15, 57344.0f);
+    const float limit = kind == KV_INT8 ? 127.0f : kind == KV_E4M3 ? 448.0f : 57344.0f;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    /* the scale is stored as bf16: quantize with the stored value, so reading is exact */
+    const bf16 s16 = f32_to_bf16(amax / limit);
+    const float s = bf16_to_f32(s16);
+    for (int64_t i = 0; i < d; i++) {
+        float r = s > 0.0f ? x[i] / s : 0.0f;
+        r = r > limit ? limit : r < -limit ? -limit : r;
+        b[i] = kind == KV_INT8 ? (uint8_t)(int8_t)nearbyintf(r) : kind == KV_E4M3 ? f32_to_fp8(r, 3, 7, limit)
+                                                                                  : f32_to_fp8(r, 2, 15, limit);
     }
+    memcpy(b + d, &s16, 2);
 }

@@ -78,6 +78,7 @@ class RequestRecord:
         self.code: str | None = None
         self.error: str | None = None
         self.finish_reason: str | None = None
+        self.key: str = telemetry.key  # the API key's name (never the key), once checked
         self.prompt_tokens = self.completion_tokens = 0
         self.times: Any = None  # RequestTimes (merged over choices) once closed
         self.latencies: RequestLatencies | None = None
@@ -126,6 +127,7 @@ class RequestRecord:
         t = self.telemetry
         self.ended = time.monotonic()
         self._request_id = t.request_id
+        self.key = t.key
         self.status = t.status
         self.outcome = outcome_of(t.status, t.abandoned)
         # nginx's 499 for a client that left, also after a stream's 200 went out

@@ -21,6 +21,7 @@ class InspectorRequest(_Body, kw_only=True):
     request_id: str  # x-request-id / GenerateRequest.request_id
     response_id: str | None  # the engine's id (OpenAI's `id`), once admitted
     api: Literal["rest", "grpc"]
+    key: str  # the API key's name ("none": no key required; "unauthenticated": refused)
     operation: str | None  # "chat" | "text_completion"; None when refused before parsing
     stream: bool | None
     started_at: float  # Unix seconds

@@ -44,6 +44,7 @@ def summary(record: RequestRecord, slow_s: float | None) -> InspectorRequest:
         request_id=record.request_id,
         response_id=record.response_id,
         api=record.api,
+        key=record.telemetry.key if record.telemetry is not None else record.key,
         operation=record.operation,
         stream=record.stream,
         started_at=record.started_at,

@@ -3,7 +3,8 @@ key by editing the file and sending SIGHUP refuses its next request while its st
 flight completes; a file that does not load leaves the keys as they were. Then, over a run
 with several keys on both APIs (good, wrong, revoked, over their limits), not one log line or
 exported span (OTEL_TRACES_EXPORTER=console, every request header asked for on the span)
-holds a key or a prompt, while the key names are there."""
+holds a key or a prompt, nor does the request inspector's JSON, while the key names are
+there."""
 
 from __future__ import annotations
 
@@ -139,6 +140,20 @@ def test_no_key_or_prompt_in_any_log_line_or_span(srv, keys_file):
                 assert exc.code() == grpc.StatusCode.UNAUTHENTICATED and key == WRONG
     rejected = [_post(srv, KEYS["team-a"]).status_code for _ in range(3)]
     assert rejected[-1] == 429  # 4 a minute, the 5th (gRPC's included) is refused
+
+    # the inspector names each request's key, never the key (nor, without --log-prompts,
+    # the prompt)
+    auth = {"authorization": f"Bearer {KEYS['team-e']}"}
+    listed = httpx.get(srv.url + "/inspect/api/requests?limit=100", headers=auth).json()
+    pages = [httpx.get(srv.url + "/inspect/api/engine", headers=auth).text]
+    for row in listed["requests"]:
+        path = f"/inspect/api/requests/{row['id']}"
+        pages.append(httpx.get(srv.url + path, headers=auth).text)
+    assert {"team-a", "team-c", "team-e", "unauthenticated"} <= {
+        r["key"] for r in listed["requests"]
+    }
+    inspected = "\n".join([str(listed), *pages])
+    assert not [s for s in (*KEYS.values(), WRONG, PROMPT, "zebra") if s in inspected]
     assert srv.stop() == 0  # flushes the spans
 
     text = srv.log_text()

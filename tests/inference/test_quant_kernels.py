@@ -193,3 +193,15 @@ def test_int8_rows_hold_their_values_within_a_step_of_their_scale():
     step = x.float().abs().amax(-1, keepdim=True) / 127
     assert (back - x.float()).abs().le(step * 0.51 + 1e-6).all()
     assert F.cosine_similarity(back.flatten(), x.float().flatten(), dim=0) > 0.9999
+
+
+@pytest.mark.parametrize("fmt,bits", [("fp8_e4m3", 3), ("fp8_e5m2", 2)])
+def test_fp8_rows_keep_their_relative_precision_whatever_their_magnitude(fmt, bits):
+    """The row's scale lifts small values out of fp8's subnormals: each value comes back
+    within half a step of its mantissa, rows of 1e-4 as rows of 1e2."""
+    x = torch.cat([randn(20, 2, 64, seed=s) * m for s, m in enumerate((1e-4, 1.0, 1e2))])
+    cache = caches(fmt, 60, 2, 64)
+    kv_cache.write_kv(cache, torch.arange(60), x)
+    back, exact = kv_cache.dequantize(cache, torch.float32), x.float()
+    close = (back - exact).abs().le(exact.abs() * 2.0 ** -(bits + 1) * 1.01 + 1e-12)
+    assert close.float().mean() > 0.99

@@ -63,8 +63,8 @@ def test_each_architecture_quantized_stays_close_to_bf16(arch_dirs, arch):  # no
         quantized = engine(path, **dict(options))
         error = (prompt_logprobs(quantized, batch) - reference).abs().mean().item()
         assert error < bound, (arch, options, error)
-        if dict(options).get("quantization"):
-            assert quantized.weight_bytes < 0.8 * base.weight_bytes
+        if dict(options).get("quantization"):  # fp8 keeps the lm_head (and the embeddings) in bf16
+            assert quantized.weight_bytes < 0.9 * base.weight_bytes
 
 
 def test_8bit_weights_are_8bit_in_memory(model_dirs):
@@ -153,10 +153,10 @@ def test_a_checkpoint_in_another_quantization_scheme_is_refused(model_dirs, tmp_
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
 def test_an_8bit_cache_holds_twice_the_tokens_in_the_same_bytes(model_dirs, fmt):
-    """The engine sizes --kv-cache-bytes by each format's bytes per token: fp8 rows are half
-    of bf16's, int8 rows carry a 2-byte scale per (token, head): 2d / (d + 2) times the
-    tokens, 1.78x at this test model's head width of 16, 1.94x at 64 (the small demo model,
-    Mixtral, Qwen) and 1.97x at 128."""
+    """The engine sizes --kv-cache-bytes by each format's bytes per token: 8-bit rows carry
+    a 2-byte scale per (token, head): 2d / (d + 2) times the tokens of bf16, 1.78x at this
+    test model's head width of 16, 1.94x at 64 (the small demo model, Mixtral, Qwen) and
+    1.97x at 128."""
     path = model_dirs("mixtral")
     budget = 1 << 22
     plain = engine(path, kv_cache_tokens=None, kv_cache_bytes=budget)
@@ -164,7 +164,7 @@ def test_an_8bit_cache_holds_twice_the_tokens_in_the_same_bytes(model_dirs, fmt)
     assert plain.kv_cache_bytes <= budget and small.kv_cache_bytes <= budget
     assert small.kv_caches[0][0].element_size() == 1
     d = plain.args.head_dim
-    expected = 2.0 if fmt.startswith("fp8") else 2 * d / (d + kv_cache.SCALE_BYTES)
+    expected = 2 * d / (d + kv_cache.SCALE_BYTES)
     assert small.kv_cache_tokens / plain.kv_cache_tokens == pytest.approx(expected, rel=0.01)
     for width in (64, 128):
         args = dataclasses.replace(plain.args, head_dim=width)

@@ -216,6 +216,7 @@ function renderDetail(detail) {
     : "–";
   $("detail-facts").replaceChildren(...[
     fact("status", statusBadge(r)), fact("API", r.api === "grpc" ? "gRPC" : "REST"),
+    fact("API key", r.key),
     fact("operation", `${r.operation || "–"}${r.stream ? " (stream)" : ""}`),
     fact("finish reason", r.finish_reason || "–"), fact("response id", r.response_id || "–"),
     fact("tokens", `${r.prompt_tokens} prompt, ${r.completion_tokens} completion`),
