@@ -99,14 +99,21 @@ def quantize_int8(w: torch.Tensor) -> QWeight:
     return QWeight("int8", q, scale.unsqueeze(-2).contiguous(), w.shape[-1], w.shape[-1])
 
 
-def quantize_fp8(w: torch.Tensor) -> QWeight:
-    """[..., N, K] -> fp8 e4m3 with a scale per output channel (amax / 448)."""
+def quantize_fp8(w: torch.Tensor, group: int = FP8_BLOCK) -> QWeight:
+    """[..., N, K] -> fp8 e4m3 with a scale per output channel and group of `group` inputs
+    (amax / 448 each): per channel alone, e4m3's 3 mantissa bits cost SmolLM2 2.3% of
+    perplexity, groups of 128 (as DeepSeek-V3's and Qwen3's FP8 checkpoints group) less."""
     w = w.float()
-    scale = (w.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(
+    k = w.shape[-1]
+    groups = -(-k // group)
+    blocks = F.pad(w, (0, groups * group - k)).unflatten(-1, (groups, group))
+    scale = (blocks.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(
         min=torch.finfo(torch.float32).tiny
     )
-    q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return QWeight("fp8", q, scale.transpose(-1, -2).contiguous(), w.shape[-1], w.shape[-1])
+    q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).flatten(-2)[..., :k]
+    return QWeight(
+        "fp8", q.contiguous(), scale.squeeze(-1).transpose(-1, -2).contiguous(), group, k
+    )
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QWeight:
