@@ -66,6 +66,7 @@ PINS = {
     "googleapis-common-protos": "1.76.0",
     "grpcio-health-checking": "1.85.1",
     "grpcio-reflection": "1.85.1",
+    "grpcio-status": "1.85.3",
     "httptools": "0.9.0",
     "litestar": "2.25.0",
     "litestar-htmx": "0.5.0",

@@ -705,6 +705,49 @@ def overview() -> dict[str, Any]:
         8,
         8,
     )
+    g.add(
+        {
+            "type": "table",
+            "title": "Model formats",
+            "description": "What each instance serves: weight format (--quantization), KV-cache "
+            "format (--kv-cache-dtype), compute dtype and device.",
+            "datasource": PROM,
+            "targets": with_ref_ids(
+                [
+                    prom(
+                        "max by (instance, model, quantization, kv_cache_dtype, dtype, device) "
+                        f"(moeserve_model_info{{{SEL}}})",
+                        instant=True,
+                        fmt="table",
+                    )
+                ]
+            ),
+            "transformations": [
+                {"id": "organize", "options": {"excludeByName": {"Time": True, "Value": True}}}
+            ],
+            "fieldConfig": {"defaults": {"custom": {"align": "auto"}}, "overrides": []},
+            "options": {"showHeader": True},
+        },
+        8,
+        8,
+    )
+    g.add(
+        timeseries(
+            "Model memory",
+            "Bytes resident for the model per instance: weights (8-bit weights with their "
+            "scales) and the KV cache's budget.",
+            [
+                prom(
+                    f"sum by (instance, kind) (moeserve_model_memory_bytes{{{SEL}}})",
+                    "{{instance}} {{kind}}",
+                )
+            ],
+            "bytes",
+            stack=True,
+        ),
+        8,
+        8,
+    )
 
     g.row("API keys")
     g.add(

@@ -171,8 +171,9 @@ NO_RULE = {
     "ignore_eos": "a bool has no invalid value",
     "skip_special_tokens": "a bool has no invalid value",
 }
-# Not a proto SamplingParams field: GenerateRequest.structured_output; rows of its own below.
-ELSEWHERE = {"structured_outputs"}
+# Not proto SamplingParams fields: GenerateRequest.structured_output (rows of its own below),
+# and prompt_logprobs, which only the engine's own callers use (the perplexity benchmark).
+ELSEWHERE = {"structured_outputs", "prompt_logprobs"}
 # A case about one element of a list (or a value of a map) names its path, on both APIs.
 ELEMENT_FIELD = {
     repr({"stop": [""]}): "stop[0]",

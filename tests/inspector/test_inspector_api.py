@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from bench.harness import InProcessServer, iter_sse, wait_until
+from service.api_keys import KeyRing
 from service.cli import build_parser
 from service.settings import from_namespace
 from tests.inspector.conftest import COMPLETIONS
@@ -231,7 +232,8 @@ def test_limit_and_newest_first(http):
 
 
 def test_api_key_guards_the_api_not_the_page(server, http):
-    server.state.settings.api_key = "sk-inspect"
+    open_keys = server.state.keys
+    server.state.keys = KeyRing("sk-inspect")  # what --api-key sk-inspect starts with
     try:
         for path in ("/inspect/api/requests", "/inspect/api/engine", "/inspect/api/requests/1"):
             r = http.get(path)
@@ -244,7 +246,7 @@ def test_api_key_guards_the_api_not_the_page(server, http):
         assert "default-src 'self'" in page.headers["content-security-policy"]
         assert http.get("/inspect/static/inspector.js").status_code == 200
     finally:
-        server.state.settings.api_key = None
+        server.state.keys = open_keys
 
 
 def test_the_page_loads_nothing_from_elsewhere(http):
