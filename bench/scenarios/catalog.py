@@ -76,17 +76,41 @@ async def arrival_burst(run: Run) -> None:
 # --- 2. long-prompt surge ----------------------------------------------------------------
 
 LONG_PROMPT_FACTOR = 10
+PREFILL_PROBE_TOKENS = 2048
+SURGE_OVERLOAD = 1.5  # the fault's prefill tokens/s over what the server prefills alone
+MAX_PROMPT_TOKENS = 4000  # under the small demo model's 4,096 positions, with the output
+
+
+async def _prefill_rate(run: Run) -> float:
+    """Prompt tokens/s this server prefills (one long prompt alone, its TTFT)."""
+    best = 0.0
+    for _ in range(2):  # the first pays for shapes it has not seen
+        out = await run.traffic.one(run.traffic.spec(PREFILL_PROBE_TOKENS, 1), "probe", "probe")
+        if out.ttft:
+            best = max(best, PREFILL_PROBE_TOKENS / out.ttft)
+    return best
 
 
 async def long_prompt_surge(run: Run) -> None:
+    """The fault's prompts are 10x the baseline's, at the baseline's arrival rate; the
+    baseline's length is sized from this server's prefill rate so that the surge asks for
+    SURGE_OVERLOAD times what it can prefill (a machine that prefills 10x faster gets 10x
+    longer prompts: the same fault everywhere, not a surge a fast CPU absorbs unnoticed)."""
     cap = await run.capacity()
     rate = BASE_LOAD * cap
-    await _baseline(run, rate)
     p = run.profile
+    prefill_tps = await _prefill_rate(run)
+    wanted = SURGE_OVERLOAD * prefill_tps / (rate * LONG_PROMPT_FACTOR)
+    base = int(min(max(wanted, p.prompt_tokens), MAX_PROMPT_TOKENS // LONG_PROMPT_FACTOR))
+    run.extra |= {"prefill_tokens_per_s": round(prefill_tps), "baseline_prompt_tokens": base}
+
+    def short() -> object:
+        return run.traffic.spec(base, p.output_tokens)
 
     def long() -> object:
-        return run.traffic.spec(p.prompt_tokens * LONG_PROMPT_FACTOR, p.output_tokens)
+        return run.traffic.spec(base * LONG_PROMPT_FACTOR, p.output_tokens)
 
+    await _baseline(run, rate, short)
     async with run.phase("fault", fault=True):
         await run.traffic.open_loop(rate, p.fault_s, long, "fault")
     await _recovery(run, rate)
@@ -325,11 +349,13 @@ async def hostile_input(run: Run) -> None:
 
 
 async def _hostile_process(run: Run, count: int) -> dict:
-    """bench/scenarios/hostile.py in a process of its own (at HOSTILE_RATE)."""
+    """bench/scenarios/hostile.py in a process of its own (at HOSTILE_RATE), at the lowest
+    CPU priority: on the test machine the sender shares the server's two cores, and an
+    attacker's own CPU time is not the server's to pay (it still pays for every request)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "bench.scenarios.hostile", run.url, run.server.current.model,
         API_KEY, str(count), "--rate", str(HOSTILE_RATE),
-        cwd=REPO, stdout=asyncio.subprocess.PIPE,
+        cwd=REPO, stdout=asyncio.subprocess.PIPE, preexec_fn=lambda: os.nice(19),
     )  # fmt: skip
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout=count / HOSTILE_RATE * 3 + 120)
@@ -389,7 +415,8 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             "long_prompt_surge",
             "prefill",
-            f"prompts {LONG_PROMPT_FACTOR}x longer at the baseline's arrival rate",
+            f"prompts {LONG_PROMPT_FACTOR}x longer at the baseline's arrival rate (the baseline's "
+            f"length sized so the surge asks for {SURGE_OVERLOAD:g}x the server's prefill rate)",
             long_prompt_surge,
         ),
         Scenario(
