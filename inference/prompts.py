@@ -8,6 +8,14 @@ from inference.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 
+# A text this many characters per context position long is first tokenized by its head
+# alone: tokenizing all of a 1 MB prompt takes the API process most of a second (a hostile
+# client's cheapest way to stall every other request). English runs ~4 characters a token.
+HEAD_CHARS_PER_TOKEN = 8
+# tokens the cut can add at the head's end (its last word split differently), so that a
+# head over max_model_len + HEAD_MARGIN proves the whole prompt over max_model_len
+HEAD_MARGIN = 64
+
 
 def tokenize_prompt(
     tokenizer, vocab_size: int, max_model_len: int, prompt: Prompt, params: SamplingParams
@@ -16,7 +24,12 @@ def tokenize_prompt(
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidParameterError("prompt", "must not be empty")
-        ids = tokenizer.encode(prompt)
+        ids = encode_within(tokenizer, prompt, max_model_len)
+    elif isinstance(prompt, list) and len(prompt) >= max_model_len:
+        # before reading every element: a client can send hundreds of thousands
+        raise InvalidParameterError(
+            "prompt", f"has {len(prompt)} tokens; the maximum context length is {max_model_len}"
+        )
     elif isinstance(prompt, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
@@ -39,6 +52,24 @@ def tokenize_prompt(
         )
     check_token_ids(params, vocab_size)
     return ids
+
+
+def encode_within(
+    tokenizer, text: str, max_model_len: int | None, param: str = "prompt", **kwargs
+) -> list[int]:
+    """tokenizer.encode(text, **kwargs), except that a long text whose head alone is over
+    max_model_len tokens is refused (InvalidParameterError naming `param`) before the rest is
+    tokenized. None: no limit (the tokenize endpoints)."""
+    head = (max_model_len or 0) * HEAD_CHARS_PER_TOKEN
+    if max_model_len is not None and len(text) > head:
+        n = len(tokenizer.encode(text[:head], **kwargs))
+        if n >= max_model_len + HEAD_MARGIN:
+            raise InvalidParameterError(
+                param,
+                f"has over {n - HEAD_MARGIN} tokens in its first {head} characters alone; "
+                f"the maximum context length is {max_model_len}",
+            )
+    return tokenizer.encode(text, **kwargs)
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:

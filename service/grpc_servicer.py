@@ -77,7 +77,7 @@ class InferenceServicer:
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         validation.one_of(("text", request.text), ("messages", request.messages))
-        ids = await self._prompt_ids(request.text, request.messages, None)  # as Generate does
+        ids = await self._prompt_ids(request.text, request.messages, None, None)  # as Generate
         tokenizer = self.state.engine.tokenizer
         return pb.TokenizeResponse(
             token_ids=ids,
@@ -122,19 +122,24 @@ class InferenceServicer:
         )
         params = _sampling_params(request.params, constraint, plan)
         tools = plan.template_tools if plan is not None else None
-        ids = await self._prompt_ids(request.prompt, request.messages, tools)
+        limit = self.state.engine.max_model_len
+        ids = await self._prompt_ids(request.prompt, request.messages, tools, limit)
         operation = "chat" if request.messages else "text_completion"
         return GenerationInput(ids, params, operation, stream, field), plan
 
     async def _prompt_ids(
-        self, text: str, messages: Sequence[pb.ChatMessage], tools: list[dict] | None
+        self,
+        text: str,
+        messages: Sequence[pb.ChatMessage],
+        tools: list[dict] | None,
+        limit: int | None,
     ) -> list[int]:
+        """`limit`: validation.text_ids'."""
         tokenizer = self.state.engine.tokenizer
         if not messages:
-            return await validation.text_ids(tokenizer, text)
-        return await validation.chat_ids(
-            tokenizer, chat_message_dicts([_chat_message(m) for m in messages]), tools=tools
-        )
+            return await validation.text_ids(tokenizer, text, limit)
+        dicts = chat_message_dicts([_chat_message(m) for m in messages])
+        return await validation.chat_ids(tokenizer, dicts, limit, tools=tools)
 
 
 def _sampling_params(

@@ -15,6 +15,7 @@ import jinja2
 import msgspec
 
 from inference import InvalidParameterError, SamplingParams
+from inference.prompts import encode_within
 from service.errors import BadRequest, NotFound
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -115,10 +116,21 @@ def sampling_params(**fields) -> SamplingParams:
         raise _field_error(exc, "params") from None
 
 
-async def text_ids(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+async def text_ids(
+    tokenizer, text: str, limit: int | None, add_special_tokens: bool = True
+) -> list[int]:
+    """`limit`: the context length a generation must fit (a prompt far over it is refused
+    by its head alone: encode_within); None for the tokenize endpoints."""
     if not text:
         raise BadRequest("prompt must not be empty", param="prompt")
-    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
+    return await asyncio.to_thread(_encode, tokenizer, text, limit, add_special_tokens)
+
+
+def _encode(tokenizer, text: str, limit: int | None, add_special_tokens: bool) -> list[int]:
+    try:
+        return encode_within(tokenizer, text, limit, add_special_tokens=add_special_tokens)
+    except InvalidParameterError as exc:
+        raise BadRequest(str(exc), param=exc.param) from None
 
 
 def token_ids(prompt: list) -> list[int]:
@@ -131,10 +143,14 @@ def token_ids(prompt: list) -> list[int]:
 
 
 async def chat_ids(
-    tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+    tokenizer,
+    messages: list[dict],
+    limit: int | None,
+    add_generation_prompt: bool = True,
+    tools: list | None = None,
 ) -> list[int]:
     """messages ({role, content, name?, tool_calls?, tool_call_id?}) and the tools on offer
-    through the model's chat template -> token ids."""
+    through the model's chat template -> token ids (`limit`: as text_ids)."""
     if not messages:
         raise BadRequest("messages must not be empty", param="messages")
     for i, m in enumerate(messages):
@@ -149,10 +165,14 @@ async def chat_ids(
             param="messages",
             code="no_chat_template",
         )
-    return await asyncio.to_thread(_render_chat, tokenizer, messages, add_generation_prompt, tools)
+    return await asyncio.to_thread(
+        _render_chat, tokenizer, messages, add_generation_prompt, tools, limit
+    )
 
 
-def _render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, tools) -> list[int]:
+def _render_chat(
+    tokenizer, messages: list[dict], add_generation_prompt: bool, tools, limit: int | None
+) -> list[int]:
     try:
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
@@ -162,7 +182,8 @@ def _render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, t
             f"the chat template rejected the messages: {exc}", param="messages"
         ) from None
     # The template already wrote any special tokens it wants (vLLM does the same).
-    return tokenizer.encode(text, add_special_tokens=False)
+    # "prompt", as the engine names a rendered chat over the context
+    return _encode(tokenizer, text, limit, False)
 
 
 def one_of(first: tuple[str, object], second: tuple[str, object]) -> None:

@@ -128,7 +128,7 @@ async def _completion_ids(state: ServingState, prompt: str | list[Any]) -> list[
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return await validation.text_ids(state.engine.tokenizer, prompt)
+        return await validation.text_ids(state.engine.tokenizer, prompt, state.engine.max_model_len)
     if prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise BadRequest(
             "a list of several prompts is not supported; send one request per prompt",
@@ -220,7 +220,9 @@ class OpenAIController(Controller):
         constraint, field = _constraint(data, plan)
         messages = chat_message_dicts(data.messages)
         tools = plan.template_tools if plan else None
-        ids = await validation.chat_ids(state.engine.tokenizer, messages, tools=tools)
+        ids = await validation.chat_ids(
+            state.engine.tokenizer, messages, state.engine.max_model_len, tools=tools
+        )
         max_tokens = next(
             (m for m in (data.max_completion_tokens, data.max_tokens) if m is not None),
             max(state.engine.max_model_len - len(ids), 1),  # OpenAI's default: the context

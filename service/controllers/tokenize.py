@@ -38,10 +38,14 @@ class TokenizeController(Controller):
         if data.messages is not None:
             tools = msgspec.to_builtins(data.tools) if data.tools else None
             ids = await validation.chat_ids(
-                tokenizer, chat_message_dicts(data.messages), data.add_generation_prompt, tools
+                tokenizer,
+                chat_message_dicts(data.messages),
+                None,
+                data.add_generation_prompt,
+                tools,
             )
         else:
-            ids = await validation.text_ids(tokenizer, data.prompt, data.add_special_tokens)
+            ids = await validation.text_ids(tokenizer, data.prompt, None, data.add_special_tokens)
         return TokenizeResponse(
             count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids
         )

@@ -54,6 +54,16 @@ BAD_JSON_BODIES = [
     pytest.param(
         COMP, {"prompt": "hi " * 400, "max_tokens": 1}, "prompt", id="prompt-over-max_model_len"
     ),
+    pytest.param(  # refused by its head alone (inference.prompts.encode_within)
+        COMP, {"prompt": "hi " * 5000, "max_tokens": 1}, "prompt", id="prompt-far-over"
+    ),
+    pytest.param(
+        CHAT,
+        {"messages": [{"role": "user", "content": "hi " * 5000}]},
+        "prompt",
+        id="chat-far-over-max_model_len",
+    ),
+    pytest.param(COMP, {"prompt": [5] * 5000}, "prompt", id="token-ids-far-over"),
     pytest.param(COMP, {"prompt": "hi", "n": 17}, "n", id="n-over-limit"),
     pytest.param(COMP, {"prompt": "hi", "n": 0}, "n", id="n-zero"),
     pytest.param(COMP, {"prompt": ""}, "prompt", id="empty-prompt"),
@@ -241,3 +251,13 @@ def test_overload_gets_429_with_retry_after_and_nothing_is_lost(start_server, wa
             else:
                 assert r.json()["usage"]["completion_tokens"] == 64
         wait_idle(srv, 5)
+
+
+def test_a_prompt_far_over_the_context_is_refused_by_its_head(http, model_name):
+    error = assert_envelope(
+        http.post(COMP, json={"model": model_name, "prompt": "hi " * 20000, "max_tokens": 1}), 400
+    )
+    assert "characters alone" in error["message"] and str(MAX_MODEL_LEN) in error["message"]
+    # the tokenize endpoint has no context to fit: it counts all of it
+    r = http.post("/tokenize", json={"model": model_name, "prompt": "hi " * 5000})
+    assert r.status_code == 200 and r.json()["count"] >= 5000
