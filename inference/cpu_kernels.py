@@ -793,12 +793,13 @@ def rope_and_cache(
 class DecodeStep:
     """A whole decode step of a model whose every layer the fused kernel covers (csrc/layer.c):
     the layer specs, the embedding and final-norm weights and the float32 rope tables, held
-    here with the addresses the kernel reads (the tensors must outlive it)."""
+    here with the addresses the kernel reads (the tensors must outlive it). embed None: the
+    caller looks the rows up (an int8 table) and decode_step gets them in place of ids."""
 
     def __init__(
         self,
         specs: list[LayerSpec],
-        embed: torch.Tensor,
+        embed: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         final_norm: torch.Tensor,
@@ -806,6 +807,7 @@ class DecodeStep:
     ) -> None:
         self.layers = (LayerSpec * len(specs))(*specs)
         self.tensors = (embed, cos, sin, final_norm)
+        self.embeds = embed is not None
         self.eps = eps
         self.hidden = specs[0].hidden
         self.moe_layers, self.experts = (
@@ -836,18 +838,20 @@ def decode_step(
     kv_caches: list,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer of a decode step of T single-token rows, and the final norm -> hidden
-    [T, D] and the tokens per expert [MoE layers, E]."""
+    [T, D] and the tokens per expert [MoE layers, E]. input_ids: token ids [T], or their
+    embedded rows [T, D] where the step has no embedding table (DecodeStep)."""
     t = input_ids.shape[0]
     embed, cos, sin, final_norm = step.tensors
     keys, values = step.cache_addresses(kv_caches)
-    hidden = embed.new_empty(t, step.hidden)
+    # without a table the kernel reads its input rows from `hidden` (it writes it last)
+    hidden = final_norm.new_empty(t, step.hidden) if embed is not None else input_ids.clone()
     counts = torch.empty(step.moe_layers, step.experts, dtype=torch.int64)
     _check(
         _lib.ms_decode_step(
             step.layers,
             len(step.layers),
-            embed.data_ptr(),
-            input_ids.data_ptr(),
+            None if embed is None else embed.data_ptr(),
+            None if embed is None else input_ids.data_ptr(),
             t,
             cos.data_ptr(),
             sin.data_ptr(),

@@ -58,6 +58,21 @@ class Linear(nn.Linear):
         set_weight(self, "weight", packed(self.weight))
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding, or with --quantization int8 a table of int8 rows with a scale each
+    (quantize()): looked-up rows are dequantized to the model's dtype."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QWeight):
+            rows = self.weight.data[ids].float() * self.weight.scale[0, ids].unsqueeze(-1)
+            return rows.to(self.dtype)
+        return F.embedding(ids, self.weight)
+
+    def quantize(self) -> None:
+        self.dtype = self.weight.dtype
+        set_weight(self, "weight", quant.quantize_int8(self.weight.data))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()

@@ -17,7 +17,7 @@ from inference import cpu_kernels, quant
 from inference.attention import AttentionMetadata, paged_attention
 from inference.config import ModelArgs
 from inference.kv_cache import write_kv
-from inference.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope, set_weight
+from inference.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rope, set_weight
 from inference.mla import MLAttention
 from inference.moe import DenseMLP, MoE, SharedExpertMoE
 from inference.quant import QWeight
@@ -171,7 +171,7 @@ class MoETransformer(nn.Module):
     def __init__(self, args: ModelArgs, max_positions: int, gather_max_tokens: int = 0) -> None:
         super().__init__()
         self.args = args
-        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed = Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(args, i, gather_max_tokens) for i in range(args.num_layers)
         )
@@ -193,7 +193,7 @@ class MoETransformer(nn.Module):
             # a decode step on the CPU kernels: every layer in one call
             return cpu_kernels.decode_step(
                 self.decode_step,
-                input_ids,
+                input_ids if self.decode_step.embeds else self.embed(input_ids),
                 positions,
                 meta.slot_mapping,
                 meta.block_tables,
@@ -223,12 +223,16 @@ class MoETransformer(nn.Module):
         if all(specs):
             self.decode_step = cpu_kernels.DecodeStep(
                 specs,
-                self.embed.weight,
+                None if isinstance(self.embed.weight, QWeight) else self.embed.weight,
                 self.rope.cos,
                 self.rope.sin,
                 self.norm.weight,
                 self.norm.eps,
             )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -241,10 +245,13 @@ class MoETransformer(nn.Module):
         only_published: bool = False,
     ) -> None:
         """8-bit weights (quant.py), once after loading: every attention projection, expert
-        and dense MLP, and the lm_head if asked. Routers, norms and embeddings stay in the
-        model's dtype, as does MLA's kv_b_proj (the absorbed projections are derived from
-        it). `published`: fp8 weights as the checkpoint shipped them, used as they are;
-        with only_published, what the checkpoint kept in 16 bits stays so."""
+        and dense MLP, and the lm_head if asked; with int8 the embedding table too (a scale
+        per row). Routers and norms stay in the model's dtype, as does MLA's kv_b_proj (the
+        absorbed projections are derived from it). `published`: fp8 weights as the
+        checkpoint shipped them, used as they are; with only_published, what the checkpoint
+        kept in 16 bits stays so."""
+        if fmt == "int8":
+            self.embed.quantize()
         for name, module in self.named_modules():
             if isinstance(module, Linear):
                 skip = name.endswith("attn.wkv_b") or (name == "lm_head" and not lm_head)

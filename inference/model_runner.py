@@ -43,7 +43,7 @@ class ModelRunner:
         # model runs on the CPU kernels (bf16, any KV format); else SDPA over gathered slots.
         self.paged_kernel = (
             kv_caches[0][0].device.type == "cpu"
-            and model.embed.weight.dtype == torch.bfloat16
+            and model.dtype == torch.bfloat16
             and cpu_kernels.ISA is not None
         )
         if compile:

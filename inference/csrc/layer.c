@@ -144,7 +144,8 @@ done:
     return status;
 }
 
-/* A whole decode step through every layer in one call: the embeddings of ids [T], the layers
+/* A whole decode step through every layer in one call: the embeddings of ids [T] (embed NULL:
+ * the caller's rows, already in hidden [T, D]), the layers
  * (all covered by ms_decode_layer), and the final RMSNorm into hidden [T, D]; the lm_head
  * stays with the caller (the sampler reads its logits). cos/sin tables [positions, d] in
  * float32, rounded to bf16 per token as the composed path rounds them. counts [MoE layers,
@@ -162,7 +163,7 @@ int ms_decode_step(const layer_spec *layers, int64_t L, const bf16 *embed, const
     bf16 *cos = region_alloc((size_t)T * d * sizeof(bf16)), *sin = region_alloc((size_t)T * d * sizeof(bf16));
     if (!x || !y || !residual || !cos || !sin) goto done;
     for (int64_t t = 0; t < T; t++) {
-        memcpy(x + t * D, embed + ids[t] * D, D * sizeof(bf16));
+        memcpy(x + t * D, embed ? embed + ids[t] * D : hidden + t * D, D * sizeof(bf16));
         for (int64_t i = 0; i < d; i++) {
             cos[t * d + i] = f32_to_bf16(cos_table[positions[t] * d + i]);
             sin[t * d + i] = f32_to_bf16(sin_table[positions[t] * d + i]);
