@@ -47,7 +47,9 @@ Send = Callable[[httpx.AsyncClient, str, str], Awaitable[str]]
 
 _WRONG = {
     "prompt": [123, None, {"text": "x"}, [1.5, 2], [[1, "a"]], True, [-1], [10**12]],
-    "max_tokens": ["ten", -5, 0, 1.5, 10**18, None, [], {"n": 1}],
+    # (no null for max_tokens or model: null is valid there, and a chat's null max_tokens is a
+    # generation to the end of the context, work rather than a malformed request)
+    "max_tokens": ["ten", -5, 0, 1.5, 10**18, "", [], {"n": 1}],
     "temperature": ["hot", -1, 1e308, [0.1], {"t": 1}, True],
     "top_p": [2, -0.5, "all", [1]],
     "n": [0, -1, "two", 1000000],
@@ -55,7 +57,7 @@ _WRONG = {
     "stop": [5, [1, 2], {"s": "x"}, ["a"] * 100],
     "logprobs": ["x", -1, 1000],
     "seed": ["s", 1.5, 2**80],
-    "model": [7, None, [], "no-such-model"],
+    "model": [7, {}, [], "no-such-model"],
     "messages": [{"role": "user"}, "hi", [1, 2], [{"role": 5, "content": "x"}], [{}], []],
     "stream_options": ["x", {"include_usage": "y"}],
     "response_format": [{"type": "nope"}, "json", {"type": "json_schema"}],
