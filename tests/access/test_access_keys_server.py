@@ -118,7 +118,9 @@ def test_each_key_is_known_by_its_name(srv, stub):
         assert _complete(srv, "sk-not-a-key").status_code == 401
         assert httpx.post(srv.url + COMP, json={"prompt": "x"}).status_code == 401
         reply = stub.Generate(
-            pb.GenerateRequest(prompt="hi", params=pb.SamplingParams(max_tokens=2)),
+            pb.GenerateRequest(
+                prompt="hi", params=pb.SamplingParams(max_tokens=2, ignore_eos=True)
+            ),
             metadata=tuple(_auth(KEYS["team-d"]).items()),
             timeout=30,
         )
@@ -154,7 +156,9 @@ def test_requests_per_minute(srv, stub):
     # the same key over gRPC shares the allowance: RESOURCE_EXHAUSTED with RetryInfo
     with pytest.raises(grpc.RpcError) as err:
         stub.Generate(
-            pb.GenerateRequest(prompt="hi", params=pb.SamplingParams(max_tokens=2)),
+            pb.GenerateRequest(
+                prompt="hi", params=pb.SamplingParams(max_tokens=2, ignore_eos=True)
+            ),
             metadata=tuple(_auth(KEYS["team-a"]).items()),
             timeout=30,
         )

@@ -20,7 +20,10 @@ from service.settings import Settings
 from service.tls import TlsConfigError, TlsFiles
 from tests.access.conftest import settings
 
-GENERATE = pb.GenerateRequest(prompt="hello", params=pb.SamplingParams(max_tokens=3))
+# ignore_eos: a sampled EOS would end the reply early (the tests count its tokens)
+GENERATE = pb.GenerateRequest(
+    prompt="hello", params=pb.SamplingParams(max_tokens=3, ignore_eos=True)
+)
 
 
 def _tls_settings(model_dir, pki, mutual: bool) -> Settings:
