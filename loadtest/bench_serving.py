@@ -292,7 +292,12 @@ class Client:
         self.http = httpx.AsyncClient(
             headers=headers,
             timeout=httpx.Timeout(args.timeout, connect=30.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            # idle connections dropped after 2 s, before the server's keep-alive timeout
+            # (uvicorn: 5 s, httpx's own default too): a request sent on a connection the
+            # server is closing at that moment fails with ReadError before it reaches it
+            limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0
+            ),
         )
         self.model: str = args.model or ""
 

@@ -101,7 +101,6 @@ def test_sighup_revokes_a_key_while_its_stream_completes(srv, keys_file):
             events = list(iter_sse(lines))
         assert events[-1][0] > refused_at, "the stream ended before the key was revoked"
         assert events[-1][1]["choices"][0]["finish_reason"] == "length"
-        assert len(events) >= STREAMED * 0.9  # the whole generation came through
     for name in ("team-a", "team-c", "team-e"):
         assert _post(srv, KEYS[name]).status_code == 200, name
 
@@ -116,6 +115,8 @@ def test_sighup_revokes_a_key_while_its_stream_completes(srv, keys_file):
 
     summaries = [r for r in srv.records if r.get("event") == "request finished"]
     assert {"team-b", "team-c", "team-e", "unauthenticated"} <= {s["key"] for s in summaries}
+    # the whole generation came through (counted by the server: a stream that falls behind
+    # carries several tokens in one event)
     (streamed,) = [s for s in summaries if s["completion_tokens"] == STREAMED]
     assert (streamed["key"], streamed["status"]) == ("team-b", "ok")
     metrics = httpx.get(srv.url + "/metrics").text
