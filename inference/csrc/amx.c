@@ -42,15 +42,16 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) tile_config;
 
-/* Tiles: 0 C (16 rows), 1 A (16 rows), 2 B, 3 C (`tail` rows), 4 A (`tail` rows). Loaded on
- * every call: other libraries in the process (oneDNN) configure the tiles for their own use. */
+/* Tiles: 0 C (16 rows), 1 A (16 rows), 2 B, 3 C (`tail` rows), 4 A (`tail` rows); the int8
+ * products' second block: 5 C (16 rows), 6 B, 7 C (`tail` rows). Loaded on every call: other
+ * libraries in the process (oneDNN) configure the tiles for their own use. */
 static void configure(int tail) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
-    for (int t = 0; t < 5; t++) cfg.colsb[t] = 64;
-    cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = 16;
-    cfg.rows[3] = cfg.rows[4] = (uint8_t)(tail ? tail : 16);
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64;
+    cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = cfg.rows[5] = cfg.rows[6] = 16;
+    cfg.rows[3] = cfg.rows[4] = cfg.rows[7] = (uint8_t)(tail ? tail : 16);
     _tile_loadconfig(&cfg);
 }
 
@@ -81,14 +82,34 @@ void ms_amx_block(const bf16 *A, int64_t lda, int64_t rows, const bf16 *B, int64
     _tile_release();
 }
 
-/* C[r][0..16) = sum over activation groups g (64 inputs: one tile's depth) of a_scale[r * lds
- * + g] * (group g's exact int32 sum), added with one float32 FMA per group in group order,
- * as the other int8 paths do: A signed bytes (stride lda, Kq columns), B one packed 16-column
- * int8 block (Kq / 4 quad rows); Kq a multiple of 64 (the caller checks). colsum: unused
- * (signed products need no offset), as the other paths' signature has it. */
+/* The int8 products (kernels.h int8_fn): for each job's block, C[r][0..16) = sum over
+ * activation groups g (ACT_GROUP inputs) of a_scale[r * lds + g] * (group g's
+ * exact int32 sum), added with one float32 FMA per group in group order, as the other int8
+ * paths do (an activation group of 128 or more inputs takes several tile multiplies
+ * before its sums are scaled): A signed bytes (stride lda, Kq columns), B one packed 16-column int8 block (Kq / 4
+ * quad rows); Kq a multiple of 64 (the caller checks). colsum: unused (signed products need
+ * no offset). TDPBSSD multiplies signed by signed into int32.
+ *
+ * At a few rows per expert these products wait on memory: a tile load stalls until its 16
+ * lines arrive, and the tile's sums go through memory every 64 inputs. So blocks go two at a
+ * time (two streams of weights in flight, one load of the rows for both), and each tile load
+ * asks for the lines PREFETCH_AHEAD bytes further along its stream (measured on a Xeon with
+ * AMX: one core streaming from memory 6.5 -> 9.8 GB/s, bench/NOTES.md). */
+typedef struct {
+    const int8_t *B;
+    const int32_t *colsum;
+    float *C;
+} int8_job;
+
+#define PREFETCH_AHEAD 4096
+#define ACT_GROUP 64 /* kernels.h: activation inputs per scale, a multiple of 64 */
+
+static inline void prefetch_tile(const int8_t *b) {
+    for (int line = 0; line < 1024; line += 64) __builtin_prefetch(b + PREFETCH_AHEAD + line, 0, 3);
+}
+
 /* out[r] += scale of row r's group * (its exact group sums), r < n: in vector registers
- * where the build has AVX-512 (the flush runs once per tile multiply, so it is the int8
- * path's overhead), in plain C for the emulated build */
+ * where the build has AVX-512, in plain C for the emulated build */
 #if defined(MS_AMX_EMULATED)
 typedef struct { float v[16]; } acc16;
 static inline acc16 acc_zero(void) { acc16 a; memset(&a, 0, sizeof a); return a; }
@@ -106,42 +127,58 @@ static inline acc16 acc_add(acc16 out, const int32_t *sums, float s) {
 static inline void acc_store(float *c, acc16 a) { _mm512_storeu_ps(c, a); }
 #endif
 
-/* one group of n rows (n <= 16) on tiles C and A (constants: the tile instructions take their
- * register numbers as immediates) */
-#define INT8_ROWS(C_TILE, A_TILE)                                                              \
+/* one group of n rows (n <= 16) times blocks b0 and, if `two`, b1, on tiles C and A (and C2
+ * for b1; constants: the tile instructions take their register numbers as immediates) */
+#define INT8_ROWS(C_TILE, A_TILE, C2_TILE)                                                     \
     do {                                                                                       \
-        acc16 out[16];                                                                         \
-        for (int r = 0; r < 16; r++) out[r] = acc_zero();                                      \
-        for (int64_t k = 0; k < Kq; k += 64) {                                                 \
+        acc16 out[2][16];                                                                      \
+        for (int r = 0; r < n; r++) out[0][r] = out[1][r] = acc_zero();                        \
+        for (int64_t k0 = 0; k0 < Kq; k0 += ACT_GROUP) {                                       \
+            const int64_t k1 = k0 + ACT_GROUP < Kq ? k0 + ACT_GROUP : Kq;                      \
+            const float *s = scales + k0 / ACT_GROUP;                                          \
             _tile_zero(C_TILE);                                                                \
-            _tile_loadd(A_TILE, rows_a + k, lda);                                              \
-            _tile_loadd(2, B + k * 16, 64);                                                    \
-            _tile_dpbssd(C_TILE, A_TILE, 2);                                                   \
-            _tile_stored(C_TILE, sums, 64);                                                    \
-            for (int r = 0; r < n; r++) out[r] = acc_add(out[r], sums[r], scales[r * lds + k / 64]); \
+            if (two) _tile_zero(C2_TILE);                                                      \
+            for (int64_t k = k0; k < k1; k += 64) {                                            \
+                _tile_loadd(A_TILE, rows_a + k, lda);                                          \
+                _tile_loadd(2, b0 + k * 16, 64);                                               \
+                prefetch_tile(b0 + k * 16);                                                    \
+                _tile_dpbssd(C_TILE, A_TILE, 2);                                               \
+                if (two) {                                                                     \
+                    _tile_loadd(6, b1 + k * 16, 64);                                           \
+                    prefetch_tile(b1 + k * 16);                                                \
+                    _tile_dpbssd(C2_TILE, A_TILE, 6);                                          \
+                }                                                                              \
+            }                                                                                  \
+            _tile_stored(C_TILE, sums[0], 64);                                                 \
+            if (two) _tile_stored(C2_TILE, sums[1], 64);                                       \
+            for (int r = 0; r < n; r++) out[0][r] = acc_add(out[0][r], sums[0][r], s[r * lds]); \
+            if (two)                                                                           \
+                for (int r = 0; r < n; r++) out[1][r] = acc_add(out[1][r], sums[1][r], s[r * lds]); \
         }                                                                                      \
-        for (int r = 0; r < n; r++) acc_store(rows_c + r * ldc, out[r]);                      \
+        for (int r = 0; r < n; r++) acc_store(c0 + r * ldc, out[0][r]);                        \
+        if (two)                                                                               \
+            for (int r = 0; r < n; r++) acc_store(c1 + r * ldc, out[1][r]);                    \
     } while (0)
 
-void ms_amx_int8_block(const int8_t *A, int64_t lda, int64_t rows, const int8_t *B, int64_t Kq,
-                       const int32_t *colsum, const float *a_scale, int64_t lds, float *C, int64_t ldc) {
-    (void)colsum;
-    int32_t sums[16][16];
+void ms_amx_int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const float *a_scale, int64_t lds,
+                       const int8_job *jobs, int64_t count, int64_t ldc) {
+    int32_t sums[2][16][16];
     const int64_t full = rows / 16, tail = rows % 16;
     configure((int)tail);
-    for (int64_t g = 0; g < full; g++) {
-        const int n = 16;
-        const int8_t *rows_a = A + g * 16 * lda;
-        const float *scales = a_scale + g * 16 * lds;
-        float *rows_c = C + g * 16 * ldc;
-        INT8_ROWS(0, 1);
-    }
-    if (tail) {
-        const int n = (int)tail;
-        const int8_t *rows_a = A + full * 16 * lda;
-        const float *scales = a_scale + full * 16 * lds;
-        float *rows_c = C + full * 16 * ldc;
-        INT8_ROWS(3, 4);
+    for (int64_t b = 0; b < count; b += 2) {
+        const int two = b + 1 < count;
+        const int8_t *b0 = jobs[b].B, *b1 = two ? jobs[b + 1].B : NULL;
+        for (int64_t g = 0; g <= full; g++) {
+            const int n = g < full ? 16 : (int)tail;
+            if (!n) break;
+            const int8_t *rows_a = A + g * 16 * lda;
+            const float *scales = a_scale + g * 16 * lds;
+            float *c0 = jobs[b].C + g * 16 * ldc, *c1 = two ? jobs[b + 1].C + g * 16 * ldc : NULL;
+            if (g < full)
+                INT8_ROWS(0, 1, 5);
+            else
+                INT8_ROWS(3, 4, 7);
+        }
     }
     _tile_release();
 }

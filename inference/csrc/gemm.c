@@ -298,6 +298,7 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
     const size_t q_bytes =
         need8 ? round64((size_t)batch * M * Kq) + round64((size_t)batch * M * groups * sizeof(float)) : 0;
     const size_t pad = round64(pad_bytes(K));
+    const int64_t step = need8 ? 2 : 1, steps = (blocks + step - 1) / step; /* int8 blocks go in pairs */
     region_enter();
     char *scratch = region_alloc(a_bytes + c_bytes + q_bytes + (size_t)nthreads * pad);
     if (!scratch) {
@@ -311,7 +312,7 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
 #pragma omp parallel num_threads(nthreads) if (batch * M * N * K > 65536)
     {
         void *tpad = scratch + a_bytes + c_bytes + q_bytes + (size_t)omp_get_thread_num() * pad;
-        float C[TILE_ROWS * BLOCK];
+        float C[TILE_ROWS * BLOCK], C2[TILE_ROWS * BLOCK];
         float *row32 = need8 ? (float *)tpad : NULL; /* a row widened for quantizing (pad is free here) */
 #pragma omp for collapse(2) schedule(static)
         for (int64_t i = 0; i < batch; i++)
@@ -330,7 +331,7 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
 #pragma omp for collapse(3) schedule(static)
         for (int64_t i = 0; i < batch; i++)
             for (int64_t ch = 0; ch < chunks; ch++)
-                for (int64_t j = 0; j < blocks; j++) {
+                for (int64_t jj = 0; jj < steps; jj++) {
                     wmat wi = *w;
                     if (i) wi.data = (const bf16 *)w->data + i * w_bs;
                     const rows_t r = {
@@ -338,14 +339,26 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
                         X16 ? X16 + i * M * Kp : narrow ? x + i * x_bs : NULL, X16 ? Kp : ldx,
                         Q ? Q + i * M * Kq : NULL, Kq, S ? S + i * M * groups : NULL,
                     };
+                    const int64_t j0 = jj * step, j1 = j0 + step < blocks ? j0 + step : blocks;
                     const int64_t end = (ch + 1) * rows < M ? (ch + 1) * rows : M;
                     for (int64_t m0 = ch * rows; m0 < end; m0 += TILE_ROWS) {
                         const int64_t m1 = m0 + TILE_ROWS < end ? m0 + TILE_ROWS : end;
-                        int64_t cols;
-                        wblock_gemm(&r, m0, m1 - m0, &wi, N, K, j, tpad, C, BLOCK, &cols);
-                        for (int64_t m = m0; m < m1; m++)
-                            store_row(C + (m - m0) * BLOCK, cols, bias ? bias + j * BLOCK : NULL,
-                                      y + i * y_bs + m * ldy + j * BLOCK);
+                        int64_t cols = BLOCK;
+                        if (j1 - j0 == 2 && j1 * BLOCK <= N) {
+                            wblock_gemm_pair(&r, m0, m1 - m0, &wi, N, K, j0, j0 + 1, tpad, C, C2, BLOCK);
+                            for (int64_t m = m0; m < m1; m++) {
+                                bf16 *out = y + i * y_bs + m * ldy + j0 * BLOCK;
+                                store_row(C + (m - m0) * BLOCK, BLOCK, bias ? bias + j0 * BLOCK : NULL, out);
+                                store_row(C2 + (m - m0) * BLOCK, BLOCK, bias ? bias + (j0 + 1) * BLOCK : NULL, out + BLOCK);
+                            }
+                            continue;
+                        }
+                        for (int64_t j = j0; j < j1; j++) {
+                            wblock_gemm(&r, m0, m1 - m0, &wi, N, K, j, tpad, C, BLOCK, &cols);
+                            for (int64_t m = m0; m < m1; m++)
+                                store_row(C + (m - m0) * BLOCK, cols, bias ? bias + j * BLOCK : NULL,
+                                          y + i * y_bs + m * ldy + j * BLOCK);
+                        }
                     }
                 }
     }

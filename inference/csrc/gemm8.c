@@ -127,33 +127,34 @@ static inline __attribute__((always_inline)) void int8_tile(const int rows, cons
         for (int v = 0; v < VPB; v++) vf_store(C + m * ldc + v * VL, out[m][v]);
 }
 
-void int8_block(const int8_t *A, int64_t lda, int64_t rows, const int8_t *B, int64_t Kq, const int32_t *colsum,
-                const float *a_scale, int64_t lds, float *C, int64_t ldc) {
+void int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const float *a_scale, int64_t lds,
+                const int8_job *jobs, int64_t count, int64_t ldc) {
     if (int8_amx && rows >= 4 && Kq % 64 == 0) {
-        int8_amx(A, lda, rows, B, Kq, colsum, a_scale, lds, C, ldc);
+        int8_amx(A, lda, rows, Kq, a_scale, lds, jobs, count, ldc);
         return;
     }
     if (int8_vnni) {
-        int8_vnni(A, lda, rows, B, Kq, colsum, a_scale, lds, C, ldc);
+        int8_vnni(A, lda, rows, Kq, a_scale, lds, jobs, count, ldc);
         return;
     }
-    for (int64_t m0 = 0; m0 < rows; m0 += MR8) {
-        const int8_t *a = A + m0 * lda;
-        const float *sa = a_scale + m0 * lds;
-        float *c = C + m0 * ldc;
-        switch (rows - m0 < MR8 ? rows - m0 : MR8) {
-        case 1: int8_tile(1, a, lda, B, Kq, sa, lds, c, ldc); break;
-        case 2: int8_tile(2, a, lda, B, Kq, sa, lds, c, ldc); break;
-        case 3: int8_tile(3, a, lda, B, Kq, sa, lds, c, ldc); break;
-        case 4: int8_tile(4, a, lda, B, Kq, sa, lds, c, ldc); break;
+    for (int64_t b = 0; b < count; b++)
+        for (int64_t m0 = 0; m0 < rows; m0 += MR8) {
+            const int8_t *a = A + m0 * lda, *B = jobs[b].B;
+            const float *sa = a_scale + m0 * lds;
+            float *c = jobs[b].C + m0 * ldc;
+            switch (rows - m0 < MR8 ? rows - m0 : MR8) {
+            case 1: int8_tile(1, a, lda, B, Kq, sa, lds, c, ldc); break;
+            case 2: int8_tile(2, a, lda, B, Kq, sa, lds, c, ldc); break;
+            case 3: int8_tile(3, a, lda, B, Kq, sa, lds, c, ldc); break;
+            case 4: int8_tile(4, a, lda, B, Kq, sa, lds, c, ldc); break;
 #if MR8 > 4
-        case 5: int8_tile(5, a, lda, B, Kq, sa, lds, c, ldc); break;
-        case 6: int8_tile(6, a, lda, B, Kq, sa, lds, c, ldc); break;
-        case 7: int8_tile(7, a, lda, B, Kq, sa, lds, c, ldc); break;
-        case 8: int8_tile(8, a, lda, B, Kq, sa, lds, c, ldc); break;
+            case 5: int8_tile(5, a, lda, B, Kq, sa, lds, c, ldc); break;
+            case 6: int8_tile(6, a, lda, B, Kq, sa, lds, c, ldc); break;
+            case 7: int8_tile(7, a, lda, B, Kq, sa, lds, c, ldc); break;
+            case 8: int8_tile(8, a, lda, B, Kq, sa, lds, c, ldc); break;
 #endif
+            }
         }
-    }
 }
 
 void quantize_row_s8(const float *x, int64_t K, int8_t *q, int64_t Kq, float *scales) {
@@ -273,6 +274,26 @@ static void dequantize_block(const uint8_t *B, int64_t Kp, const float *sc, int6
 
 /* ---- any weight ---------------------------------------------------------------------- */
 
+/* int8 blocks js[0..count) of w (jobs: their data, sums and results) times rows [m0, m0 +
+ * rows) of a, then each result column times its weight scale */
+static void int8_blocks(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K,
+                        const int8_job *jobs, const int64_t *js, int64_t count, int64_t ldc) {
+    const int64_t ag = act_groups(K);
+    int8_block(a->s8 + m0 * a->ld8, a->ld8, rows, quad(K), a->s8_scale + m0 * ag, ag, jobs, count, ldc);
+    for (int64_t b = 0; b < count; b++) {
+        const int64_t n0 = js[b] * BLOCK, nc = N - n0 < BLOCK ? N - n0 : BLOCK;
+        float narrow_scale[BLOCK] = {0};
+        const float *ws = w->scale + n0;
+        if (nc < BLOCK) {
+            memcpy(narrow_scale, ws, nc * sizeof(float));
+            ws = narrow_scale;
+        }
+        float *C = jobs[b].C;
+        for (int64_t m = 0; m < rows; m++)
+            for (int v = 0; v < VPB; v++) vf_store(C + m * ldc + v * VL, vf_mul(vf_load(C + m * ldc + v * VL), vf_load(ws + v * VL)));
+    }
+}
+
 void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j,
                  void *pad, float *C, int64_t ldc, int64_t *cols) {
     if (w->kind == W_BF16) {
@@ -289,19 +310,8 @@ void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64
     const uint8_t *B = weight_block8(w->data, N, Kq, j, narrow, cols);
     const int64_t n0 = j * BLOCK, nc = *cols;
     if (w->kind == W_INT8) {
-        /* the block's column sums per activation group (VNNI's offset) as packed, [groups][16] */
-        const int64_t ag = act_groups(K);
-        const int32_t *sums = w->colsum + j * ag * BLOCK;
-        float narrow_scale[BLOCK] = {0};
-        const float *ws = w->scale + n0;
-        if (nc < BLOCK) {
-            memcpy(narrow_scale, ws, nc * sizeof(float));
-            ws = narrow_scale;
-        }
-        int8_block(a->s8 + m0 * a->ld8, a->ld8, rows, (const int8_t *)B, Kq, sums, a->s8_scale + m0 * ag, ag, C,
-                   ldc);
-        for (int64_t m = 0; m < rows; m++)
-            for (int v = 0; v < VPB; v++) vf_store(C + m * ldc + v * VL, vf_mul(vf_load(C + m * ldc + v * VL), vf_load(ws + v * VL)));
+        const int8_job job = {(const int8_t *)B, w->colsum + j * act_groups(K) * BLOCK, C};
+        int8_blocks(a, m0, rows, w, N, K, &job, &j, 1, ldc);
         return;
     }
     /* fp8: the block's scales (times the exponent rebias) per group, zero past its width */
@@ -318,6 +328,22 @@ void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64
         return;
     }
     fp8_gemm(a->f32 + m0 * a->ld32, a->ld32, rows, B, Kq, sc, w->group, C, ldc);
+}
+
+void wblock_gemm_pair(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j1,
+                      int64_t j2, void *pad, float *C1, float *C2, int64_t ldc) {
+    if (w->kind != W_INT8) {
+        int64_t cols;
+        wblock_gemm(a, m0, rows, w, N, K, j1, pad, C1, ldc, &cols);
+        wblock_gemm(a, m0, rows, w, N, K, j2, pad, C2, ldc, &cols);
+        return;
+    }
+    const int64_t Kq = quad(K), ag = act_groups(K), js[2] = {j1, j2};
+    const int8_job jobs[2] = {
+        {(const int8_t *)w->data + j1 * BLOCK * Kq, w->colsum + j1 * ag * BLOCK, C1},
+        {(const int8_t *)w->data + j2 * BLOCK * Kq, w->colsum + j2 * ag * BLOCK, C2},
+    };
+    int8_blocks(a, m0, rows, w, N, K, jobs, js, 2, ldc);
 }
 
 /* ---- the KV cache's 8-bit rows ------------------------------------------------------- */

@@ -99,23 +99,33 @@ static void row1(const int8_t *A, const int8_t *B, int64_t Kq, const int32_t *co
     for (int v = 0; v < VPB; v++) vf_store(C + v * VL, out[v]);
 }
 
-void ms_int8_vnni_block(const int8_t *A, int64_t lda, int64_t rows, const int8_t *B, int64_t Kq,
-                        const int32_t *colsum, const float *a_scale, int64_t lds, float *C, int64_t ldc) {
-    for (int64_t m0 = 0; m0 < rows; m0 += MR) {
-        const int8_t *a = A + m0 * lda;
-        const float *sa = a_scale + m0 * lds;
-        float *c = C + m0 * ldc;
-        switch (rows - m0 < MR ? rows - m0 : MR) {
-        case 1: row1(a, B, Kq, colsum, sa, c); break;
-        case 2: tile(2, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
-        case 3: tile(3, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
-        case 4: tile(4, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
+/* the int8_fn of kernels.h (its int8_job, repeated here: this library has no other header
+ * of the kernels) */
+typedef struct {
+    const int8_t *B;
+    const int32_t *colsum;
+    float *C;
+} int8_job;
+
+void ms_int8_vnni_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const float *a_scale, int64_t lds,
+                        const int8_job *jobs, int64_t count, int64_t ldc) {
+    for (int64_t b = 0; b < count; b++)
+        for (int64_t m0 = 0; m0 < rows; m0 += MR) {
+            const int8_t *a = A + m0 * lda, *B = jobs[b].B;
+            const int32_t *colsum = jobs[b].colsum;
+            const float *sa = a_scale + m0 * lds;
+            float *c = jobs[b].C + m0 * ldc;
+            switch (rows - m0 < MR ? rows - m0 : MR) {
+            case 1: row1(a, B, Kq, colsum, sa, c); break;
+            case 2: tile(2, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
+            case 3: tile(3, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
+            case 4: tile(4, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
 #if MR > 4
-        case 5: tile(5, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
-        case 6: tile(6, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
-        case 7: tile(7, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
-        case 8: tile(8, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
+            case 5: tile(5, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
+            case 6: tile(6, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
+            case 7: tile(7, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
+            case 8: tile(8, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
 #endif
+            }
         }
-    }
 }

@@ -68,6 +68,10 @@ int rows_need_s8(const wmat *w);
  * block's real width in *cols; pad: scratch of pad_bytes(K) per thread */
 void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j,
                  void *pad, float *C, int64_t ldc, int64_t *cols);
+/* two full blocks j1, j2 of w at once (into C1, C2): int8 weights stream both blocks in one
+ * pass over the rows; other kinds take them one after the other */
+void wblock_gemm_pair(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j1,
+                      int64_t j2, void *pad, float *C1, float *C2, int64_t ldc);
 size_t pad_bytes(int64_t K);
 /* symmetric int8 quantization of one row, per group of ACT_GROUP inputs: q = rne(x * 127 /
  * amax) in [-127, 127], Kq entries (zero padded); each group's scale amax / 127 (0 for a
@@ -101,13 +105,20 @@ void swiglu_row(const float *gate, const float *up, float *out, int64_t n);
 /* gemm8.c: the products of int8 blocks, C[m][0..16) = sum over activation groups g of
  * a_scale[m * lds + g] * (the exact integer sum of group g's products), each group's sum
  * added with one FMA in group order, so every path gives the same floats. A: rows of signed
- * bytes (stride lda, Kq columns); B: one packed 16-column block; colsum: the block's column
- * sums per group ([groups][16]), for kernels that multiply unsigned bytes. VNNI and AMX
- * kernels live in libraries of their own (int8_vnni.c, amx.c) set by cpu_kernels.enable. */
-typedef void (*int8_fn)(const int8_t *A, int64_t lda, int64_t rows, const int8_t *B, int64_t Kq,
-                        const int32_t *colsum, const float *a_scale, int64_t lds, float *C, int64_t ldc);
-void int8_block(const int8_t *A, int64_t lda, int64_t rows, const int8_t *B, int64_t Kq, const int32_t *colsum,
-                const float *a_scale, int64_t lds, float *C, int64_t ldc);
+ * bytes (stride lda, Kq columns), multiplied by each of `count` blocks: B one packed 16-column
+ * block, colsum its column sums per group ([groups][16]) for kernels that multiply unsigned
+ * bytes, C its results (stride ldc). Blocks taken together share each load of the rows, and
+ * AMX streams two blocks' weights at once. VNNI and AMX kernels live in libraries of their
+ * own (int8_vnni.c, amx.c) set by cpu_kernels.enable. */
+typedef struct {
+    const int8_t *B;
+    const int32_t *colsum;
+    float *C;
+} int8_job;
+typedef void (*int8_fn)(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const float *a_scale, int64_t lds,
+                        const int8_job *jobs, int64_t count, int64_t ldc);
+void int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const float *a_scale, int64_t lds,
+                const int8_job *jobs, int64_t count, int64_t ldc);
 
 /* The paged KV cache's row formats (cpu_kernels.KV_KINDS): bf16; int8 with a bf16 scale
  * after each (slot, head) row's values; fp8 e4m3 or e5m2 (no scale). Strides in elements of

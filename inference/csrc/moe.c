@@ -48,9 +48,7 @@ static void rows_swiglu_block(const rows_t *a, int64_t r0, int64_t r1, const wma
     float G[TILE_ROWS * BLOCK], U[TILE_ROWS * BLOCK];
     for (int64_t m0 = r0; m0 < r1; m0 += TILE_ROWS) {
         const int64_t m1 = m0 + TILE_ROWS < r1 ? m0 + TILE_ROWS : r1;
-        int64_t cols;
-        wblock_gemm(a, m0, m1 - m0, w13, 2 * I, K, j, pad, G, BLOCK, &cols);
-        wblock_gemm(a, m0, m1 - m0, w13, 2 * I, K, I / BLOCK + j, pad, U, BLOCK, &cols);
+        wblock_gemm_pair(a, m0, m1 - m0, w13, 2 * I, K, j, I / BLOCK + j, pad, G, U, BLOCK);
         for (int64_t m = m0; m < m1; m++) {
             float *g = G + (m - m0) * BLOCK, *u = U + (m - m0) * BLOCK, *h = hidden + m * ldh + j * BLOCK;
             for (int v = 0; v < VPB; v++) {

@@ -108,7 +108,9 @@ def test_fp8_scaled_mm_path_matches_weight_only():
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize(
-    "t,d,i,e,top_k", [(1, 64, 128, 8, 2), (7, 70, 40, 4, 2), (40, 64, 64, 8, 2)]
+    "t,d,i,e,top_k",
+    # the last: experts of 16-row tile groups and a tail, taking gate and up blocks in pairs
+    [(1, 64, 128, 8, 2), (7, 70, 40, 4, 2), (40, 64, 64, 8, 2), (150, 128, 64, 4, 2)],
 )
 def test_moe_on_8bit_experts_matches_the_torch_path(int8_path, fmt, t, d, i, e, top_k):
     w13, w2, x = randn(e, 2 * i, d, scale=0.1), randn(e, d, i, scale=0.1, seed=1), randn(t, d)
