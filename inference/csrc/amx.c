@@ -55,6 +55,13 @@ static void configure(int tail) {
     _tile_loadconfig(&cfg);
 }
 
+#define PREFETCH_AHEAD 4096
+#define ACT_GROUP 64 /* kernels.h: activation inputs per scale, a multiple of 64 */
+
+static inline void prefetch_tile(const int8_t *b) {
+    for (int line = 0; line < 1024; line += 64) __builtin_prefetch(b + PREFETCH_AHEAD + line, 0, 3);
+}
+
 /* C[r][0..16) = sum_k A[r][k] B[k][.] for r < rows: A bf16 rows (stride lda elements, Kp
  * columns), B one packed 16-column block (Kp / 2 pair rows), C float32 (stride ldc). Kp is a
  * multiple of 32 (the caller checks). */
@@ -66,6 +73,7 @@ void ms_amx_block(const bf16 *A, int64_t lda, int64_t rows, const bf16 *B, int64
         for (int64_t k = 0; k < Kp; k += 32) {
             _tile_loadd(1, A + g * 16 * lda + k, lda * sizeof(bf16));
             _tile_loadd(2, B + k * 16, 64);
+            prefetch_tile((const int8_t *)(B + k * 16));
             _tile_dpbf16ps(0, 1, 2);
         }
         _tile_stored(0, C + g * 16 * ldc, ldc * sizeof(float));
@@ -75,6 +83,7 @@ void ms_amx_block(const bf16 *A, int64_t lda, int64_t rows, const bf16 *B, int64
         for (int64_t k = 0; k < Kp; k += 32) {
             _tile_loadd(4, A + full * 16 * lda + k, lda * sizeof(bf16));
             _tile_loadd(2, B + k * 16, 64);
+            prefetch_tile((const int8_t *)(B + k * 16));
             _tile_dpbf16ps(3, 4, 2);
         }
         _tile_stored(3, C + full * 16 * ldc, ldc * sizeof(float));
@@ -100,13 +109,6 @@ typedef struct {
     const int32_t *colsum;
     float *C;
 } int8_job;
-
-#define PREFETCH_AHEAD 4096
-#define ACT_GROUP 64 /* kernels.h: activation inputs per scale, a multiple of 64 */
-
-static inline void prefetch_tile(const int8_t *b) {
-    for (int line = 0; line < 1024; line += 64) __builtin_prefetch(b + PREFETCH_AHEAD + line, 0, 3);
-}
 
 /* out[r] += scale of row r's group * (its exact group sums), r < n: in vector registers
  * where the build has AVX-512, in plain C for the emulated build */

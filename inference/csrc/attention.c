@@ -56,6 +56,24 @@ static void weighted_rows(float *acc, float scale, const float *w, const float *
     }
 }
 
+/* Asks for the key and value rows of kv head g at positions [p0, min(p0 + ATT_CHUNK, end)):
+ * decode attention streams the whole cache from memory, one chunk of rows after another, so
+ * the next chunk's lines load while this one is computed. */
+static void prefetch_rows(const int32_t *table, int64_t block_size, int64_t p0, int64_t end, int64_t g,
+                          const void *k_cache, int64_t k_slot, int64_t k_head, int64_t k_bytes, const void *v_cache,
+                          int64_t v_slot, int64_t v_head, int64_t v_bytes, int64_t elem) {
+    const int64_t p1 = p0 + ATT_CHUNK < end ? p0 + ATT_CHUNK : end;
+    for (int64_t p = p0; p < p1; p++) {
+        const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+        const char *k = (const char *)k_cache + (slot * k_slot + g * k_head) * elem;
+        const char *v = (const char *)v_cache + (slot * v_slot + g * v_head) * elem;
+        for (int64_t o = 0; o < k_bytes; o += 64) __builtin_prefetch(k + o, 0, 3);
+        __builtin_prefetch(k + k_bytes - 1, 0, 3); /* a row across one more line than its length */
+        for (int64_t o = 0; o < v_bytes; o += 64) __builtin_prefetch(v + o, 0, 3);
+        __builtin_prefetch(v + v_bytes - 1, 0, 3);
+    }
+}
+
 /* One query token per sequence over its paged context, for all sequences of a step, read
  * straight from the cache by block table (no gathered copy). Work items are (sequence, kv
  * head, context split); each walks its positions in chunks whose key and value rows are
@@ -74,6 +92,9 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                         const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
                         int64_t block_size, float scale, bf16 *out, int64_t ldo, int nthreads) {
     const int64_t hpg = H / G;
+    /* bytes of a row and of a cache element (bf16 or a byte), for prefetching */
+    const int64_t elem = kv_kind == KV_BF16 ? 2 : 1;
+    const int64_t k_bytes = dk * elem + (kv_kind == KV_BF16 ? 0 : 2), v_bytes = dv * elem + (kv_kind == KV_BF16 ? 0 : 2);
     int64_t longest = 1;
     for (int64_t b = 0; b < B; b++) longest = context_lens[b] > longest ? context_lens[b] : longest;
     int64_t splits = (4 * nthreads + B * G - 1) / (B * G);
@@ -110,8 +131,12 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                 for (int64_t c = 0; c < dk; c++) qf[h * dk + c] = bf16_to_f32(qh[c]) * scale;
             }
             const int32_t *table = block_tables + b * bt_stride;
+            prefetch_rows(table, block_size, c0, c1, g, k_cache, k_slot, k_head, k_bytes, v_cache, v_slot, v_head, v_bytes, elem);
             for (int64_t p0 = c0; p0 < c1; p0 += ATT_CHUNK) {
                 const int64_t n = c1 - p0 < ATT_CHUNK ? c1 - p0 : ATT_CHUNK;
+                /* the next chunk's rows are on their way while this one is computed */
+                prefetch_rows(table, block_size, p0 + ATT_CHUNK, c1, g, k_cache, k_slot, k_head, k_bytes, v_cache,
+                              v_slot, v_head, v_bytes, elem);
                 for (int64_t i = 0; i < n;) { /* block by block: consecutive slots within one */
                     const int64_t p = p0 + i, off = p % block_size;
                     const int64_t run = block_size - off < n - i ? block_size - off : n - i;
@@ -130,7 +155,13 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                 for (int64_t h = 0; h < hpg; h++) {
                     float *sh = sc + h * ATT_CHUNK, top = -INFINITY, *stats = res + h * part;
                     dots(qf + h * dk, kf, n, dk, sh);
-                    for (int64_t i = 0; i < n; i++) top = sh[i] > top ? sh[i] : top;
+                    int64_t t = 0;
+                    if (n >= VL) { /* vector maxima: a scalar chain of maxima was a fifth of the kernel */
+                        vf vmax = vf_load(sh);
+                        for (t = VL; t + VL <= n; t += VL) vmax = vf_max(vmax, vf_load(sh + t));
+                        top = vf_hmax(vmax);
+                    }
+                    for (; t < n; t++) top = sh[t] > top ? sh[t] : top;
                     const float m = stats[0] > top ? stats[0] : top, rescale = expf(stats[0] - m);
                     float sum = 0.0f;
                     int64_t i = 0;

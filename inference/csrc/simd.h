@@ -95,6 +95,14 @@ static inline vi vi_abs8(vi w) { return _mm512_abs_epi8(w); }
 /* VL int32 in [-127, 127] -> VL int8 */
 static inline void vi_store_s8(int8_t *p, vi v) { _mm_storeu_si128((__m128i *)p, _mm512_cvtsepi32_epi8(v)); }
 
+static inline float vf_hmax(vf v) {
+    const __m256 h = _mm256_max_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
 static inline float vf_sum(vf v) {
     const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -172,6 +180,13 @@ static inline void vi_store_s8(int8_t *p, vi v) {
     const int32_t lo = _mm256_extract_epi32(b, 0), hi = _mm256_extract_epi32(b, 4);
     memcpy(p, &lo, 4);
     memcpy(p + 4, &hi, 4);
+}
+
+static inline float vf_hmax(vf v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
 }
 
 static inline float vf_sum(vf v) {
