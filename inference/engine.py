@@ -17,6 +17,7 @@ from inference.block_manager import BlockManager
 from inference.config import EngineConfig, ModelArgs, resolve_device, resolve_dtype
 from inference.detokenizer import IncrementalDetokenizer
 from inference.errors import InvalidParameterError
+from inference.heap import collector_skips_existing, keep_freed_memory
 from inference.kv_cache import (
     allocate_kv_cache,
     kv_bytes_per_token,
@@ -54,6 +55,7 @@ class LLMEngine:
         path = Path(model_dir)
         self.config = config = config or EngineConfig()
         self.device = resolve_device(device)
+        keep_freed_memory()  # every step frees and takes the same big blocks (heap.py)
         hf_config = load_hf_config(path)
         self.args = args = ModelArgs.from_hf_config(hf_config)
         self.dtype = resolve_dtype(dtype, self.device, getattr(hf_config, "dtype", None))
@@ -522,6 +524,11 @@ class LLMEngine:
         for rid, prompt in zip(ids, prompts):
             self.add_request(rid, prompt, params)
         final: dict[str, RequestOutput] = {}
+        with collector_skips_existing():
+            self._run_until_finished(ids, final)
+        return [final[rid] for rid in ids]
+
+    def _run_until_finished(self, ids: list[str], final: dict[str, RequestOutput]) -> None:
         while len(final) < len(ids):
             rejected = self.take_rejected()
             mine = [error for request_id, error in rejected if request_id in ids]
@@ -537,7 +544,6 @@ class LLMEngine:
             for out in outputs:
                 if out.finished:
                     final[out.request_id] = out
-        return [final[rid] for rid in ids]
 
 
 def _finished(seq: Sequence) -> FinishedSequence:

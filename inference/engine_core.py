@@ -13,7 +13,6 @@ stats go back as one message.
 
 from __future__ import annotations
 
-import gc
 import pickle
 import queue
 import signal
@@ -30,6 +29,7 @@ import structlog
 
 from inference.config import EngineConfig
 from inference.errors import InvalidParameterError, ModelLoadError
+from inference.heap import freeze_startup_objects
 from inference.outputs import RequestOutput, StepStats
 from inference.sampling_params import SamplingParams
 
@@ -142,13 +142,7 @@ def main(fd: int) -> None:
     except Exception as exc:  # noqa: BLE001 - any start failure is reported to the API process
         conn.send_bytes(encoder.encode(failure(exc)))
         return
-    # The engine lives as long as this process: what loading left (torch, transformers, the
-    # engine: hundreds of thousands of objects) goes to the collector's permanent generation,
-    # so its full passes while serving walk only what serving allocates (perf of a batched
-    # decode on a Xeon: the collector's share 6% -> 3%). vLLM's engine core does the same. Not in
-    # LLMEngine itself: a process that makes several engines would never free the earlier.
-    gc.collect()
-    gc.freeze()
+    freeze_startup_objects()  # the engine lives as long as this process
     conn.send_bytes(
         encoder.encode(
             Ready(
