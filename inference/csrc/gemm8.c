@@ -396,23 +396,16 @@ void kv_widen_row(const void *row, int kind, int64_t d, int64_t scale_at, float 
         return;
     }
     const float s = row_scale(b, scale_at);
+    /* VL values a vector: each byte into the top of its lane, widened as the 8-bit weights are */
+    const vf scale = vf_set1(kind == KV_INT8 ? s : s * (kind == KV_E4M3 ? E4M3_UNBIAS : E5M2_UNBIAS));
     int64_t i = 0;
-    if (kind == KV_INT8) {
-        for (; i < d; i++) out[i] = (float)(int8_t)b[i] * s;
-        return;
+    for (; i + VL <= d; i += VL) {
+        const vi w = vi_load_u8(b + i);
+        const vf v = kind == KV_INT8 ? vf_from_s8(w, 0) : kind == KV_E4M3 ? vf_from_e4m3_raw(w, 0) : vf_from_e5m2_raw(w, 0);
+        vf_store(out + i, vf_mul(v, scale));
     }
-    /* fp8: four values per 32-bit lane, widened by the same shifts as the fp8 weights */
-    const vf scale = vf_set1(s * (kind == KV_E4M3 ? E4M3_UNBIAS : E5M2_UNBIAS));
-    for (; i + 4 * VL <= d; i += 4 * VL) {
-        const vi w = vi_load(b + i);
-        for (int k = 0; k < 4; k++) {
-            const vf v = kind == KV_E4M3 ? vf_from_e4m3_raw(w, k) : vf_from_e5m2_raw(w, k);
-            float lanes[VL];
-            vf_store(lanes, vf_mul(v, scale));
-            for (int l = 0; l < VL; l++) out[i + 4 * l + k] = lanes[l];
-        }
-    }
-    for (; i < d; i++) out[i] = (kind == KV_E4M3 ? e4m3_to_f32(b[i]) : e5m2_to_f32(b[i])) * s;
+    for (; i < d; i++)
+        out[i] = kind == KV_INT8 ? (float)(int8_t)b[i] * s : (kind == KV_E4M3 ? e4m3_to_f32(b[i]) : e5m2_to_f32(b[i])) * s;
 }
 
 void kv_store_row(const float *x, int kind, int64_t d, void *row) {

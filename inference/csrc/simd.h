@@ -112,6 +112,11 @@ static inline float vf_sum(vf v) {
 }
 
 /* VL bf16 -> float32 */
+/* VL bytes, each zero-extended into its 32-bit lane (through 16 bits: SIMDe lacks vpmovzxbd) */
+static inline vi vi_load_u8(const void *p) {
+    return _mm512_cvtepu16_epi32(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)));
+}
+
 static inline vf vf_load_bf16(const bf16 *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
@@ -195,6 +200,9 @@ static inline float vf_sum(vf v) {
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
 }
+
+/* VL bytes, each zero-extended into its 32-bit lane */
+static inline vi vi_load_u8(const void *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 
 static inline vf vf_load_bf16(const bf16 *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
