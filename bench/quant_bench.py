@@ -13,8 +13,8 @@ of 64 tokens from later in the same text; agreement: the share of tokens generat
 the first difference, and how many of the 16 are identical).
 
 Speed (`--speed`): the small demo model (as `make bench`'s engine rows), int8 and fp8
-weights against bf16, single stream 128 -> 128 and batched 32 x 128 -> 128, rounds
-alternating between the engines (best of each); resident weight bytes; and KV capacity: the
+weights against bf16, single stream 128 -> 128 and batched 32 x 128 -> 128 (prefill
+included: new prompts each round), rounds alternating between the engines (best of each); resident weight bytes; and KV capacity: the
 tokens each cache format holds in the same byte budget, from the engines' own numbers.
 
 Results: bench/results/quant_bench.json (with the CPU's name).
@@ -147,13 +147,16 @@ def bench_speed(rounds: int) -> dict:
             ("fp8", {"quantization": "fp8"}),
         )
     }
-    prompts = make_prompts(32, 128, engines["bf16"].args.vocab_size)
+    vocab = engines["bf16"].args.vocab_size
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for engine in engines.values():
-        engine.generate(prompts[:4], warm)
+        engine.generate(make_prompts(4, 128, vocab, seed=99), warm)
     best = {(name, kind): 0.0 for name in engines for kind in ("single", "batched")}
-    for _ in range(rounds):  # alternating, so a slow patch of the machine hits every engine
+    for r in range(rounds):  # alternating, so a slow patch of the machine hits every engine
+        # new prompts each round, the same for every engine: a repeated prompt would be
+        # served from the prefix cache, leaving its prefill out of the rate
+        prompts = make_prompts(32, 128, vocab, seed=r)
         for kind, batch in (("single", prompts[:1]), ("batched", prompts)):
             for name, engine in engines.items():
                 best[name, kind] = max(best[name, kind], rate(engine, batch, params))
