@@ -54,18 +54,16 @@ def tokenize_prompt(
     return ids
 
 
-def encode_within(
-    tokenizer, text: str, max_model_len: int | None, param: str = "prompt", **kwargs
-) -> list[int]:
+def encode_within(tokenizer, text: str, max_model_len: int | None, **kwargs) -> list[int]:
     """tokenizer.encode(text, **kwargs), except that a long text whose head alone is over
-    max_model_len tokens is refused (InvalidParameterError naming `param`) before the rest is
+    max_model_len tokens is refused (InvalidParameterError on the prompt) before the rest is
     tokenized. None: no limit (the tokenize endpoints)."""
     head = (max_model_len or 0) * HEAD_CHARS_PER_TOKEN
     if max_model_len is not None and len(text) > head:
         n = len(tokenizer.encode(text[:head], **kwargs))
         if n >= max_model_len + HEAD_MARGIN:
             raise InvalidParameterError(
-                param,
+                "prompt",
                 f"has over {n - HEAD_MARGIN} tokens in its first {head} characters alone; "
                 f"the maximum context length is {max_model_len}",
             )

@@ -32,8 +32,8 @@ def test_far_over_is_refused_by_the_head_alone(tokenizer):
     recording = Recording(tokenizer)
     text = "word " * 100_000
     with pytest.raises(InvalidParameterError) as caught:
-        encode_within(recording, text, MAX_MODEL_LEN, "messages")
-    assert caught.value.param == "messages"
+        encode_within(recording, text, MAX_MODEL_LEN)
+    assert caught.value.param == "prompt"
     assert recording.lengths == [MAX_MODEL_LEN * HEAD_CHARS_PER_TOKEN]
     # what it says is true: the whole text has more tokens than it claims
     claimed = int(str(caught.value).split("over ")[1].split()[0])
