@@ -406,10 +406,10 @@ class InProcessServer:
         self.loop = asyncio.get_running_loop()
         try:
             await self.server.start()
-        except BaseException as exc:
+        except BaseException as exc:  # handed to __enter__, which raises it in the caller
             self._error = exc
             self._started.set()
-            raise
+            return
         self.server.state.engine.add_stats_listener(
             lambda stats: self.finished.extend(
                 (f.request_id, f.finish_reason) for f in stats.finished
