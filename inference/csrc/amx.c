@@ -55,6 +55,8 @@ static void configure(int tail) {
     _tile_loadconfig(&cfg);
 }
 
+/* bytes a tile load looks ahead along its block's stream (2-4 KB measured best; 8 KB and
+ * more, slower) */
 #define PREFETCH_AHEAD 4096
 #define ACT_GROUP 64 /* kernels.h: activation inputs per scale, a multiple of 64 */
 
@@ -94,10 +96,10 @@ void ms_amx_block(const bf16 *A, int64_t lda, int64_t rows, const bf16 *B, int64
 /* The int8 products (kernels.h int8_fn): for each job's block, C[r][0..16) = sum over
  * activation groups g (ACT_GROUP inputs) of a_scale[r * lds + g] * (group g's
  * exact int32 sum), added with one float32 FMA per group in group order, as the other int8
- * paths do (an activation group of 128 or more inputs takes several tile multiplies
- * before its sums are scaled): A signed bytes (stride lda, Kq columns), B one packed 16-column int8 block (Kq / 4
- * quad rows); Kq a multiple of 64 (the caller checks). colsum: unused (signed products need
- * no offset). TDPBSSD multiplies signed by signed into int32.
+ * paths do (a group of 128 or more inputs would take several tile multiplies before its sums
+ * are scaled): A signed bytes (stride lda, Kq columns), B one packed 16-column int8 block
+ * (Kq / 4 quad rows); Kq a multiple of 64 (the caller checks). colsum: unused (signed
+ * products need no offset). TDPBSSD multiplies signed by signed into int32.
  *
  * At a few rows per expert these products wait on memory: a tile load stalls until its 16
  * lines arrive, and the tile's sums go through memory every 64 inputs. So blocks go two at a
