@@ -406,7 +406,7 @@ class InProcessServer:
         self.loop = asyncio.get_running_loop()
         try:
             await self.server.start()
-        except BaseException as exc:  # handed to __enter__, which raises it in the caller
+        except BaseException as exc:  # noqa: BLE001 - handed to __enter__, raised there
             self._error = exc
             self._started.set()
             return
