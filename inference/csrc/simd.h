@@ -111,12 +111,12 @@ static inline float vf_sum(vf v) {
     return _mm_cvtss_f32(s);
 }
 
-/* VL bf16 -> float32 */
 /* VL bytes, each zero-extended into its 32-bit lane (through 16 bits: SIMDe lacks vpmovzxbd) */
 static inline vi vi_load_u8(const void *p) {
     return _mm512_cvtepu16_epi32(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)));
 }
 
+/* VL bf16 -> float32 */
 static inline vf vf_load_bf16(const bf16 *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
