@@ -160,7 +160,9 @@ def test_the_page_shows_each_request_and_what_happened_to_it(tiny_model_dir, tmp
                     assert page.locator(f'#timeline rect.phase[data-phase="{phase}"]').count() == 1
                 assert page.locator("#timeline line.first-token").count() == 1
                 steps = page.locator("#step-table tbody tr")
-                assert steps.count() == 4  # the prefill step and 3 decode steps
+                sync_api.expect(steps).to_have_count(
+                    4
+                )  # the prefill step and 3 decode steps (rendered async)
                 assert page.locator("#timeline rect.step").count() == 4
                 logs = page.locator("#logs .log-line")
                 sync_api.expect(logs.filter(has_text='"request finished"')).to_have_count(1)
