@@ -54,7 +54,14 @@ MAX_WAITING, MAX_NUM_SEQS = 8, 2
 NORMAL_S = 18.0  # light traffic before the flood: the detector's reference stretch
 FLOOD_CLIENTS = 14  # > MAX_WAITING + MAX_NUM_SEQS: the queue stays full, the rest get 429
 DETECTOR_THRESHOLD = WebhookSettings().threshold
-QUEUE_SERIES = ("queue_time_p95_seconds", "ttft_p95_seconds", "requests_waiting", "arrival_rate")
+# What a full queue moves first: the queue itself, and the latencies that contain its wait
+QUEUE_SERIES = (
+    "queue_time_p95_seconds",
+    "requests_waiting",
+    "arrival_rate",
+    "ttft_p95_seconds",
+    "e2e_p95_seconds",
+)
 # Same requests before and during the flood: only the concurrency turns pathological.
 REQUEST = {"model": MODEL, "max_tokens": 128, "ignore_eos": True, "stream": True}
 TRACE_ID = re.compile(r'trace_id="([0-9a-f]{32})"')
@@ -371,8 +378,9 @@ def test_queue_flood_fires_an_alert_that_reaches_the_webhook_as_an_incident(
     scores = {m["name"]: m for m in incident["metrics"]}
     waiting = scores["requests_waiting"]
     ranking = [(m["name"], m["score"], m["direction"]) for m in incident["metrics"]]
-    # A full queue shows as queueing: arrivals / queue time / TTFT / waiting requests lead,
-    # and the cause named first is the queue (more arrivals than the server completes)...
+    # A full queue shows as queueing: arrivals / queue time / waiting requests and the
+    # latencies that contain the wait (TTFT, e2e) lead, and the cause named first is the
+    # queue (more arrivals than the server completes)...
     assert set(incident["top_metrics"][:2]) <= set(QUEUE_SERIES), ranking
     assert incident["causes"][0]["cause"] == "queue", incident["causes"]
     # ...and the alert's own series is scored as anomalous (its rank among the rest
