@@ -110,7 +110,16 @@ def _compiler() -> str:
 
 
 # The kernel library's sources; amx.c is built on its own.
-KERNEL_SOURCES = ("region.c", "gemm.c", "gemm8.c", "moe.c", "attention.c", "norm_rope.c", "layer.c")
+KERNEL_SOURCES = (
+    "region.c",
+    "gemm.c",
+    "gemm8.c",
+    "moe.c",
+    "attention.c",
+    "norm_rope.c",
+    "layer.c",
+    "greedy.c",
+)
 
 
 def _build(sources: list[Path], flags: list[str], name: str) -> Path:
@@ -277,6 +286,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ms_rope_cache.argtypes = [
         *[_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _INT, _P, _P, _I64, _INT]
     ]
+    lib.ms_greedy.argtypes = [_P, _I64, _I64, _I64, _P, _INT]
     lib.ms_set_amx.argtypes = [_P]
     lib.ms_set_int8.argtypes = [_P, _P]
     lib.ms_int8_path.restype = _INT
@@ -788,6 +798,24 @@ def rope_and_cache(
         k_cache.shape[-1],
         _threads(),
     )
+
+
+def greedy(logits: torch.Tensor) -> list[int]:
+    """The first index of each row's maximum of logits [rows, vocab] (bf16), as
+    logits.max(dim=-1).indices: a vector pass in C where torch's bf16 max() is scalar
+    (3.5 ms over [32, 32000], longer than some decode steps)."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    _lib.ms_greedy(
+        logits.data_ptr(),
+        logits.stride(0),
+        logits.shape[0],
+        logits.shape[1],
+        out.data_ptr(),
+        _threads(),
+    )
+    return out.tolist()
 
 
 class DecodeStep:

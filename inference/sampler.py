@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inference import cpu_kernels
 from inference.outputs import TokenLogprob, TokenLogprobs
 from inference.sequence import Sequence
 from inference.structured import Constraints
@@ -47,10 +48,14 @@ class Sampler:
             for s, p in zip(seqs, params)
         ):
             # plain greedy: the max of the model's own logits, no float copy (max() is also
-            # 3x faster than argmax() over a [32, 32000] bf16 tensor on CPU)
+            # 3x faster than argmax() over a [32, 32000] bf16 tensor on CPU, and our kernel
+            # many times faster than max())
             if constraints is not None:
                 logits = constraints.apply(logits, inplace=True)
-            token_ids = logits.max(dim=-1).indices.tolist()
+            if cpu_kernels.applies(logits) and logits.dim() == 2:
+                token_ids = cpu_kernels.greedy(logits)
+            else:
+                token_ids = logits.max(dim=-1).indices.tolist()
             return SamplerOutput(token_ids, [None] * len(seqs))
         logits = logits.float()
         raw = logits

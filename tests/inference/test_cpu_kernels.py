@@ -315,6 +315,22 @@ def test_rms_norm_and_residual_add_round_as_the_reference(path):
     torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-5), plain, rtol=2**-7, atol=0)
 
 
+@pytest.mark.parametrize("rows, vocab", [(32, 32000), (3, 17), (2, 257), (1, 151936)])
+def test_greedy_picks_what_torch_max_picks(path, rows, vocab):
+    logits = randn(rows, vocab, seed=rows)
+    assert cpu_kernels.greedy(logits) == logits.max(dim=-1).indices.tolist()
+    strided = randn(rows, vocab + 5, seed=3)[:, :vocab]  # rows of a wider tensor
+    assert cpu_kernels.greedy(strided) == strided.max(dim=-1).indices.tolist()
+
+
+def test_greedy_ties_go_to_the_first_index(path):
+    logits = torch.zeros(3, 1000, dtype=torch.bfloat16)
+    logits[0, [700, 300, 900]] = 1.0  # tied maxima in different stretches
+    logits[1] = -float("inf")  # a fully masked row (a grammar allowing nothing)
+    logits[2, [5, 6]] = 2.0  # tied neighbours
+    assert cpu_kernels.greedy(logits) == [300, 0, 5] == logits.max(dim=-1).indices.tolist()
+
+
 def test_rope_and_cache_write_match_the_reference_ops_bit_for_bit(path):
     from inference.layers import apply_rope
 
