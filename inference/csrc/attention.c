@@ -56,30 +56,32 @@ static void weighted_rows(float *acc, float scale, const float *w, const float *
     }
 }
 
-/* Asks for the key and value rows of kv head g at positions [p0, min(p0 + ATT_CHUNK, end)):
- * decode attention streams the whole cache from memory, one chunk of rows after another, so
- * the next chunk's lines load while this one is computed. */
-static void prefetch_rows(const int32_t *table, int64_t block_size, int64_t p0, int64_t end, int64_t g,
-                          const void *k_cache, int64_t k_slot, int64_t k_head, int64_t k_bytes, const void *v_cache,
-                          int64_t v_slot, int64_t v_head, int64_t v_bytes, int64_t elem) {
+/* Asks for the key and value rows of every kv head at positions [p0, min(p0 + ATT_CHUNK,
+ * end)): decode attention streams the whole cache from memory, one chunk of rows after
+ * another, so the next chunk's lines load while this one is computed. A slot's kv heads are
+ * adjacent (k_bytes: all of them, and the scale after the last). Into L2 (a chunk is some
+ * 256 lines, more than L1 has room to fetch at once; L2 prefetches measured faster). */
+static void prefetch_rows(const int32_t *table, int64_t block_size, int64_t p0, int64_t end, const void *k_cache,
+                          int64_t k_slot, int64_t k_bytes, const void *v_cache, int64_t v_slot, int64_t v_bytes,
+                          int64_t elem) {
     const int64_t p1 = p0 + ATT_CHUNK < end ? p0 + ATT_CHUNK : end;
     for (int64_t p = p0; p < p1; p++) {
         const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-        const char *k = (const char *)k_cache + (slot * k_slot + g * k_head) * elem;
-        const char *v = (const char *)v_cache + (slot * v_slot + g * v_head) * elem;
-        for (int64_t o = 0; o < k_bytes; o += 64) __builtin_prefetch(k + o, 0, 3);
-        __builtin_prefetch(k + k_bytes - 1, 0, 3); /* a row across one more line than its length */
-        for (int64_t o = 0; o < v_bytes; o += 64) __builtin_prefetch(v + o, 0, 3);
-        __builtin_prefetch(v + v_bytes - 1, 0, 3);
+        const char *k = (const char *)k_cache + slot * k_slot * elem, *v = (const char *)v_cache + slot * v_slot * elem;
+        for (int64_t o = 0; o < k_bytes; o += 64) __builtin_prefetch(k + o, 0, 1);
+        __builtin_prefetch(k + k_bytes - 1, 0, 1); /* a row across one more line than its length */
+        for (int64_t o = 0; o < v_bytes; o += 64) __builtin_prefetch(v + o, 0, 1);
+        __builtin_prefetch(v + v_bytes - 1, 0, 1);
     }
 }
 
 /* One query token per sequence over its paged context, for all sequences of a step, read
- * straight from the cache by block table (no gathered copy). Work items are (sequence, kv
- * head, context split); each walks its positions in chunks whose key and value rows are
- * widened to float32 once for every query head of the group, with an online softmax
- * (flash-decoding), and the splits, which keep every core busy when there are fewer
- * sequences than threads, are merged by their softmax statistics at the end.
+ * straight from the cache by block table (no gathered copy). Work items are (sequence,
+ * context split); each walks its positions in chunks whose key and value rows (all kv heads
+ * of a slot: adjacent in the cache, so the chunk is read in whole lines) are widened to
+ * float32 once for every query head, with an online softmax (flash-decoding), and the
+ * splits, which keep every core busy when there are fewer sequences than threads, are
+ * merged by their softmax statistics at the end.
  * q [B, H, dk] (row stride ldq); key row of (slot, kv head g) at k_cache + slot * k_slot +
  * g * k_head, value row likewise (MLA passes the latent cache as both, dv < dk), in the
  * cache's format kv_kind (strides in its elements: bf16 or bytes; an int8 row's scale at
@@ -92,19 +94,20 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                         const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
                         int64_t block_size, float scale, bf16 *out, int64_t ldo, int nthreads) {
     const int64_t hpg = H / G;
-    /* bytes of a row and of a cache element (bf16 or a byte), for prefetching */
-    const int64_t elem = kv_kind == KV_BF16 ? 2 : 1;
-    const int64_t k_bytes = dk * elem + (kv_kind == KV_BF16 ? 0 : 2), v_bytes = dv * elem + (kv_kind == KV_BF16 ? 0 : 2);
+    /* bytes of a slot's rows (all kv heads) and of a cache element (bf16 or a byte), for
+     * prefetching */
+    const int64_t elem = kv_kind == KV_BF16 ? 2 : 1, tail = kv_kind == KV_BF16 ? 0 : 2;
+    const int64_t k_bytes = ((G - 1) * k_head + dk) * elem + tail, v_bytes = ((G - 1) * v_head + dv) * elem + tail;
     int64_t longest = 1;
     for (int64_t b = 0; b < B; b++) longest = context_lens[b] > longest ? context_lens[b] : longest;
-    int64_t splits = (4 * nthreads + B * G - 1) / (B * G);
+    int64_t splits = (4 * nthreads + B - 1) / B;
     const int64_t most = (longest + 63) / 64; /* at least 64 positions per split */
     splits = splits > most ? most : splits;
     splits = splits < 1 ? 1 : splits;
     const int64_t span = (longest + splits - 1) / splits;
     const int64_t part = dv + 2; /* per head: max score, sum of exponentials, dv weighted values */
-    const size_t partial_bytes = round64((size_t)B * G * splits * hpg * part * sizeof(float));
-    const size_t local_bytes = round64((size_t)(hpg * (dk + ATT_CHUNK) + ATT_CHUNK * (dk + dv) + dv) * sizeof(float));
+    const size_t partial_bytes = round64((size_t)B * splits * H * part * sizeof(float));
+    const size_t local_bytes = round64((size_t)(H * dk + ATT_CHUNK + G * ATT_CHUNK * (dk + dv) + dv) * sizeof(float));
     region_enter();
     char *scratch = region_alloc(partial_bytes + (size_t)nthreads * local_bytes);
     if (!scratch) {
@@ -115,46 +118,46 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
 #pragma omp parallel num_threads(nthreads)
     {
         float *qf = (float *)(scratch + partial_bytes + (size_t)omp_get_thread_num() * local_bytes);
-        float *sc = qf + hpg * dk, *kf = sc + hpg * ATT_CHUNK, *vfl = kf + ATT_CHUNK * dk, *merged = vfl + ATT_CHUNK * dv;
+        float *sh = qf + H * dk, *kf = sh + ATT_CHUNK, *vfl = kf + G * ATT_CHUNK * dk, *merged = vfl + G * ATT_CHUNK * dv;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < B * G * splits; it++) {
-            const int64_t b = it / (G * splits), g = (it / splits) % G, s = it % splits;
+        for (int64_t it = 0; it < B * splits; it++) {
+            const int64_t b = it / splits, s = it % splits;
             const int64_t c0 = s * span, c1 = c0 + span < context_lens[b] ? c0 + span : context_lens[b];
-            float *res = partials + it * hpg * part;
-            for (int64_t h = 0; h < hpg; h++) {
+            float *res = partials + it * H * part;
+            for (int64_t h = 0; h < H; h++) {
                 res[h * part] = -INFINITY, res[h * part + 1] = 0.0f;
                 memset(res + h * part + 2, 0, dv * sizeof(float));
             }
             if (c0 >= c1) continue;
-            for (int64_t h = 0; h < hpg; h++) {
-                const bf16 *qh = q + b * ldq + (g * hpg + h) * dk;
+            for (int64_t h = 0; h < H; h++) {
+                const bf16 *qh = q + b * ldq + h * dk;
                 for (int64_t c = 0; c < dk; c++) qf[h * dk + c] = bf16_to_f32(qh[c]) * scale;
             }
             const int32_t *table = block_tables + b * bt_stride;
-            prefetch_rows(table, block_size, c0, c1, g, k_cache, k_slot, k_head, k_bytes, v_cache, v_slot, v_head, v_bytes, elem);
+            prefetch_rows(table, block_size, c0, c1, k_cache, k_slot, k_bytes, v_cache, v_slot, v_bytes, elem);
             for (int64_t p0 = c0; p0 < c1; p0 += ATT_CHUNK) {
                 const int64_t n = c1 - p0 < ATT_CHUNK ? c1 - p0 : ATT_CHUNK;
                 /* the next chunk's rows are on their way while this one is computed */
-                prefetch_rows(table, block_size, p0 + ATT_CHUNK, c1, g, k_cache, k_slot, k_head, k_bytes, v_cache,
-                              v_slot, v_head, v_bytes, elem);
-                for (int64_t i = 0; i < n;) { /* block by block: consecutive slots within one */
-                    const int64_t p = p0 + i, off = p % block_size;
-                    const int64_t run = block_size - off < n - i ? block_size - off : n - i;
-                    const int64_t slot = (int64_t)table[p / block_size] * block_size + off;
-                    for (int64_t r = 0; r < run; r++, i++) {
-                        const int64_t ko = (slot + r) * k_slot + g * k_head, vo = (slot + r) * v_slot + g * v_head;
+                prefetch_rows(table, block_size, p0 + ATT_CHUNK, c1, k_cache, k_slot, k_bytes, v_cache, v_slot,
+                              v_bytes, elem);
+                for (int64_t i = 0; i < n; i++) { /* kv head g's rows at kf/vfl + g * ATT_CHUNK rows */
+                    const int64_t p = p0 + i, slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+                    for (int64_t g = 0; g < G; g++) {
+                        const int64_t ko = slot * k_slot + g * k_head, vo = slot * v_slot + g * v_head;
+                        float *kr = kf + (g * ATT_CHUNK + i) * dk, *vr = vfl + (g * ATT_CHUNK + i) * dv;
                         if (kv_kind == KV_BF16) {
-                            widen_row((const bf16 *)k_cache + ko, dk, kf + i * dk, dk);
-                            widen_row((const bf16 *)v_cache + vo, dv, vfl + i * dv, dv);
+                            widen_row((const bf16 *)k_cache + ko, dk, kr, dk);
+                            widen_row((const bf16 *)v_cache + vo, dv, vr, dv);
                         } else {
-                            kv_widen_row((const uint8_t *)k_cache + ko, kv_kind, dk, dk, kf + i * dk);
-                            kv_widen_row((const uint8_t *)v_cache + vo, kv_kind, dv, v_scale_at, vfl + i * dv);
+                            kv_widen_row((const uint8_t *)k_cache + ko, kv_kind, dk, dk, kr);
+                            kv_widen_row((const uint8_t *)v_cache + vo, kv_kind, dv, v_scale_at, vr);
                         }
                     }
                 }
-                for (int64_t h = 0; h < hpg; h++) {
-                    float *sh = sc + h * ATT_CHUNK, top = -INFINITY, *stats = res + h * part;
-                    dots(qf + h * dk, kf, n, dk, sh);
+                for (int64_t h = 0; h < H; h++) {
+                    const int64_t g = h / hpg;
+                    float top = -INFINITY, *stats = res + h * part;
+                    dots(qf + h * dk, kf + g * ATT_CHUNK * dk, n, dk, sh);
                     int64_t t = 0;
                     if (n >= VL) { /* vector maxima: a scalar chain of maxima was a fifth of the kernel */
                         vf vmax = vf_load(sh);
@@ -174,19 +177,19 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                     sum = vf_sum(vs);
                     for (; i < n; i++) sum += sh[i] = expf(sh[i] - m);
                     stats[0] = m, stats[1] = stats[1] * rescale + sum;
-                    weighted_rows(stats + 2, rescale, sh, vfl, n, dv, dv);
+                    weighted_rows(stats + 2, rescale, sh, vfl + g * ATT_CHUNK * dv, n, dv, dv);
                 }
             }
         }
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * H; bh++) {
-            const int64_t b = bh / H, h = bh % H, g = h / hpg, hh = h % hpg;
-            const float *res = partials + (b * G + g) * splits * hpg * part + hh * part;
+            const int64_t b = bh / H, h = bh % H;
+            const float *res = partials + b * splits * H * part + h * part;
             float top = -INFINITY, sum = 0.0f;
-            for (int64_t s = 0; s < splits; s++) top = res[s * hpg * part] > top ? res[s * hpg * part] : top;
+            for (int64_t s = 0; s < splits; s++) top = res[s * H * part] > top ? res[s * H * part] : top;
             memset(merged, 0, dv * sizeof(float));
             for (int64_t s = 0; s < splits; s++) {
-                const float *r = res + s * hpg * part;
+                const float *r = res + s * H * part;
                 if (r[1] == 0.0f) continue;
                 const float f = expf(r[0] - top);
                 sum += f * r[1];
@@ -202,4 +205,3 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
     region_leave();
     return 0;
 }
-
