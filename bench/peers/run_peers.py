@@ -26,6 +26,11 @@ engines (offline A, B, C; serving A, B, C; then again) so machine drift hits all
 reports the median over rounds. Warm-up requests use prompts of their own, so no engine's prefix
 cache can serve a timed prompt. Model load and server start-up are not timed.
 
+On a shared VM the hypervisor may run other guests on our cores ("steal" in /proc/stat): this
+project's 2-core VMs lost 20-47% of their time so in busy hours, and a batched run's throughput
+halved. Each measure records the share stolen while it ran, and one that lost more than
+STEAL_LIMIT is taken again (at most STEAL_RETRIES times, the least disturbed kept).
+
     python -m bench.peers.run_peers            # the timed run: bench/results/peers.json, bench/PEERS.md
     python -m bench.peers.run_peers --smoke    # 2 requests x 8 tokens per engine: checks, no results
 """
@@ -95,6 +100,27 @@ def _timed(fn, *args):
     return time.perf_counter() - start, result
 
 
+def _proc_stat_cpu() -> list[int]:
+    """The machine's CPU clock ticks since boot by kind (/proc/stat's first line: user, nice,
+    system, idle, iowait, irq, softirq, steal, ...)."""
+    return [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+
+
+def steal_ticks() -> tuple[int, int]:
+    """(all, stolen) clock ticks so far; stolen: the cores ran other guests. (0, 0) where
+    /proc/stat cannot be read."""
+    try:
+        vals = _proc_stat_cpu()
+        return sum(vals[:8]), vals[7]
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+
+
+def stolen_share(start: tuple[int, int], end: tuple[int, int]) -> float:
+    total = end[0] - start[0]
+    return (end[1] - start[1]) / total if total > 0 else 0.0
+
+
 def _check(outs: list[list[int]], count: int, length: int, what: str) -> None:
     lengths = [len(o) for o in outs]
     if len(outs) != count or any(n != length for n in lengths):
@@ -105,9 +131,17 @@ def _measure(run, spec: dict) -> dict:
     """run(prompts, max_tokens) -> list of output token-id lists (greedy, EOS ignored)."""
     n = spec["output_len"]
     run(spec["warmup"], min(n, 8))  # allocator, kernels, compile caches: prompts of their own
-    t, outs = _timed(run, spec["batch"], n)
+    stolen: list[float] = []  # the share stolen during each timed run
+
+    def timed(prompts, count):
+        before = steal_ticks()
+        took, outs = _timed(run, prompts, count)
+        stolen.append(stolen_share(before, steal_ticks()))
+        return took, outs
+
+    t, outs = timed(spec["batch"], n)
     _check(outs, len(spec["batch"]), n, "batched")
-    t1, outs1 = _timed(run, spec["single"], n)
+    t1, outs1 = timed(spec["single"], n)
     _check(outs1, 1, n, "single")
     result = {
         "offline_batched": len(spec["batch"]) * n / t,
@@ -117,10 +151,15 @@ def _measure(run, spec: dict) -> dict:
     }
     if spec.get("long"):
         run(spec["long_warmup"], 1)
-        t_long, outs_long = _timed(run, spec["long"], 1)
+        t_long, outs_long = timed(spec["long"], 1)
         _check(outs_long, 1, 1, "ttft_2048")
         result["ttft_2048"] = t_long
-    return {**result, "first_tokens": outs[0][:16], "single_first_tokens": outs1[0][:16]}
+    return {
+        **result,
+        "steal": max(stolen),  # the worst of the timed runs
+        "first_tokens": outs[0][:16],
+        "single_first_tokens": outs1[0][:16],
+    }
 
 
 def _offline_moeserve(spec: dict) -> dict:
@@ -441,7 +480,7 @@ def cpu_busy(seconds: float = 1.0, exclude_group: int | None = None) -> float:
     queue) is not someone else's."""
 
     def sample() -> tuple[int, int, int]:
-        vals = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        vals = _proc_stat_cpu()
         idle = vals[3] + vals[4]  # idle + iowait
         own = _group_jiffies(exclude_group) if exclude_group else 0
         return sum(vals[:8]), idle, own
@@ -456,6 +495,23 @@ def cpu_busy(seconds: float = 1.0, exclude_group: int | None = None) -> float:
 
 
 BUSY_WARN = 0.15
+STEAL_LIMIT = 0.05  # a measure that lost more of the cores to other guests is taken again
+STEAL_RETRIES = 2
+
+
+def least_stolen(measure, engine: str, tag: str) -> dict:
+    """measure(tag) -> a result with its "steal" share, taken again while the hypervisor ran
+    other guests for more than STEAL_LIMIT of the cores' time during it (at most
+    STEAL_RETRIES times); the least disturbed result is kept."""
+    best = None
+    for attempt in range(1 + STEAL_RETRIES):
+        r = measure(f"{tag}-again{attempt}" if attempt else tag)
+        if best is None or r["steal"] < best["steal"]:
+            best = r
+        if r["steal"] <= STEAL_LIMIT:
+            break
+        print(f"  {engine}: {r['steal']:.0%} of the cores' time stolen during it", flush=True)
+    return best
 
 
 def server_cmd(
@@ -640,7 +696,9 @@ def run_serving(
         busy = cpu_busy(
             exclude_group=server.proc.pid
         )  # the server idles: anything else busy is someone else
+        before = steal_ticks()
         result = asyncio.run(_fire(server.base, server.model_id, spec["batch"], n))
+        result["steal"] = stolen_share(before, steal_ticks())
     expected = len(spec["batch"]) * n
     if result["tokens"] != expected:
         raise RuntimeError(
@@ -736,7 +794,8 @@ def write_notes(report: dict, md_table: str) -> None:
                     for m in METRICS
                     if m in r[e]
                 )
-                + f" (cores busy before: {r[e].get('busy_offline', 0):.0%}/{r[e].get('busy_serving', 0):.0%})"
+                + f" (cores busy before: {r[e].get('busy_offline', 0):.0%}/{r[e].get('busy_serving', 0):.0%};"
+                + f" stolen during: {r[e].get('steal_offline', 0):.0%}/{r[e].get('steal_serving', 0):.0%})"
                 for e in report["engines"]
                 if e in r
             )
@@ -744,7 +803,7 @@ def write_notes(report: dict, md_table: str) -> None:
     busy_note = ""
     if report.get("busy_warnings"):
         busy_note = (
-            "**The machine was not quiet** (other work held the cores before: "
+            "**The machine was not quiet** (other work held the cores: "
             + ", ".join(report["busy_warnings"])
             + "), so this run is not comparable.\n\n"
         )
@@ -762,7 +821,8 @@ Greedy agreement with moeserve (common prefix of the first 16 output tokens of r
 {", ".join(f"{e} {k}/16" for e, k in report["greedy_agreement"].items())}.
 
 Per round (tok/s; share of the cores busy with other work just before the offline / serving
-measure, sampled over 1 s while no engine ran or the server idled):
+measure, sampled over 1 s while no engine ran or the server idled; share of the cores' time
+the hypervisor gave other guests during the measure, the worst timed run of the offline one):
 {chr(10).join(raw)}
 
 {busy_note}Raw numbers: `bench/results/peers.json`{"; chart: `bench/results/peers.png`" if report.get("chart") else ""}.
@@ -948,36 +1008,44 @@ def main(argv: list[str] | None = None) -> int:
         if "offline" not in skip:
             for e in engines:
                 print(f"round {i + 1}: {e} offline ...", flush=True)
-                r = run_offline(e, spec, log_dir, f"r{i + 1}")
+                r = least_stolen(
+                    lambda tag, e=e: run_offline(e, spec, log_dir, tag), e, f"r{i + 1}"
+                )
                 versions[e] = r["version"]
                 first_tokens.setdefault(e, r["first_tokens"])
                 rnd[e].update(
                     offline_batched=r["offline_batched"],
                     single_stream=r["single_stream"],
                     busy_offline=r["busy_before"],
+                    steal_offline=r["steal"],
                     load_s=r["load_s"],
                 )
                 if "ttft_2048" in r:
                     rnd[e]["ttft_2048"] = r["ttft_2048"]
                 print(
                     f"  {e}: batched {r['offline_batched']:.1f} tok/s, single {r['single_stream']:.1f}"
-                    f" tok/s, ttft_2048 {r.get('ttft_2048', float('nan')):.2f} s (load {r['load_s']:.1f}s, cores busy before {r['busy_before']:.0%}), first tokens"
+                    f" tok/s, ttft_2048 {r.get('ttft_2048', float('nan')):.2f} s (load {r['load_s']:.1f}s, cores busy before {r['busy_before']:.0%}, stolen {r['steal']:.0%}), first tokens"
                     f" {r['first_tokens'][:8]}",
                     flush=True,
                 )
         if "serving" not in skip:
             for e in engines:
                 print(f"round {i + 1}: {e} serving ...", flush=True)
-                r = run_serving(e, spec, model_dir, gguf, log_dir, f"r{i + 1}")
+                r = least_stolen(
+                    lambda tag, e=e: run_serving(e, spec, model_dir, gguf, log_dir, tag),
+                    e,
+                    f"r{i + 1}",
+                )
                 rnd[e].update(
                     serving=r["tok_s"],
                     busy_serving=r["busy_before"],
+                    steal_serving=r["steal"],
                     serving_ttft_p50_s=r["ttft_p50_s"],
                     usage_reported=r["usage_reported"],
                 )
                 print(
                     f"  {e}: {r['tok_s']:.1f} tok/s over HTTP, ttft p50 {r['ttft_p50_s']:.2f}s, "
-                    f"cores busy before {r['busy_before']:.0%}, "
+                    f"cores busy before {r['busy_before']:.0%}, stolen {r['steal']:.0%}, "
                     f"usage reported: {r['usage_reported']}, text {r['first_text']!r}",
                     flush=True,
                 )
@@ -997,10 +1065,16 @@ def main(argv: list[str] | None = None) -> int:
         for e in engines
         for k, v in r[e].items()
         if k.startswith("busy_") and v > BUSY_WARN
+    ] + [
+        f"round {i + 1} {e} {k.removeprefix('steal_')} stolen ({v:.0%})"
+        for i, r in enumerate(rounds)
+        for e in engines
+        for k, v in r[e].items()
+        if k.startswith("steal_") and v > STEAL_LIMIT
     ]
     if busy:
         print(
-            f"WARNING: other work held the cores before: {', '.join(busy)}; the machine was not "
+            f"WARNING: other work held the cores: {', '.join(busy)}; the machine was not "
             "quiet, so these numbers are not comparable run to run",
             file=sys.stderr,
         )
