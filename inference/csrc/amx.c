@@ -131,15 +131,27 @@ static inline acc16 acc_add(acc16 out, const int32_t *sums, float s) {
 static inline void acc_store(float *c, acc16 a) { _mm512_storeu_ps(c, a); }
 #endif
 
+/* out[b][r] += row r's group scale * the group's sums of block b (r < n) */
+#define INT8_FLUSH(SUMS, S)                                                                    \
+    do {                                                                                       \
+        for (int r = 0; r < n; r++) out[0][r] = acc_add(out[0][r], (SUMS)[0][r], (S)[r * lds]); \
+        if (two)                                                                               \
+            for (int r = 0; r < n; r++) out[1][r] = acc_add(out[1][r], (SUMS)[1][r], (S)[r * lds]); \
+    } while (0)
+
 /* one group of n rows (n <= 16) times blocks b0 and, if `two`, b1, on tiles C and A (and C2
- * for b1; constants: the tile instructions take their register numbers as immediates) */
+ * for b1; constants: the tile instructions take their register numbers as immediates). A
+ * tile's sums go through memory, and a load of what a tile store just wrote waits for the
+ * store to complete, so each group's sums are scaled one group later, while the tiles
+ * multiply the next (same additions, same order). */
 #define INT8_ROWS(C_TILE, A_TILE, C2_TILE)                                                     \
     do {                                                                                       \
         acc16 out[2][16];                                                                      \
+        const float *pending = NULL; /* the scales of the group whose sums wait in sums[1 - buf] */ \
+        int buf = 0;                                                                           \
         for (int r = 0; r < n; r++) out[0][r] = out[1][r] = acc_zero();                        \
         for (int64_t k0 = 0; k0 < Kq; k0 += ACT_GROUP) {                                       \
             const int64_t k1 = k0 + ACT_GROUP < Kq ? k0 + ACT_GROUP : Kq;                      \
-            const float *s = scales + k0 / ACT_GROUP;                                          \
             _tile_zero(C_TILE);                                                                \
             if (two) _tile_zero(C2_TILE);                                                      \
             for (int64_t k = k0; k < k1; k += 64) {                                            \
@@ -153,12 +165,12 @@ static inline void acc_store(float *c, acc16 a) { _mm512_storeu_ps(c, a); }
                     _tile_dpbssd(C2_TILE, A_TILE, 6);                                          \
                 }                                                                              \
             }                                                                                  \
-            _tile_stored(C_TILE, sums[0], 64);                                                 \
-            if (two) _tile_stored(C2_TILE, sums[1], 64);                                       \
-            for (int r = 0; r < n; r++) out[0][r] = acc_add(out[0][r], sums[0][r], s[r * lds]); \
-            if (two)                                                                           \
-                for (int r = 0; r < n; r++) out[1][r] = acc_add(out[1][r], sums[1][r], s[r * lds]); \
+            _tile_stored(C_TILE, sums[buf][0], 64);                                            \
+            if (two) _tile_stored(C2_TILE, sums[buf][1], 64);                                  \
+            if (pending) INT8_FLUSH(sums[1 - buf], pending);                                   \
+            pending = scales + k0 / ACT_GROUP, buf = 1 - buf;                                  \
         }                                                                                      \
+        INT8_FLUSH(sums[1 - buf], pending);                                                    \
         for (int r = 0; r < n; r++) acc_store(c0 + r * ldc, out[0][r]);                        \
         if (two)                                                                               \
             for (int r = 0; r < n; r++) acc_store(c1 + r * ldc, out[1][r]);                    \
@@ -166,7 +178,7 @@ static inline void acc_store(float *c, acc16 a) { _mm512_storeu_ps(c, a); }
 
 void ms_amx_int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const float *a_scale, int64_t lds,
                        const int8_job *jobs, int64_t count, int64_t ldc) {
-    int32_t sums[2][16][16];
+    int32_t sums[2][2][16][16]; /* [buffer][block][row][column] */
     const int64_t full = rows / 16, tail = rows % 16;
     configure((int)tail);
     for (int64_t b = 0; b < count; b += 2) {
