@@ -1059,18 +1059,15 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     if agree:
         print("greedy agreement with moeserve (of 16):", agree)
+    # per measure: (prefix of its key, what the warning calls it, the share it may reach)
+    disturbances = (("busy_", "", BUSY_WARN), ("steal_", " stolen", STEAL_LIMIT))
     busy = [
-        f"round {i + 1} {e} {k.removeprefix('busy_')} ({v:.0%})"
+        f"round {i + 1} {e} {k.removeprefix(prefix)}{label} ({v:.0%})"
         for i, r in enumerate(rounds)
         for e in engines
         for k, v in r[e].items()
-        if k.startswith("busy_") and v > BUSY_WARN
-    ] + [
-        f"round {i + 1} {e} {k.removeprefix('steal_')} stolen ({v:.0%})"
-        for i, r in enumerate(rounds)
-        for e in engines
-        for k, v in r[e].items()
-        if k.startswith("steal_") and v > STEAL_LIMIT
+        for prefix, label, limit in disturbances
+        if k.startswith(prefix) and v > limit
     ]
     if busy:
         print(
