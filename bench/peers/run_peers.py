@@ -769,12 +769,11 @@ def table(median: dict, ratios: dict, engines: list[str], n_req: int) -> str:
         for e in engines:
             v = median.get(e, {}).get(m)
             r = ratios.get(e, {}).get(m)
+            if v is None:  # a skipped measure
+                cells.append("—")
+                continue
             unit = f"{v:,.2f} s" if m in SECONDS else f"{v:,.1f} tok/s"
-            cells.append(
-                "—"
-                if v is None
-                else unit + ("" if e == "moeserve" or r is None else f" ({r:.2f}×)")
-            )
+            cells.append(unit + ("" if e == "moeserve" or r is None else f" ({r:.2f}×)"))
         lines.append(f"| {LABELS[m].format(n=n_req)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
