@@ -163,9 +163,7 @@ void quantize_row_s8(const float *x, int64_t K, int8_t *q, int64_t Kq, float *sc
         vf vmax = vf_zero();
         int64_t k = k0;
         for (; k + VL <= k1; k += VL) vmax = vf_max(vmax, vf_max(vf_load(x + k), vf_sub(vf_zero(), vf_load(x + k))));
-        float amax = 0.0f, lanes[VL];
-        vf_store(lanes, vmax);
-        for (int i = 0; i < VL; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+        float amax = vf_hmax(vmax);
         for (; k < k1; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
         if (amax == 0.0f) {
             memset(q + k0, 0, k1 - k0);
