@@ -406,12 +406,37 @@ void kv_widen_row(const void *row, int kind, int64_t d, int64_t scale_at, float 
         out[i] = kind == KV_INT8 ? (float)(int8_t)b[i] * s : (kind == KV_E4M3 ? e4m3_to_f32(b[i]) : e5m2_to_f32(b[i])) * s;
 }
 
-void kv_store_row(const float *x, int kind, int64_t d, void *row) {
+void kv_rotate(float *x, int64_t n) {
+    for (int64_t off = 0, b; off < n; off += b) {
+        b = 1; /* the largest power of two left */
+        while (2 * b <= n - off) b *= 2;
+        float *y = x + off;
+        for (int64_t h = 1; h < b; h *= 2) /* butterflies in kv_cache.rotate's order */
+            for (int64_t i = 0; i < b; i += 2 * h) {
+                int64_t j = i;
+                for (; h >= VL && j < i + h; j += VL) { /* a vector of butterflies: the same sums */
+                    const vf a = vf_load(y + j), c = vf_load(y + j + h);
+                    vf_store(y + j, vf_add(a, c)), vf_store(y + j + h, vf_sub(a, c));
+                }
+                for (; j < i + h; j++) {
+                    const float a = y[j], c = y[j + h];
+                    y[j] = a + c, y[j + h] = a - c;
+                }
+            }
+        const float scale = (float)(1.0 / sqrt((double)b));
+        int64_t j = 0;
+        for (; j + VL <= b; j += VL) vf_store(y + j, vf_mul(vf_load(y + j), vf_set1(scale)));
+        for (; j < b; j++) y[j] *= scale;
+    }
+}
+
+void kv_store_row(float *x, int kind, int64_t d, void *row) {
     uint8_t *b = row;
     if (kind == KV_BF16) {
         for (int64_t i = 0; i < d; i++) ((bf16 *)row)[i] = f32_to_bf16(x[i]);
         return;
     }
+    kv_rotate(x, d);
     const float limit = kind == KV_INT8 ? 127.0f : kind == KV_E4M3 ? 448.0f : 57344.0f;
     float amax = 0.0f;
     for (int64_t i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;

@@ -120,14 +120,20 @@ typedef void (*int8_fn)(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, 
 void int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const float *a_scale, int64_t lds,
                 const int8_job *jobs, int64_t count, int64_t ldc);
 
-/* The paged KV cache's row formats (cpu_kernels.KV_KINDS): bf16; int8 with a bf16 scale
- * after each (slot, head) row's values; fp8 e4m3 or e5m2 (no scale). Strides in elements of
+/* The paged KV cache's row formats (cpu_kernels.KV_KINDS): bf16; int8, fp8 e4m3 or e5m2 with a
+ * bf16 scale after each (slot, head) row's values. Strides in elements of
  * the cache's storage (bf16 or bytes). */
 enum { KV_BF16 = 0, KV_INT8 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };
-/* d values of one cache row -> float32 (an int8 row's scale at row + scale_at bytes) */
+/* d values of one cache row -> float32 (an 8-bit row's scale at row + scale_at bytes): an
+ * 8-bit row's values come back rotated (kv_rotate), as they were stored */
 void kv_widen_row(const void *row, int kind, int64_t d, int64_t scale_at, float *out);
-/* d float32 values -> one cache row (int8: its scale written at row + d bytes) */
-void kv_store_row(const float *x, int kind, int64_t d, void *row);
+/* d float32 values -> one cache row (8-bit: rotated first, in x, then quantized with the scale
+ * written at row + d bytes) */
+void kv_store_row(float *x, int kind, int64_t d, void *row);
+/* x[0..n) times the normalized Hadamard matrix of each power-of-two block of n, largest first
+ * (576 = 512 + 64), in place; its own inverse. 8-bit KV rows are stored rotated: it spreads
+ * a row's few large values over all of them, and fp8 keys lose less (kv_cache.py). */
+void kv_rotate(float *x, int64_t n);
 
 int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, const wmat *w, int64_t w_bs,
               int64_t N, const bf16 *bias, bf16 *y, int64_t y_bs, int64_t ldy, int64_t batch, int nthreads);

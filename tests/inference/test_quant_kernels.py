@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from inference import cpu_kernels, kv_cache, quant
+from inference.config import ModelArgs
 from inference.moe import grouped_dispatch, select_experts
 from tests.inference.test_cpu_kernels import (  # noqa: F401 (the fixture)
     attention_reference,
@@ -187,23 +188,96 @@ def test_an_int8_latent_cache_reads_its_values_and_scale_as_mla_does(path):  # n
         close_to_bf16(out[b], expected)
 
 
-def test_int8_rows_hold_their_values_within_a_step_of_their_scale():
+def hadamard(n: int) -> torch.Tensor:
+    """The normalized Hadamard matrix of a power of two n (Sylvester's construction)."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h / n**0.5
+
+
+@pytest.mark.parametrize("n,blocks", [(64, [64]), (576, [512, 64]), (96, [64, 32]), (1, [1])])
+def test_the_rotation_is_hadamard_per_power_of_two_block_and_its_own_inverse(n, blocks):
+    assert kv_cache.rotation_blocks(n) == blocks
+    x = randn(5, 3, n, seed=n).float()
+    dense = torch.block_diag(*[hadamard(b) for b in blocks])
+    rotated = kv_cache.rotate(x)
+    torch.testing.assert_close(rotated.double(), x.double() @ dense.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv_cache.rotate(rotated), x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rotated.norm(dim=-1), x.norm(dim=-1))
+
+
+def test_int8_rows_hold_their_rotated_values_within_a_step_of_their_scale():
     x = randn(50, 4, 64, seed=9)
     cache = caches("int8", 50, 4, 64)
     kv_cache.write_kv(cache, torch.arange(50), x)
     back = kv_cache.dequantize(cache, torch.float32)
-    step = x.float().abs().amax(-1, keepdim=True) / 127
-    assert (back - x.float()).abs().le(step * 0.51 + 1e-6).all()
+    rotated = kv_cache.rotate(x.float())  # what the row stores
+    step = rotated.abs().amax(-1, keepdim=True) / 127
+    assert (kv_cache.rotate(back) - rotated).abs().le(step * 0.51 + 1e-6).all()
     assert F.cosine_similarity(back.flatten(), x.float().flatten(), dim=0) > 0.9999
 
 
 @pytest.mark.parametrize("fmt,bits", [("fp8_e4m3", 3), ("fp8_e5m2", 2)])
 def test_fp8_rows_keep_their_relative_precision_whatever_their_magnitude(fmt, bits):
-    """The row's scale lifts small values out of fp8's subnormals: each value comes back
-    within half a step of its mantissa, rows of 1e-4 as rows of 1e2."""
+    """The row's scale lifts small values out of fp8's subnormals: each (rotated) value
+    comes back within half a step of its mantissa, rows of 1e-4 as rows of 1e2."""
     x = torch.cat([randn(20, 2, 64, seed=s) * m for s, m in enumerate((1e-4, 1.0, 1e2))])
     cache = caches(fmt, 60, 2, 64)
     kv_cache.write_kv(cache, torch.arange(60), x)
-    back, exact = kv_cache.dequantize(cache, torch.float32), x.float()
+    back, exact = (
+        kv_cache.rotate(kv_cache.dequantize(cache, torch.float32)),
+        kv_cache.rotate(x.float()),
+    )
     close = (back - exact).abs().le(exact.abs() * 2.0 ** -(bits + 1) * 1.01 + 1e-12)
     assert close.float().mean() > 0.99
+
+
+def test_rotated_fp8_keys_score_closer_when_a_few_channels_carry_them():
+    """Why 8-bit rows are stored rotated: keys whose size sits in a few channels (as trained
+    models' keys do) and queries that read those channels. fp8's error is relative to each
+    value, so unrotated those few large values carry most of the scores' error; rotated, the
+    error spreads over all 64 and largely cancels in the dot products."""
+    keys = randn(256, 1, 64, seed=11).float() * 0.1
+    keys[..., :4] += randn(256, 1, 4, seed=12).float() * 8
+    q = randn(64, seed=13).float()
+    q[:4] *= 4
+    cache = caches("fp8_e4m3", 256, 1, 64)
+    kv_cache.write_kv(cache, torch.arange(256), keys)
+    stored = kv_cache.dequantize(cache, torch.float32)
+    scale = keys.abs().amax(-1, keepdim=True) / 448  # the same row scale, without the rotation
+    unrotated = (keys / scale).to(torch.float8_e4m3fn).float() * scale
+    exact = keys[:, 0] @ q
+    rotated_error = (stored[:, 0] @ q - exact).pow(2).mean()
+    unrotated_error = (unrotated[:, 0] @ q - exact).pow(2).mean()
+    assert rotated_error < 0.5 * unrotated_error
+
+
+@pytest.mark.parametrize("rank,rope,ok", [(512, 64, True), (32, 16, True), (48, 16, False)])
+def test_an_8bit_cache_refuses_an_mla_latent_whose_values_cannot_rotate_alone(rank, rope, ok):
+    """Attention reads the latent's first `rank` values as its values, so they must form
+    whole rotation blocks of the row (DeepSeek's 512 of 576 do)."""
+    args = ModelArgs(
+        "DeepseekV2ForCausalLM",
+        64,
+        32,
+        1,
+        2,
+        2,
+        rank + rope,
+        0,
+        0,
+        0,
+        True,
+        1e-6,
+        64,
+        kv_lora_rank=rank,
+        qk_rope_head_dim=rope,
+    )
+    cpu = torch.device("cpu")
+    if ok:
+        caches = kv_cache.allocate_kv_cache(args, 1, 16, torch.uint8, cpu)
+        assert caches[0][0].shape == (16, 1, rank + rope + 2)
+    else:
+        with pytest.raises(ValueError, match="cannot hold this model's MLA latent"):
+            kv_cache.allocate_kv_cache(args, 1, 16, torch.uint8, cpu)
