@@ -44,6 +44,11 @@ static const uint8_t *weight_block8(const uint8_t *w, int64_t N, int64_t Kq, int
     return pad;
 }
 
+/* block j's column sums per activation group ([groups][16]) of a packed int8 [N, K] */
+static inline const int32_t *block_colsum(const wmat *w, int64_t K, int64_t j) {
+    return w->colsum + j * act_groups(K) * BLOCK;
+}
+
 wmat wmat_expert(const wmat *w, int64_t e, int64_t N, int64_t K) {
     wmat x = *w;
     if (w->kind == W_BF16) {
@@ -308,7 +313,7 @@ void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64
     const uint8_t *B = weight_block8(w->data, N, Kq, j, narrow, cols);
     const int64_t n0 = j * BLOCK, nc = *cols;
     if (w->kind == W_INT8) {
-        const int8_job job = {(const int8_t *)B, w->colsum + j * act_groups(K) * BLOCK, C};
+        const int8_job job = {(const int8_t *)B, block_colsum(w, K, j), C};
         int8_blocks(a, m0, rows, w, N, K, &job, &j, 1, ldc);
         return;
     }
@@ -336,10 +341,10 @@ void wblock_gemm_pair(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, 
         wblock_gemm(a, m0, rows, w, N, K, j2, pad, C2, ldc, &cols);
         return;
     }
-    const int64_t Kq = quad(K), ag = act_groups(K), js[2] = {j1, j2};
+    const int64_t Kq = quad(K), js[2] = {j1, j2};
     const int8_job jobs[2] = {
-        {(const int8_t *)w->data + j1 * BLOCK * Kq, w->colsum + j1 * ag * BLOCK, C1},
-        {(const int8_t *)w->data + j2 * BLOCK * Kq, w->colsum + j2 * ag * BLOCK, C2},
+        {(const int8_t *)w->data + j1 * BLOCK * Kq, block_colsum(w, K, j1), C1},
+        {(const int8_t *)w->data + j2 * BLOCK * Kq, block_colsum(w, K, j2), C2},
     };
     int8_blocks(a, m0, rows, w, N, K, jobs, js, 2, ldc);
 }
