@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from inference import quant
 from inference.demo_model import cache_root
-from inference.kv_cache import kv_kind, kv_width, prefix_of, rotation_blocks
+from inference.kv_cache import kv_kind, kv_width, rotates_alone
 from inference.quant import QWeight
 
 log = structlog.get_logger(__name__)
@@ -707,7 +707,7 @@ def decode_attention(
     b, h, dk = q.shape
     g = k_cache.shape[1]
     dv = v_dim or kv_width(v_cache)
-    if kv_kind(k_cache) and not prefix_of(rotation_blocks(dv), rotation_blocks(dk)):
+    if kv_kind(k_cache) and not rotates_alone(dv, dk):
         # the kernel rotates q by dk's blocks, the outputs back by dv's
         raise ValueError(
             f"8-bit cache rows of {dk} values rotate in blocks that {dv} values do not start"

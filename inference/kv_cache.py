@@ -16,8 +16,9 @@ power-of-two block of the width, largest first (MLA's 576 = 512 + 64), an orthog
 that is its own inverse. A few channels of keys carry most of their size; rotated, every
 value carries a share of it, and fp8's error, relative to each value, costs attention less
 (SmolLM2 perplexity, fp8_e4m3: +0.58% unrotated, +0.43% rotated; e5m2 +2.47% and +1.93%;
-int8 +0.056% either way). The reads rotate back: dequantize() here, and the C kernels rotate the queries instead and
-their outputs back (q . k = Rq . Rk), a few rows where the context has thousands.
+int8 +0.056% either way). The reads rotate back: dequantize() here, and the C kernels
+rotate the queries instead and their outputs back (q . k = Rq . Rk), a few rows where the
+context has thousands.
 """
 
 from __future__ import annotations
@@ -78,12 +79,7 @@ def allocate_kv_cache(
     args: ModelArgs, num_blocks: int, block_size: int, storage: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, ...]]:
     r = args.kv_lora_rank
-    if (
-        storage in _LIMIT
-        and r
-        and not prefix_of(rotation_blocks(r), rotation_blocks(r + args.qk_rope_head_dim))
-    ):
-        # attention reads the latent's first r values as the values: they must rotate alone
+    if storage in _LIMIT and r and not rotates_alone(r, r + args.qk_rope_head_dim):
         raise ValueError(
             f"an 8-bit KV cache cannot hold this model's MLA latent ({r} + "
             f"{args.qk_rope_head_dim} values per row): use --kv-cache-dtype auto"
@@ -113,9 +109,11 @@ def rotation_blocks(n: int) -> list[int]:
     return [1 << bit for bit in range(n.bit_length() - 1, -1, -1) if n >> bit & 1]
 
 
-def prefix_of(blocks: list[int], of: list[int]) -> bool:
-    """Whether the first values of a row rotate as a row of their own (MLA: values first)."""
-    return of[: len(blocks)] == blocks
+def rotates_alone(first: int, width: int) -> bool:
+    """Whether the first `first` values of a row of `width` rotate as a row of their own (an
+    MLA latent's values before its rope part; attention reads them back as values)."""
+    blocks = rotation_blocks(first)
+    return rotation_blocks(width)[: len(blocks)] == blocks
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:

@@ -258,26 +258,26 @@ def test_an_8bit_cache_refuses_an_mla_latent_whose_values_cannot_rotate_alone(ra
     """Attention reads the latent's first `rank` values as its values, so they must form
     whole rotation blocks of the row (DeepSeek's 512 of 576 do)."""
     args = ModelArgs(
-        "DeepseekV2ForCausalLM",
-        64,
-        32,
-        1,
-        2,
-        2,
-        rank + rope,
-        0,
-        0,
-        0,
-        True,
-        1e-6,
-        64,
+        architecture="DeepseekV2ForCausalLM",
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=rank + rope,
+        num_experts=0,
+        top_k=0,
+        moe_intermediate_size=0,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
         kv_lora_rank=rank,
         qk_rope_head_dim=rope,
     )
     cpu = torch.device("cpu")
     if ok:
-        caches = kv_cache.allocate_kv_cache(args, 1, 16, torch.uint8, cpu)
-        assert caches[0][0].shape == (16, 1, rank + rope + 2)
+        allocated = kv_cache.allocate_kv_cache(args, 1, 16, torch.uint8, cpu)
+        assert allocated[0][0].shape == (16, 1, rank + rope + 2)
     else:
         with pytest.raises(ValueError, match="cannot hold this model's MLA latent"):
             kv_cache.allocate_kv_cache(args, 1, 16, torch.uint8, cpu)
