@@ -45,7 +45,6 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from inference import quant
 from inference.demo_model import cache_root
 from inference.kv_cache import kv_kind, kv_width, rotates_alone
 from inference.quant import QWeight
@@ -516,20 +515,16 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
 
 def pack_qweight(w: QWeight) -> QWeight:
     """A row-major 8-bit weight -> the kernels' layout: input quads [..., ceil(K/4), N, 4]
-    (the quad vpdpbusd and AMX's int8 tiles read), with int8's column sums per activation
-    group (VNNI multiplies unsigned activations and takes them off), laid out as the kernels
-    read them: per 16-column block, its groups' 16 sums ([..., ceil(N/16), groups, 16])."""
+    (the quad vpdpbusd and AMX's int8 tiles read), with int8's column sums (VNNI multiplies
+    unsigned activations and takes them off), zero-padded to whole 16-column blocks [...,
+    ceil(N/16) * 16]."""
     if w.packed:
         return w
     colsum = None
     if w.fmt == "int8":
-        *lead, n, k = w.data.shape
-        groups = -(-k // quant.ACT_GROUP)
-        padded = F.pad(w.data.to(torch.int32), (0, groups * quant.ACT_GROUP - k))
-        sums = padded.view(*lead, n, groups, quant.ACT_GROUP).sum(dim=-1, dtype=torch.int32)
-        blocks = -(-n // 16)
-        sums = F.pad(sums.transpose(-1, -2), (0, blocks * 16 - n))  # [..., groups, N16]
-        colsum = sums.unflatten(-1, (blocks, 16)).transpose(-2, -3).contiguous()
+        n = w.data.shape[-2]
+        sums = w.data.sum(dim=-1, dtype=torch.int32)
+        colsum = F.pad(sums, (0, -(-n // 16) * 16 - n)).contiguous()
     if w.fmt == "fp8" and float(w.scale.max()) >= 2.0**7:
         # the kernels fold fp8's exponent rebias (2^120) into the scale: keep it finite
         raise ValueError(f"fp8 weight scales must be below 128 (largest {float(w.scale.max())})")

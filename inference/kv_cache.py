@@ -11,24 +11,21 @@ too: unscaled (vLLM's default k_scale of 1), SmolLM2's values fall into e4m3's s
 and cost 0.8% of perplexity. Rows are quantized where they are written and dequantized
 where attention reads them (the CPU kernels in C, here in torch).
 
-An 8-bit row is stored rotated: its values times the normalized Hadamard matrix of each
-power-of-two block of the width, largest first (MLA's 576 = 512 + 64), an orthogonal map
-that is its own inverse. A few channels of keys carry most of their size; rotated, every
-value carries a share of it, and fp8's error, relative to each value, costs attention less
-(SmolLM2 perplexity, fp8_e4m3: +0.58% unrotated, +0.43% rotated; e5m2 +2.47% and +1.93%;
-int8 +0.056% either way). The reads rotate back: dequantize() here, and the C kernels
-rotate the queries instead and their outputs back (q . k = Rq . Rk), a few rows where the
-context has thousands.
+An 8-bit row is stored rotated (hadamard.py: its values times the normalized Hadamard
+matrix of each power-of-two block of the width, largest first; MLA's 576 = 512 + 64). A few
+channels of keys carry most of their size; rotated, every value carries a share of it, and
+fp8's error, relative to each value, costs attention less (SmolLM2 perplexity, fp8_e4m3:
++0.58% unrotated, +0.43% rotated; e5m2 +2.47% and +1.93%; int8 +0.056% either way). The
+reads rotate back: dequantize() here, and the C kernels rotate the queries instead and
+their outputs back (q . k = Rq . Rk), a few rows where the context has thousands.
 """
 
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 
 from inference.config import ModelArgs
+from inference.hadamard import rotate, rotation_blocks, rotation_matrix
 
 _STORAGE = {
     "int8": torch.uint8,
@@ -104,39 +101,11 @@ def kv_width(cache: torch.Tensor) -> int:
     return cache.shape[-1] - (SCALE_BYTES if cache.dtype in _LIMIT else 0)
 
 
-def rotation_blocks(n: int) -> list[int]:
-    """The power-of-two blocks of a row of n values that rotate() mixes, largest first."""
-    return [1 << bit for bit in range(n.bit_length() - 1, -1, -1) if n >> bit & 1]
-
-
 def rotates_alone(first: int, width: int) -> bool:
     """Whether the first `first` values of a row of `width` rotate as a row of their own (an
     MLA latent's values before its rope part; attention reads them back as values)."""
     blocks = rotation_blocks(first)
     return rotation_blocks(width)[: len(blocks)] == blocks
-
-
-def rotate(x: torch.Tensor) -> torch.Tensor:
-    """float32 rows [..., n] times the normalized Hadamard matrix of each power-of-two block
-    of n, largest first; its own inverse. The butterflies and the scale of csrc kv_rotate, in
-    its order, so both give the same floats."""
-    parts, off = [], 0
-    for b in rotation_blocks(x.shape[-1]):
-        y, h = x[..., off : off + b], 1
-        while h < b:
-            pairs = y.unflatten(-1, (b // (2 * h), 2, h))
-            a, c = pairs[..., 0, :], pairs[..., 1, :]
-            y, h = torch.stack((a + c, a - c), dim=-2).flatten(-3), 2 * h
-        parts.append(y * torch.tensor(1.0 / math.sqrt(b), dtype=torch.float32, device=x.device))
-        off += b
-    return torch.cat(parts, dim=-1)
-
-
-@functools.cache
-def rotation_matrix(n: int, device: torch.device) -> torch.Tensor:
-    """rotate() as a float32 matrix, x @ it == rotate(x) up to rounding: one product where the
-    reads rotate whole contexts back (the writes keep rotate(), the C kernels' exact floats)."""
-    return rotate(torch.eye(n, device=device))
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tensor) -> None:

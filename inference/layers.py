@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference import cpu_kernels, quant
+from inference import cpu_kernels, hadamard, quant
 from inference.config import ModelArgs
 from inference.quant import QWeight
 
@@ -60,7 +60,8 @@ class Linear(nn.Linear):
 
 class Embedding(nn.Embedding):
     """nn.Embedding, or with --quantization int8 a table of int8 rows with a scale each
-    (quantize()): looked-up rows are dequantized to the model's dtype."""
+    (quantize(); stored rotated, as every int8 weight): looked-up rows are dequantized and
+    rotated back, in the model's dtype."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, QWeight):
@@ -68,7 +69,7 @@ class Embedding(nn.Embedding):
             flat = ids.reshape(-1)
             rows = self.weight.data.index_select(0, flat).float()
             rows.mul_(self.weight.scale[0].index_select(0, flat).unsqueeze(-1))
-            return rows.to(self.dtype).view(*ids.shape, -1)
+            return hadamard.rotate(rows).to(self.dtype).view(*ids.shape, -1)
         return F.embedding(ids, self.weight)
 
     def quantize(self) -> None:

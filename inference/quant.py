@@ -1,20 +1,24 @@
 """8-bit weights: int8 (W8A8) and fp8 e4m3, as vLLM and SGLang run them.
 
-- int8: symmetric per-output-channel weight scales computed at load from a bf16/float32
-  checkpoint; activations quantized per token at run time, in groups of ACT_GROUP inputs
-  (symmetric, amax / 127 each); each group's exact int32 sum scaled by its activation
-  scale, the total by the weight's. Per-token scales alone cost SmolLM2 3% of perplexity,
-  these groups about 1% (bench/NOTES.md).
+- int8: weights and activations both rotated along the inputs (hadamard.rotate, an
+  orthogonal map: (x R)(W R)^T = x W^T), as QuaRot does (arXiv 2404.00456). Weights get
+  symmetric per-output-channel scales at load from a bf16/float32 checkpoint; activations
+  are quantized per token at run time (amax / 127, one scale a row); each row's exact
+  int32 sum over all inputs times the row's scale, then the channel's. Unrotated, a few
+  outlier channels set each token's scale: SmolLM2 lost ~4% of perplexity with per-token
+  scales (a torch simulation), +0.81% with a scale per 64 inputs; rotated, per-token
+  scales lose +0.28% (bench/NOTES.md), and the integer sums need no flush every 64 inputs
+  (AMX's tiles accumulate all of them).
 - fp8 (e4m3): FP8 checkpoints as published (128x128 block scales `weight_scale_inv`, as
   DeepSeek-V3 and the Qwen3 FP8 releases ship them; per-tensor or per-channel `weight_scale`,
   as compressed-tensors writes them), or a bf16 checkpoint quantized per channel at load. On
   the CPU they run weight-only (each weight widened and scaled in the kernel); on CUDA through
   torch._scaled_mm with per-token fp8 activations (unmeasured: no GPU run has proven it yet).
 
-A QWeight keeps the 8-bit values and their scales in one of two layouts: row-major
-[..., N, K] (the torch path: CUDA, float32 engines, CPUs without our kernels) or packed for
-the CPU kernels (cpu_kernels.pack_qweight). Scales are float32 [..., G, N]: one per group of
-`group` inputs (all K for per-channel scales) and output column.
+A QWeight keeps the 8-bit values (int8: of the rotated rows) and their scales in one of two
+layouts: row-major [..., N, K] (the torch path: CUDA, float32 engines, CPUs without our
+kernels) or packed for the CPU kernels (cpu_kernels.pack_qweight). Scales are float32 [...,
+G, N]: one per group of `group` inputs (all K for per-channel scales) and output column.
 
 This module is the torch reference of the arithmetic the kernels do (same rounding rules),
 so the two paths can be held equal in tests.
@@ -27,7 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-ACT_GROUP = 64  # int8 activations: inputs per scale (csrc/kernels.h ACT_GROUP)
+from inference.hadamard import rotate, rotate_by_products
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 FP8_BLOCK = 128  # the block scales' size, rows and inputs alike, as the checkpoints ship them
@@ -40,7 +45,7 @@ class QWeight:
     scale: torch.Tensor  # float32 [..., G, N]
     group: int  # inputs per scale group
     in_features: int
-    colsum: torch.Tensor | None = None  # int32 [..., N], each column's sum (packed int8 only)
+    colsum: torch.Tensor | None = None  # int32 [..., N16], each column's sum (packed int8 only)
 
     @property
     def packed(self) -> bool:
@@ -66,36 +71,32 @@ class QWeight:
         )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The real weights [..., N, K] (row-major layout only)."""
+        """The real weights [..., N, K] (row-major layout only; int8 rotated back)."""
         if self.packed:
             raise ValueError("dequantize() reads the row-major layout, not a packed weight")
         scale = self.scale.transpose(-1, -2).repeat_interleave(self.group, dim=-1)
-        return (self.data.float() * scale[..., : self.in_features]).to(dtype)
+        w = self.data.float() * scale[..., : self.in_features]
+        return (rotate_by_products(w) if self.fmt == "int8" else w).to(dtype)
 
 
 # ---- quantizing ---------------------------------------------------------------------------
 
 
-def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row, or per group of `group` inputs of each row: q = rne(x * 127 /
-    amax) in [-127, 127] and the scales amax / 127 (0 for an all-zero row or group), in
-    float32 as the kernels do -> q [..., K] and scales [...] (or [..., groups])."""
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row: q = rne(x * 127 / amax) in [-127, 127] and the scales amax /
+    127 (0 for an all-zero row), in float32 as the kernels do -> q [..., K], scales [...]."""
     x = x.float()
-    k = x.shape[-1]
-    size = group or k
-    groups = -(-k // size)
-    padded = F.pad(x, (0, groups * size - k)).unflatten(-1, (groups, size))
-    amax = padded.abs().amax(dim=-1, keepdim=True)
+    amax = x.abs().amax(dim=-1, keepdim=True)
     # a true division (torch turns `127.0 / amax` into 127 * reciprocal(amax): another rounding)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    q = (padded * inv).round().clamp(-127, 127).to(torch.int8).flatten(-2)[..., :k]
-    scales = (amax / 127.0).squeeze(-1)
-    return q, scales if group else scales.squeeze(-1)
+    q = (x * inv).round().clamp(-127, 127).to(torch.int8)
+    return q, (amax / 127.0).squeeze(-1)
 
 
 def quantize_int8(w: torch.Tensor) -> QWeight:
-    """[..., N, K] -> int8 with a scale per output channel."""
-    q, scale = quantize_rows(w)
+    """[..., N, K] -> int8 rows of w rotated along K (hadamard.rotate), a scale per output
+    channel."""
+    q, scale = quantize_rows(rotate_by_products(w))
     return QWeight("int8", q, scale.unsqueeze(-2).contiguous(), w.shape[-1], w.shape[-1])
 
 
@@ -148,18 +149,15 @@ def linear(
     x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, scaled_mm: bool | None = None
 ) -> torch.Tensor:
     """x [..., K] times a row-major QWeight (+ bias) -> [..., N] in x's dtype.
-    int8: W8A8, x quantized per row and group of ACT_GROUP inputs, each group's exact sum
-    times its scale, the total times the weight's (as the kernels, up to float rounding).
+    int8: W8A8, x rotated and quantized per row, each row's exact integer sums (in float64)
+    times its scale, then the weight's: the kernels' floats, in their order.
     fp8: on CUDA (or with scaled_mm=True) x quantized per row to fp8 and torch._scaled_mm
     with row-wise scales, where the weight has one scale per channel; else weight-only."""
     rows = x.reshape(-1, x.shape[-1])
     if w.fmt == "int8":
-        q, sx = quantize_rows(rows, ACT_GROUP)
-        y = torch.zeros(rows.shape[0], w.out_features, device=x.device)
-        for g in range(sx.shape[1]):  # each group's sum is exact in float32 (< 2^24)
-            cols = slice(g * ACT_GROUP, (g + 1) * ACT_GROUP)
-            y = torch.addcmul(y, q[:, cols].float() @ w.data[:, cols].float().t(), sx[:, g : g + 1])
-        y = y * w.scale[0]
+        q, sx = quantize_rows(rotate(rows.float()))
+        sums = q.double() @ w.data.double().t()  # exact: the kernels' int32 sums
+        y = sums.float() * sx.unsqueeze(-1) * w.scale[0]
     else:
         use_scaled = x.device.type == "cuda" if scaled_mm is None else scaled_mm
         if use_scaled and w.scale.shape[-2] == 1:

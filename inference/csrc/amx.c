@@ -58,7 +58,6 @@ static void configure(int tail) {
 /* bytes a tile load looks ahead along its block's stream (2-4 KB measured best; 8 KB and
  * more, slower) */
 #define PREFETCH_AHEAD 4096
-#define ACT_GROUP 64 /* kernels.h: activation inputs per scale, a multiple of 64 */
 
 static inline void prefetch_tile(const int8_t *b) {
     for (int line = 0; line < 1024; line += 64) __builtin_prefetch(b + PREFETCH_AHEAD + line, 0, 3);
@@ -93,103 +92,55 @@ void ms_amx_block(const bf16 *A, int64_t lda, int64_t rows, const bf16 *B, int64
     _tile_release();
 }
 
-/* The int8 products (kernels.h int8_fn): for each job's block, C[r][0..16) = sum over
- * activation groups g (ACT_GROUP inputs) of a_scale[r * lds + g] * (group g's
- * exact int32 sum), added with one float32 FMA per group in group order, as the other int8
- * paths do (a group of 128 or more inputs would take several tile multiplies before its sums
- * are scaled): A signed bytes (stride lda, Kq columns), B one packed 16-column int8 block
- * (Kq / 4 quad rows); Kq a multiple of 64 (the caller checks). colsum: unused (signed
- * products need no offset). TDPBSSD multiplies signed by signed into int32.
+/* The int8 products (kernels.h int8_fn): for each job's block, C[r][0..16) = the exact int32
+ * sums of row r of A times the block's columns, r < rows: A signed bytes (stride lda, Kq
+ * columns), B one packed 16-column int8 block (Kq / 4 quad rows); Kq a multiple of 64 (the
+ * caller checks). colsum: unused (signed products need no offset). TDPBSSD multiplies signed
+ * by signed into int32, and a tile accumulates every input: one store per block and 16 rows.
  *
  * At a few rows per expert these products wait on memory: a tile load stalls until its 16
- * lines arrive, and the tile's sums go through memory every 64 inputs. So blocks go two at a
- * time (two streams of weights in flight, one load of the rows for both), and each tile load
- * asks for the lines PREFETCH_AHEAD bytes further along its stream (measured on a Xeon with
- * AMX: one core streaming from memory 6.5 -> 9.8 GB/s, bench/NOTES.md). */
+ * lines arrive. So blocks go two at a time (two streams of weights in flight, one load of
+ * the rows for both), and each tile load asks for the lines PREFETCH_AHEAD bytes further
+ * along its stream (measured on a Xeon with AMX: one core streaming from memory 6.5 -> 9.8
+ * GB/s, bench/NOTES.md). */
 typedef struct {
     const int8_t *B;
     const int32_t *colsum;
-    float *C;
+    int32_t *C;
 } int8_job;
 
-/* out[r] += scale of row r's group * (its exact group sums), r < n: in vector registers
- * where the build has AVX-512, in plain C for the emulated build */
-#if defined(MS_AMX_EMULATED)
-typedef struct { float v[16]; } acc16;
-static inline acc16 acc_zero(void) { acc16 a; memset(&a, 0, sizeof a); return a; }
-static inline acc16 acc_add(acc16 out, const int32_t *sums, float s) {
-    for (int j = 0; j < 16; j++) out.v[j] = __builtin_fmaf((float)sums[j], s, out.v[j]);
-    return out;
-}
-static inline void acc_store(float *c, acc16 a) { memcpy(c, a.v, sizeof a.v); }
-#else
-typedef __m512 acc16;
-static inline acc16 acc_zero(void) { return _mm512_setzero_ps(); }
-static inline acc16 acc_add(acc16 out, const int32_t *sums, float s) {
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(sums)), _mm512_set1_ps(s), out);
-}
-static inline void acc_store(float *c, acc16 a) { _mm512_storeu_ps(c, a); }
-#endif
-
-/* out[b][r] += row r's group scale * the group's sums of block b (r < n) */
-#define INT8_FLUSH(SUMS, S)                                                                    \
-    do {                                                                                       \
-        for (int r = 0; r < n; r++) out[0][r] = acc_add(out[0][r], (SUMS)[0][r], (S)[r * lds]); \
-        if (two)                                                                               \
-            for (int r = 0; r < n; r++) out[1][r] = acc_add(out[1][r], (SUMS)[1][r], (S)[r * lds]); \
-    } while (0)
-
-/* one group of n rows (n <= 16) times blocks b0 and, if `two`, b1, on tiles C and A (and C2
- * for b1; constants: the tile instructions take their register numbers as immediates). A
- * tile's sums go through memory, and a load of what a tile store just wrote waits for the
- * store to complete, so each group's sums are scaled one group later, while the tiles
- * multiply the next (same additions, same order). */
+/* n rows (n <= 16) times blocks b0 and, if `two`, b1, on tiles C and A (and C2 for b1;
+ * constants: the tile instructions take their register numbers as immediates) */
 #define INT8_ROWS(C_TILE, A_TILE, C2_TILE)                                                     \
     do {                                                                                       \
-        acc16 out[2][16];                                                                      \
-        const float *pending = NULL; /* the scales of the group whose sums wait in sums[1 - buf] */ \
-        int buf = 0;                                                                           \
-        for (int r = 0; r < n; r++) out[0][r] = out[1][r] = acc_zero();                        \
-        for (int64_t k0 = 0; k0 < Kq; k0 += ACT_GROUP) {                                       \
-            const int64_t k1 = k0 + ACT_GROUP < Kq ? k0 + ACT_GROUP : Kq;                      \
-            _tile_zero(C_TILE);                                                                \
-            if (two) _tile_zero(C2_TILE);                                                      \
-            for (int64_t k = k0; k < k1; k += 64) {                                            \
-                _tile_loadd(A_TILE, rows_a + k, lda);                                          \
-                _tile_loadd(2, b0 + k * 16, 64);                                               \
-                prefetch_tile(b0 + k * 16);                                                    \
-                _tile_dpbssd(C_TILE, A_TILE, 2);                                               \
-                if (two) {                                                                     \
-                    _tile_loadd(6, b1 + k * 16, 64);                                           \
-                    prefetch_tile(b1 + k * 16);                                                \
-                    _tile_dpbssd(C2_TILE, A_TILE, 6);                                          \
-                }                                                                              \
+        _tile_zero(C_TILE);                                                                    \
+        if (two) _tile_zero(C2_TILE);                                                          \
+        for (int64_t k = 0; k < Kq; k += 64) {                                                 \
+            _tile_loadd(A_TILE, rows_a + k, lda);                                              \
+            _tile_loadd(2, b0 + k * 16, 64);                                                   \
+            prefetch_tile(b0 + k * 16);                                                        \
+            _tile_dpbssd(C_TILE, A_TILE, 2);                                                   \
+            if (two) {                                                                         \
+                _tile_loadd(6, b1 + k * 16, 64);                                               \
+                prefetch_tile(b1 + k * 16);                                                    \
+                _tile_dpbssd(C2_TILE, A_TILE, 6);                                              \
             }                                                                                  \
-            _tile_stored(C_TILE, sums[buf][0], 64);                                            \
-            if (two) _tile_stored(C2_TILE, sums[buf][1], 64);                                  \
-            if (pending) INT8_FLUSH(sums[1 - buf], pending);                                   \
-            pending = scales + k0 / ACT_GROUP, buf = 1 - buf;                                  \
         }                                                                                      \
-        INT8_FLUSH(sums[1 - buf], pending);                                                    \
-        for (int r = 0; r < n; r++) acc_store(c0 + r * ldc, out[0][r]);                        \
-        if (two)                                                                               \
-            for (int r = 0; r < n; r++) acc_store(c1 + r * ldc, out[1][r]);                    \
+        _tile_stored(C_TILE, c0, ldc * sizeof(int32_t));                                       \
+        if (two) _tile_stored(C2_TILE, c1, ldc * sizeof(int32_t));                             \
     } while (0)
 
-void ms_amx_int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const float *a_scale, int64_t lds,
-                       const int8_job *jobs, int64_t count, int64_t ldc) {
-    int32_t sums[2][2][16][16]; /* [buffer][block][row][column] */
+void ms_amx_int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const int8_job *jobs, int64_t count,
+                       int64_t ldc) {
     const int64_t full = rows / 16, tail = rows % 16;
     configure((int)tail);
     for (int64_t b = 0; b < count; b += 2) {
         const int two = b + 1 < count;
         const int8_t *b0 = jobs[b].B, *b1 = two ? jobs[b + 1].B : NULL;
         for (int64_t g = 0; g <= full; g++) {
-            const int n = g < full ? 16 : (int)tail;
-            if (!n) break;
+            if (g == full && !tail) break;
             const int8_t *rows_a = A + g * 16 * lda;
-            const float *scales = a_scale + g * 16 * lds;
-            float *c0 = jobs[b].C + g * 16 * ldc, *c1 = two ? jobs[b + 1].C + g * 16 * ldc : NULL;
+            int32_t *c0 = jobs[b].C + g * 16 * ldc, *c1 = two ? jobs[b + 1].C + g * 16 * ldc : NULL;
             if (g < full)
                 INT8_ROWS(0, 1, 5);
             else

@@ -88,7 +88,7 @@ static void prefetch_rows(const int32_t *table, int64_t block_size, int64_t p0, 
  * dk elements past a key row's start, v_scale_at past a value row's); slot of
  * position p: block_tables[b][p / block_size] * block_size + p % block_size; out [B, H, dv]
  * (row stride ldo). Query heads [g * H / G, (g + 1) * H / G) share kv head g. An 8-bit cache
- * holds its rows rotated (kv_rotate): the queries are rotated alike and the outputs back
+ * holds its rows rotated (hadamard_rotate): the queries are rotated alike and the outputs back
  * (dv's blocks are the first of dk's: MLA's 512 of 576). */
 int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_t G, int kv_kind,
                         const void *k_cache, int64_t k_slot, int64_t k_head, int64_t dk,
@@ -134,7 +134,7 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
             for (int64_t h = 0; h < H; h++) {
                 const bf16 *qh = q + b * ldq + h * dk;
                 for (int64_t c = 0; c < dk; c++) qf[h * dk + c] = bf16_to_f32(qh[c]) * scale;
-                if (kv_kind != KV_BF16) kv_rotate(qf + h * dk, dk); /* q . k = Rq . Rk: the rows stored rotated */
+                if (kv_kind != KV_BF16) hadamard_rotate(qf + h * dk, dk); /* q . k = Rq . Rk: the rows stored rotated */
             }
             const int32_t *table = block_tables + b * bt_stride;
             prefetch_rows(table, block_size, c0, c1, k_cache, k_slot, k_bytes, v_cache, v_slot, v_bytes, elem);
@@ -198,7 +198,7 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                 sum += f * r[1];
                 weighted_rows(merged, 1.0f, &f, r + 2, 1, dv, dv);
             }
-            if (kv_kind != KV_BF16) kv_rotate(merged, dv); /* the values were rotated: R R = I */
+            if (kv_kind != KV_BF16) hadamard_rotate(merged, dv); /* the values were rotated: R R = I */
             bf16 *o = out + b * ldo + h * dv;
             const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
             int64_t c = 0;

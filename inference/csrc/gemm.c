@@ -294,9 +294,7 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
     const int copy = narrow && K != Kp;          /* which need a zero-padded copy for odd K */
     const size_t a_bytes = wide ? round64((size_t)batch * M * Kp * sizeof(float)) : 0;
     const size_t c_bytes = copy ? round64((size_t)batch * M * Kp * sizeof(bf16)) : 0;
-    const int64_t groups = act_groups(K);
-    const size_t q_bytes =
-        need8 ? round64((size_t)batch * M * Kq) + round64((size_t)batch * M * groups * sizeof(float)) : 0;
+    const size_t q_bytes = need8 ? round64((size_t)batch * M * Kq) + round64((size_t)batch * M * sizeof(float)) : 0;
     const size_t pad = round64(pad_bytes(K));
     const int64_t step = need8 ? 2 : 1, steps = (blocks + step - 1) / step; /* int8 blocks go in pairs */
     region_enter();
@@ -313,7 +311,7 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
     {
         void *tpad = scratch + a_bytes + c_bytes + q_bytes + (size_t)omp_get_thread_num() * pad;
         float C[TILE_ROWS * BLOCK], C2[TILE_ROWS * BLOCK];
-        float *row32 = need8 ? (float *)tpad : NULL; /* a row widened for quantizing (pad is free here) */
+        float *row32 = need8 ? (float *)tpad : NULL; /* a row widened (and rotated) for quantizing (pad is free here) */
 #pragma omp for collapse(2) schedule(static)
         for (int64_t i = 0; i < batch; i++)
             for (int64_t m = 0; m < M; m++) {
@@ -325,7 +323,7 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
                 }
                 if (Q) {
                     widen_row(row, K, row32, K);
-                    quantize_row_s8(row32, K, Q + (i * M + m) * Kq, Kq, S + (i * M + m) * groups);
+                    quantize_row_s8(row32, K, Q + (i * M + m) * Kq, Kq, S + i * M + m);
                 }
             }
 #pragma omp for collapse(3) schedule(static)
@@ -337,7 +335,7 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
                     const rows_t r = {
                         A ? A + i * M * Kp : NULL, Kp,
                         X16 ? X16 + i * M * Kp : narrow ? x + i * x_bs : NULL, X16 ? Kp : ldx,
-                        Q ? Q + i * M * Kq : NULL, Kq, S ? S + i * M * groups : NULL,
+                        Q ? Q + i * M * Kq : NULL, Kq, S ? S + i * M : NULL,
                     };
                     const int64_t j0 = jj * step, j1 = j0 + step < blocks ? j0 + step : blocks;
                     const int64_t end = (ch + 1) * rows < M ? (ch + 1) * rows : M;

@@ -1,12 +1,13 @@
 /* Products with 8-bit weights (int8, fp8 e4m3), the generic block product every kernel calls
  * (wblock_gemm: bf16, int8 or fp8 weights), and the 8-bit KV-cache row formats.
  *
- * int8 weights (W8A8): activations are quantized per row and group of ACT_GROUP inputs
- * (symmetric, scale amax / 127) and multiplied in integers, each group's int32 sum scaled by
- * its activation scale, then by the column's. The products of a block run, best first: AMX
- * int8 tiles (amx.c, from 4 rows with whole 64-input tiles), VNNI's vpdpbusd (int8_vnni.c),
- * or AVX2/AVX512BW vpmaddubsw on |w| and the activation carrying w's sign (here, every
- * build): the same floats on every CPU.
+ * int8 weights (W8A8): the weights' rows were rotated at load (quant.py); activation rows
+ * are rotated alike (hadamard_rotate) and quantized per row (symmetric, scale amax / 127),
+ * multiplied in integers, and each row's exact int32 sums scaled by its activation scale,
+ * then by the column's. The integer products of a block run, best first: AMX int8 tiles
+ * (amx.c, from 4 rows with whole 64-input tiles), VNNI's vpdpbusd (int8_vnni.c), or
+ * AVX2/AVX512BW vpmaddubsw on |w| and the activation carrying w's sign (here, every build):
+ * the same integers on every CPU, scaled in one place (int8_blocks).
  *
  * fp8 weights run weight-only on the CPU: each weight widened to float32 in registers (shift
  * and mask, the exponent rebias folded into the scale) times its group's scale, float32 FMAs
@@ -44,10 +45,8 @@ static const uint8_t *weight_block8(const uint8_t *w, int64_t N, int64_t Kq, int
     return pad;
 }
 
-/* block j's column sums per activation group ([groups][16]) of a packed int8 [N, K] */
-static inline const int32_t *block_colsum(const wmat *w, int64_t K, int64_t j) {
-    return w->colsum + j * act_groups(K) * BLOCK;
-}
+/* block j's 16 column sums of a packed int8 [N, K] */
+static inline const int32_t *block_colsum(const wmat *w, int64_t j) { return w->colsum + j * BLOCK; }
 
 wmat wmat_expert(const wmat *w, int64_t e, int64_t N, int64_t K) {
     wmat x = *w;
@@ -58,12 +57,12 @@ wmat wmat_expert(const wmat *w, int64_t e, int64_t N, int64_t K) {
     const int64_t groups = (K + w->group - 1) / w->group;
     x.data = (const uint8_t *)w->data + e * N * quad(K);
     x.scale = w->scale + e * groups * N;
-    x.colsum = w->colsum ? w->colsum + e * act_groups(K) * ((N + BLOCK - 1) / BLOCK) * BLOCK : NULL;
+    x.colsum = w->colsum ? w->colsum + e * ((N + BLOCK - 1) / BLOCK) * BLOCK : NULL;
     return x;
 }
 
 /* scratch per thread for wblock_gemm: a narrow 8-bit block, a dequantized bf16 block, the
- * block's scales per group (fp8) or column sums per activation group (int8) */
+ * block's scales per group (fp8) */
 size_t pad_bytes(int64_t K) {
     const int64_t Kq = quad(K);
     return round64((size_t)Kq * BLOCK) + round64((size_t)Kq * BLOCK * sizeof(bf16)) +
@@ -88,115 +87,94 @@ void ms_set_int8(void *vnni, void *amx) {
 int ms_int8_path(void) { return int8_amx ? 2 : int8_vnni ? 1 : 0; }
 
 /* rows x one block without VNNI: vpmaddubsw on |w| and x carrying w's sign (simd.h
- * vi_dot4), each activation group's sums scaled into float32 accumulators */
+ * vi_dot4), the exact int32 sums stored */
 static inline __attribute__((always_inline)) void int8_tile(const int rows, const int8_t *A, int64_t lda,
-                                                            const int8_t *B, int64_t Kq, const float *sa,
-                                                            int64_t lds, float *C, int64_t ldc) {
+                                                            const int8_t *B, int64_t Kq, int32_t *C, int64_t ldc) {
     vi acc[MR8][VPB];
-    vf out[MR8][VPB];
 #pragma GCC unroll 8
     for (int m = 0; m < rows; m++)
 #pragma GCC unroll 2
-        for (int v = 0; v < VPB; v++) acc[m][v] = vi_set1(0), out[m][v] = vf_zero();
-    for (int64_t k0 = 0, g = 0; k0 < Kq; k0 += ACT_GROUP, g++) {
-        const int64_t k1 = k0 + ACT_GROUP < Kq ? k0 + ACT_GROUP : Kq;
-        for (int64_t kq = k0 / 4; kq < k1 / 4; kq++) {
-            vi w[VPB], wa[VPB];
+        for (int v = 0; v < VPB; v++) acc[m][v] = vi_set1(0);
+    for (int64_t kq = 0; kq < Kq / 4; kq++) {
+        vi w[VPB], wa[VPB];
 #pragma GCC unroll 2
-            for (int v = 0; v < VPB; v++) {
-                w[v] = vi_load(B + kq * 4 * BLOCK + v * 4 * VL);
-                wa[v] = vi_abs8(w[v]);
-            }
-#pragma GCC unroll 8
-            for (int m = 0; m < rows; m++) {
-                int32_t x4;
-                memcpy(&x4, A + m * lda + 4 * kq, 4);
-                const vi x = vi_set1(x4);
-#pragma GCC unroll 2
-                for (int v = 0; v < VPB; v++) acc[m][v] = vi_dot4(acc[m][v], wa[v], w[v], x);
-            }
+        for (int v = 0; v < VPB; v++) {
+            w[v] = vi_load(B + kq * 4 * BLOCK + v * 4 * VL);
+            wa[v] = vi_abs8(w[v]);
         }
 #pragma GCC unroll 8
         for (int m = 0; m < rows; m++) {
-            const vf s = vf_set1(sa[m * lds + g]);
+            int32_t x4;
+            memcpy(&x4, A + m * lda + 4 * kq, 4);
+            const vi x = vi_set1(x4);
 #pragma GCC unroll 2
-            for (int v = 0; v < VPB; v++) {
-                out[m][v] = vf_fma(vi_to_vf(acc[m][v]), s, out[m][v]);
-                acc[m][v] = vi_set1(0);
-            }
+            for (int v = 0; v < VPB; v++) acc[m][v] = vi_dot4(acc[m][v], wa[v], w[v], x);
         }
     }
 #pragma GCC unroll 8
     for (int m = 0; m < rows; m++)
 #pragma GCC unroll 2
-        for (int v = 0; v < VPB; v++) vf_store(C + m * ldc + v * VL, out[m][v]);
+        for (int v = 0; v < VPB; v++) vi_store(C + m * ldc + v * VL, acc[m][v]);
 }
 
-void int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const float *a_scale, int64_t lds,
-                const int8_job *jobs, int64_t count, int64_t ldc) {
+void int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const int8_job *jobs, int64_t count,
+                int64_t ldc) {
     if (int8_amx && rows >= 4 && Kq % 64 == 0) {
-        int8_amx(A, lda, rows, Kq, a_scale, lds, jobs, count, ldc);
+        int8_amx(A, lda, rows, Kq, jobs, count, ldc);
         return;
     }
     if (int8_vnni) {
-        int8_vnni(A, lda, rows, Kq, a_scale, lds, jobs, count, ldc);
+        int8_vnni(A, lda, rows, Kq, jobs, count, ldc);
         return;
     }
     for (int64_t b = 0; b < count; b++)
         for (int64_t m0 = 0; m0 < rows; m0 += MR8) {
             const int8_t *a = A + m0 * lda, *B = jobs[b].B;
-            const float *sa = a_scale + m0 * lds;
-            float *c = jobs[b].C + m0 * ldc;
+            int32_t *c = jobs[b].C + m0 * ldc;
             switch (rows - m0 < MR8 ? rows - m0 : MR8) {
-            case 1: int8_tile(1, a, lda, B, Kq, sa, lds, c, ldc); break;
-            case 2: int8_tile(2, a, lda, B, Kq, sa, lds, c, ldc); break;
-            case 3: int8_tile(3, a, lda, B, Kq, sa, lds, c, ldc); break;
-            case 4: int8_tile(4, a, lda, B, Kq, sa, lds, c, ldc); break;
+            case 1: int8_tile(1, a, lda, B, Kq, c, ldc); break;
+            case 2: int8_tile(2, a, lda, B, Kq, c, ldc); break;
+            case 3: int8_tile(3, a, lda, B, Kq, c, ldc); break;
+            case 4: int8_tile(4, a, lda, B, Kq, c, ldc); break;
 #if MR8 > 4
-            case 5: int8_tile(5, a, lda, B, Kq, sa, lds, c, ldc); break;
-            case 6: int8_tile(6, a, lda, B, Kq, sa, lds, c, ldc); break;
-            case 7: int8_tile(7, a, lda, B, Kq, sa, lds, c, ldc); break;
-            case 8: int8_tile(8, a, lda, B, Kq, sa, lds, c, ldc); break;
+            case 5: int8_tile(5, a, lda, B, Kq, c, ldc); break;
+            case 6: int8_tile(6, a, lda, B, Kq, c, ldc); break;
+            case 7: int8_tile(7, a, lda, B, Kq, c, ldc); break;
+            case 8: int8_tile(8, a, lda, B, Kq, c, ldc); break;
 #endif
             }
         }
 }
 
-void quantize_row_s8(const float *x, int64_t K, int8_t *q, int64_t Kq, float *scales) {
-    for (int64_t k0 = 0, g = 0; k0 < K; k0 += ACT_GROUP, g++) {
-        const int64_t k1 = k0 + ACT_GROUP < K ? k0 + ACT_GROUP : K;
-        vf vmax = vf_zero();
-        int64_t k = k0;
-        for (; k + VL <= k1; k += VL) vmax = vf_max(vmax, vf_max(vf_load(x + k), vf_sub(vf_zero(), vf_load(x + k))));
-        float amax = vf_hmax(vmax);
-        for (; k < k1; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
-        if (amax == 0.0f) {
-            memset(q + k0, 0, k1 - k0);
-            scales[g] = 0.0f;
-            continue;
-        }
-        const float inv = 127.0f / amax;
-        const vf vinv = vf_set1(inv), lim = vf_set1(127.0f), neg = vf_set1(-127.0f);
-        for (k = k0; k + VL <= k1; k += VL) /* cvtps2dq rounds to nearest even, as nearbyintf */
-            vi_store_s8(q + k, vf_to_vi(vf_max(vf_min(vf_mul(vf_load(x + k), vinv), lim), neg)));
-        for (; k < k1; k++) {
-            float r = nearbyintf(x[k] * inv);
-            r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
-            q[k] = (int8_t)r;
-        }
-        scales[g] = amax / 127.0f;
+void quantize_row_s8(float *x, int64_t K, int8_t *q, int64_t Kq, float *scale) {
+    hadamard_rotate(x, K);
+    vf vmax = vf_zero();
+    int64_t k = 0;
+    for (; k + VL <= K; k += VL) vmax = vf_max(vmax, vf_max(vf_load(x + k), vf_sub(vf_zero(), vf_load(x + k))));
+    float amax = vf_hmax(vmax);
+    for (; k < K; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const vf vinv = vf_set1(inv), lim = vf_set1(127.0f), neg = vf_set1(-127.0f);
+    for (k = 0; k + VL <= K; k += VL) /* cvtps2dq rounds to nearest even, as nearbyintf */
+        vi_store_s8(q + k, vf_to_vi(vf_max(vf_min(vf_mul(vf_load(x + k), vinv), lim), neg)));
+    for (; k < K; k++) {
+        float r = nearbyintf(x[k] * inv);
+        r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+        q[k] = (int8_t)r;
     }
-    for (int64_t k = K; k < Kq; k++) q[k] = 0;
+    for (; k < Kq; k++) q[k] = 0;
+    *scale = amax / 127.0f;
 }
 
 /* ---- fp8 weight-only ----------------------------------------------------------------- */
 
 /* rows x one fp8 block: weights widened in registers (3 instructions a vector), float32 FMAs
- * with the widened rows; the scale (and the exponent rebias) multiplies each group's sums
+ * with the widened rows (K inputs: the rows are not read past them, the block's padding); the scale (and the exponent rebias) multiplies each group's sums
  * once, not every weight (sc: the block's scales per group, 16 each, times 2^120). */
 static inline __attribute__((always_inline)) void fp8_tile(const int rows, const float *A, int64_t lda,
-                                                           const uint8_t *B, int64_t Kq, const float *sc,
+                                                           const uint8_t *B, int64_t K, const float *sc,
                                                            int64_t group, float *C, int64_t ldc) {
+    const int64_t Kq = quad(K);
     vf acc[MR8][VPB], part[MR8][VPB];
 #pragma GCC unroll 8
     for (int m = 0; m < rows; m++)
@@ -208,8 +186,10 @@ static inline __attribute__((always_inline)) void fp8_tile(const int rows, const
             vi raw[VPB];
 #pragma GCC unroll 2
             for (int v = 0; v < VPB; v++) raw[v] = vi_load(B + kq * 4 * BLOCK + v * 4 * VL);
+            const int inputs = 4 * kq + 4 <= K ? 4 : (int)(K - 4 * kq);
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++) {
+                if (i == inputs) break;
                 vf w[VPB];
 #pragma GCC unroll 2
                 for (int v = 0; v < VPB; v++) w[v] = vf_from_e4m3_raw(raw[v], i);
@@ -236,21 +216,21 @@ static inline __attribute__((always_inline)) void fp8_tile(const int rows, const
         for (int v = 0; v < VPB; v++) vf_store(C + m * ldc + v * VL, acc[m][v]);
 }
 
-static void fp8_gemm(const float *A, int64_t lda, int64_t rows, const uint8_t *B, int64_t Kq, const float *sc,
+static void fp8_gemm(const float *A, int64_t lda, int64_t rows, const uint8_t *B, int64_t K, const float *sc,
                      int64_t group, float *C, int64_t ldc) {
     for (int64_t m0 = 0; m0 < rows; m0 += MR8) {
         const float *a = A + m0 * lda;
         float *c = C + m0 * ldc;
         switch (rows - m0 < MR8 ? rows - m0 : MR8) {
-        case 1: fp8_tile(1, a, lda, B, Kq, sc, group, c, ldc); break;
-        case 2: fp8_tile(2, a, lda, B, Kq, sc, group, c, ldc); break;
-        case 3: fp8_tile(3, a, lda, B, Kq, sc, group, c, ldc); break;
-        case 4: fp8_tile(4, a, lda, B, Kq, sc, group, c, ldc); break;
+        case 1: fp8_tile(1, a, lda, B, K, sc, group, c, ldc); break;
+        case 2: fp8_tile(2, a, lda, B, K, sc, group, c, ldc); break;
+        case 3: fp8_tile(3, a, lda, B, K, sc, group, c, ldc); break;
+        case 4: fp8_tile(4, a, lda, B, K, sc, group, c, ldc); break;
 #if MR8 > 4
-        case 5: fp8_tile(5, a, lda, B, Kq, sc, group, c, ldc); break;
-        case 6: fp8_tile(6, a, lda, B, Kq, sc, group, c, ldc); break;
-        case 7: fp8_tile(7, a, lda, B, Kq, sc, group, c, ldc); break;
-        case 8: fp8_tile(8, a, lda, B, Kq, sc, group, c, ldc); break;
+        case 5: fp8_tile(5, a, lda, B, K, sc, group, c, ldc); break;
+        case 6: fp8_tile(6, a, lda, B, K, sc, group, c, ldc); break;
+        case 7: fp8_tile(7, a, lda, B, K, sc, group, c, ldc); break;
+        case 8: fp8_tile(8, a, lda, B, K, sc, group, c, ldc); break;
 #endif
         }
     }
@@ -277,12 +257,13 @@ static void dequantize_block(const uint8_t *B, int64_t Kp, const float *sc, int6
 
 /* ---- any weight ---------------------------------------------------------------------- */
 
-/* int8 blocks js[0..count) of w (jobs: their data, sums and results) times rows [m0, m0 +
- * rows) of a, then each result column times its weight scale */
+/* int8 blocks js[0..count) of w (jobs: their data, sums and results, the results' memory
+ * taking the integer sums first) times rows [m0, m0 + rows) of a: each row's exact sums times
+ * its activation scale, then each column's weight scale */
 static void int8_blocks(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K,
                         const int8_job *jobs, const int64_t *js, int64_t count, int64_t ldc) {
-    const int64_t ag = act_groups(K);
-    int8_block(a->s8 + m0 * a->ld8, a->ld8, rows, quad(K), a->s8_scale + m0 * ag, ag, jobs, count, ldc);
+    int8_block(a->s8 + m0 * a->ld8, a->ld8, rows, quad(K), jobs, count, ldc);
+    const float *sa = a->s8_scale + m0;
     for (int64_t b = 0; b < count; b++) {
         const int64_t n0 = js[b] * BLOCK, nc = N - n0 < BLOCK ? N - n0 : BLOCK;
         float narrow_scale[BLOCK] = {0};
@@ -291,9 +272,15 @@ static void int8_blocks(const rows_t *a, int64_t m0, int64_t rows, const wmat *w
             memcpy(narrow_scale, ws, nc * sizeof(float));
             ws = narrow_scale;
         }
-        float *C = jobs[b].C;
-        for (int64_t m = 0; m < rows; m++)
-            for (int v = 0; v < VPB; v++) vf_store(C + m * ldc + v * VL, vf_mul(vf_load(C + m * ldc + v * VL), vf_load(ws + v * VL)));
+        int32_t *sums = jobs[b].C;
+        float *C = (float *)sums; /* vector loads and stores: no aliasing between the two views */
+        for (int64_t m = 0; m < rows; m++) {
+            const vf s = vf_set1(sa[m]);
+            for (int v = 0; v < VPB; v++) {
+                const vf exact = vi_to_vf(vi_load(sums + m * ldc + v * VL));
+                vf_store(C + m * ldc + v * VL, vf_mul(vf_mul(exact, s), vf_load(ws + v * VL)));
+            }
+        }
     }
 }
 
@@ -313,7 +300,7 @@ void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64
     const uint8_t *B = weight_block8(w->data, N, Kq, j, narrow, cols);
     const int64_t n0 = j * BLOCK, nc = *cols;
     if (w->kind == W_INT8) {
-        const int8_job job = {(const int8_t *)B, block_colsum(w, K, j), C};
+        const int8_job job = {(const int8_t *)B, block_colsum(w, j), (int32_t *)C};
         int8_blocks(a, m0, rows, w, N, K, &job, &j, 1, ldc);
         return;
     }
@@ -330,7 +317,7 @@ void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64
                    a->b16 ? a->b16 + m0 * a->ld16 : NULL, a->ld16);
         return;
     }
-    fp8_gemm(a->f32 + m0 * a->ld32, a->ld32, rows, B, Kq, sc, w->group, C, ldc);
+    fp8_gemm(a->f32 + m0 * a->ld32, a->ld32, rows, B, K, sc, w->group, C, ldc);
 }
 
 void wblock_gemm_pair(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j1,
@@ -343,8 +330,8 @@ void wblock_gemm_pair(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, 
     }
     const int64_t Kq = quad(K), js[2] = {j1, j2};
     const int8_job jobs[2] = {
-        {(const int8_t *)w->data + j1 * BLOCK * Kq, block_colsum(w, K, j1), C1},
-        {(const int8_t *)w->data + j2 * BLOCK * Kq, block_colsum(w, K, j2), C2},
+        {(const int8_t *)w->data + j1 * BLOCK * Kq, block_colsum(w, j1), (int32_t *)C1},
+        {(const int8_t *)w->data + j2 * BLOCK * Kq, block_colsum(w, j2), (int32_t *)C2},
     };
     int8_blocks(a, m0, rows, w, N, K, jobs, js, 2, ldc);
 }
@@ -411,12 +398,21 @@ void kv_widen_row(const void *row, int kind, int64_t d, int64_t scale_at, float 
         out[i] = kind == KV_INT8 ? (float)(int8_t)b[i] * s : (kind == KV_E4M3 ? e4m3_to_f32(b[i]) : e5m2_to_f32(b[i])) * s;
 }
 
-void kv_rotate(float *x, int64_t n) {
+void hadamard_rotate(float *x, int64_t n) {
     for (int64_t off = 0, b; off < n; off += b) {
         b = 1; /* the largest power of two left */
         while (2 * b <= n - off) b *= 2;
         float *y = x + off;
-        for (int64_t h = 1; h < b; h *= 2) /* butterflies in kv_cache.rotate's order */
+        int64_t h = 1;
+        if (b >= VL) { /* the butterflies inside a vector: each vector's stages h < VL at once */
+            for (int64_t j = 0; j < b; j += VL) {
+                vf v = vf_load(y + j);
+                for (int stage = 0; (1 << stage) < VL; stage++) v = vf_butterfly(v, stage);
+                vf_store(y + j, v);
+            }
+            h = VL;
+        }
+        for (; h < b; h *= 2) /* butterflies in hadamard.rotate's order */
             for (int64_t i = 0; i < b; i += 2 * h) {
                 int64_t j = i;
                 for (; h >= VL && j < i + h; j += VL) { /* a vector of butterflies: the same sums */
@@ -441,7 +437,7 @@ void kv_store_row(float *x, int kind, int64_t d, void *row) {
         for (int64_t i = 0; i < d; i++) ((bf16 *)row)[i] = f32_to_bf16(x[i]);
         return;
     }
-    kv_rotate(x, d);
+    hadamard_rotate(x, d);
     const float limit = kind == KV_INT8 ? 127.0f : kind == KV_E4M3 ? 448.0f : 57344.0f;
     float amax = 0.0f;
     for (int64_t i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;

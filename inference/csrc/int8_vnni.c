@@ -6,7 +6,7 @@
  *
  * vpdpbusd wants one operand unsigned: the activations' signed bytes plus 128 (a flip of the
  * top bit), and the extra 128 * (the column's sum of weights) taken off at the end, so the
- * group sums are the exact signed ones, scaled as every other int8 path scales them. With -DMS_SIMDE the
+ * sums are the exact signed ones every other int8 path gives. With -DMS_SIMDE the
  * AVX-512 source compiles against SIMDe's portable intrinsics (tests on CPUs without it).
  */
 #include <stdint.h>
@@ -28,75 +28,56 @@ static inline vi dpbusd(vi acc, vi u8, vi s8) { return _mm256_dpbusd_avx_epi32(a
 #endif
 #endif
 
-#define ACT_GROUP 64 /* kernels.h: activation inputs per scale */
-
 static inline vi unsigned_quad(const int8_t *a) {
     int32_t x4;
     memcpy(&x4, a, 4);
     return vi_set1(x4 ^ (int32_t)0x80808080u);
 }
 
-/* out += s * (acc - 128 * the group's column sums), acc reset: one group's sums, exact in
- * int32, into the float32 result */
-static inline void flush(vi acc[VPB], const int32_t *colsum, float s, vf out[VPB]) {
-    for (int v = 0; v < VPB; v++) {
-        const vi exact = vi_sub(acc[v], vi_slli(vi_load(colsum + v * VL), 7));
-        out[v] = vf_fma(vi_to_vf(exact), vf_set1(s), out[v]);
-        acc[v] = vi_set1(0);
-    }
+/* the exact signed sums: acc - 128 * the column sums */
+static inline void store_exact(int32_t *c, const vi acc[VPB], const int32_t *colsum) {
+    for (int v = 0; v < VPB; v++) vi_store(c + v * VL, vi_sub(acc[v], vi_slli(vi_load(colsum + v * VL), 7)));
 }
 
 static inline __attribute__((always_inline)) void tile(const int rows, const int8_t *A, int64_t lda, const int8_t *B,
-                                                       int64_t Kq, const int32_t *colsum, const float *sa,
-                                                       int64_t lds, float *C, int64_t ldc) {
+                                                       int64_t Kq, const int32_t *colsum, int32_t *C, int64_t ldc) {
     vi acc[MR][VPB];
-    vf out[MR][VPB];
 #pragma GCC unroll 8
     for (int m = 0; m < rows; m++)
-        for (int v = 0; v < VPB; v++) acc[m][v] = vi_set1(0), out[m][v] = vf_zero();
-    for (int64_t k0 = 0, g = 0; k0 < Kq; k0 += ACT_GROUP, g++) {
-        const int64_t k1 = k0 + ACT_GROUP < Kq ? k0 + ACT_GROUP : Kq;
-        for (int64_t kq = k0 / 4; kq < k1 / 4; kq++) {
-            vi w[VPB];
-            for (int v = 0; v < VPB; v++) w[v] = vi_load(B + kq * 4 * BLOCK + v * 4 * VL);
+        for (int v = 0; v < VPB; v++) acc[m][v] = vi_set1(0);
+    for (int64_t kq = 0; kq < Kq / 4; kq++) {
+        vi w[VPB];
+        for (int v = 0; v < VPB; v++) w[v] = vi_load(B + kq * 4 * BLOCK + v * 4 * VL);
 #pragma GCC unroll 8
-            for (int m = 0; m < rows; m++) {
-                const vi x = unsigned_quad(A + m * lda + 4 * kq);
-                for (int v = 0; v < VPB; v++) acc[m][v] = dpbusd(acc[m][v], x, w[v]);
-            }
+        for (int m = 0; m < rows; m++) {
+            const vi x = unsigned_quad(A + m * lda + 4 * kq);
+            for (int v = 0; v < VPB; v++) acc[m][v] = dpbusd(acc[m][v], x, w[v]);
         }
-#pragma GCC unroll 8
-        for (int m = 0; m < rows; m++) flush(acc[m], colsum + g * BLOCK, sa[m * lds + g], out[m]);
     }
 #pragma GCC unroll 8
-    for (int m = 0; m < rows; m++)
-        for (int v = 0; v < VPB; v++) vf_store(C + m * ldc + v * VL, out[m][v]);
+    for (int m = 0; m < rows; m++) store_exact(C + m * ldc, acc[m], colsum);
 }
 
 /* one row: two accumulators over alternate quads hide vpdpbusd's latency; the weights
  * stream once (bound by memory) */
-static void row1(const int8_t *A, const int8_t *B, int64_t Kq, const int32_t *colsum, const float *sa, float *C) {
+static void row1(const int8_t *A, const int8_t *B, int64_t Kq, const int32_t *colsum, int32_t *C) {
     vi acc[2][VPB];
-    vf out[VPB];
-    for (int v = 0; v < VPB; v++) acc[0][v] = acc[1][v] = vi_set1(0), out[v] = vf_zero();
-    for (int64_t k0 = 0, g = 0; k0 < Kq; k0 += ACT_GROUP, g++) {
-        const int64_t q1 = (k0 + ACT_GROUP < Kq ? k0 + ACT_GROUP : Kq) / 4;
-        int64_t kq = k0 / 4;
-        for (; kq + 2 <= q1; kq += 2) {
-            _mm_prefetch((const char *)(B + kq * 4 * BLOCK) + 1024, _MM_HINT_T0);
-            for (int u = 0; u < 2; u++) {
-                const vi x = unsigned_quad(A + 4 * (kq + u));
-                for (int v = 0; v < VPB; v++) acc[u][v] = dpbusd(acc[u][v], x, vi_load(B + (kq + u) * 4 * BLOCK + v * 4 * VL));
-            }
+    for (int v = 0; v < VPB; v++) acc[0][v] = acc[1][v] = vi_set1(0);
+    const int64_t quads = Kq / 4;
+    int64_t kq = 0;
+    for (; kq + 2 <= quads; kq += 2) {
+        _mm_prefetch((const char *)(B + kq * 4 * BLOCK) + 1024, _MM_HINT_T0);
+        for (int u = 0; u < 2; u++) {
+            const vi x = unsigned_quad(A + 4 * (kq + u));
+            for (int v = 0; v < VPB; v++) acc[u][v] = dpbusd(acc[u][v], x, vi_load(B + (kq + u) * 4 * BLOCK + v * 4 * VL));
         }
-        for (; kq < q1; kq++) {
-            const vi x = unsigned_quad(A + 4 * kq);
-            for (int v = 0; v < VPB; v++) acc[0][v] = dpbusd(acc[0][v], x, vi_load(B + kq * 4 * BLOCK + v * 4 * VL));
-        }
-        for (int v = 0; v < VPB; v++) acc[0][v] = vi_add(acc[0][v], acc[1][v]), acc[1][v] = vi_set1(0);
-        flush(acc[0], colsum + g * BLOCK, sa[g], out);
     }
-    for (int v = 0; v < VPB; v++) vf_store(C + v * VL, out[v]);
+    for (; kq < quads; kq++) {
+        const vi x = unsigned_quad(A + 4 * kq);
+        for (int v = 0; v < VPB; v++) acc[0][v] = dpbusd(acc[0][v], x, vi_load(B + kq * 4 * BLOCK + v * 4 * VL));
+    }
+    for (int v = 0; v < VPB; v++) acc[0][v] = vi_add(acc[0][v], acc[1][v]);
+    store_exact(C, acc[0], colsum);
 }
 
 /* the int8_fn of kernels.h (its int8_job, repeated here: this library has no other header
@@ -104,27 +85,26 @@ static void row1(const int8_t *A, const int8_t *B, int64_t Kq, const int32_t *co
 typedef struct {
     const int8_t *B;
     const int32_t *colsum;
-    float *C;
+    int32_t *C;
 } int8_job;
 
-void ms_int8_vnni_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const float *a_scale, int64_t lds,
-                        const int8_job *jobs, int64_t count, int64_t ldc) {
+void ms_int8_vnni_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const int8_job *jobs, int64_t count,
+                        int64_t ldc) {
     for (int64_t b = 0; b < count; b++)
         for (int64_t m0 = 0; m0 < rows; m0 += MR) {
             const int8_t *a = A + m0 * lda, *B = jobs[b].B;
             const int32_t *colsum = jobs[b].colsum;
-            const float *sa = a_scale + m0 * lds;
-            float *c = jobs[b].C + m0 * ldc;
+            int32_t *c = jobs[b].C + m0 * ldc;
             switch (rows - m0 < MR ? rows - m0 : MR) {
-            case 1: row1(a, B, Kq, colsum, sa, c); break;
-            case 2: tile(2, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
-            case 3: tile(3, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
-            case 4: tile(4, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
+            case 1: row1(a, B, Kq, colsum, c); break;
+            case 2: tile(2, a, lda, B, Kq, colsum, c, ldc); break;
+            case 3: tile(3, a, lda, B, Kq, colsum, c, ldc); break;
+            case 4: tile(4, a, lda, B, Kq, colsum, c, ldc); break;
 #if MR > 4
-            case 5: tile(5, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
-            case 6: tile(6, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
-            case 7: tile(7, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
-            case 8: tile(8, a, lda, B, Kq, colsum, sa, lds, c, ldc); break;
+            case 5: tile(5, a, lda, B, Kq, colsum, c, ldc); break;
+            case 6: tile(6, a, lda, B, Kq, colsum, c, ldc); break;
+            case 7: tile(7, a, lda, B, Kq, colsum, c, ldc); break;
+            case 8: tile(8, a, lda, B, Kq, colsum, c, ldc); break;
 #endif
             }
         }

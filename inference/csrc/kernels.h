@@ -22,18 +22,12 @@ static inline size_t round64(size_t bytes) { return (bytes + 63) & ~(size_t)63; 
 static inline int64_t even(int64_t k) { return k + (k & 1); }
 static inline int64_t quad(int64_t k) { return (k + 3) & ~(int64_t)3; }
 
-/* int8 activations (W8A8) are quantized per row and per group of ACT_GROUP inputs, each with
- * its own scale (amax / 127): per-token scales alone cost SmolLM2 3% of perplexity, groups of
- * 64 about 1% (bench/NOTES.md). ACT_GROUP is a multiple of 64, AMX's int8 tile depth. */
-#define ACT_GROUP 64
-static inline int64_t act_groups(int64_t K) { return (K + ACT_GROUP - 1) / ACT_GROUP; }
-
 /* A packed weight matrix [N, K] (cpu_kernels.pack_weight / pack_qweight), as the kernels
  * take it. bf16: blocks of 16 columns of input pairs ([Kp/2][16][2] bf16 each, Kp = K even).
  * 8-bit (int8, fp8 e4m3): blocks of 16 columns of input quads ([Kq/4][16][4] bytes each,
  * Kq = K rounded up to 4), the layout vpdpbusd and AMX's int8 tiles read; a float32 scale
- * per (group of `group` inputs, column), scale[g * N + n]; int8 weights also carry each
- * column's sum per activation group (colsum[g * N + n], g < act_groups(K)) for products on
+ * per (group of `group` inputs, column), scale[g * N + n]; int8 weights (their rows rotated,
+ * quant.py) also carry each column's sum (colsum[n], n < N rounded up to 16) for products on
  * unsigned activations (VNNI). Per-expert stacks are E such matrices back to back (data,
  * scales and sums alike). */
 enum { W_BF16 = 0, W_INT8 = 1, W_FP8 = 2 };
@@ -47,8 +41,8 @@ typedef struct {
 
 /* Rows of activations in the forms the products read, for rows [0, rows) of one call:
  * f32: widened (FMA tiles; stride ld32); b16: bf16 (AMX, vdpbf16ps; stride ld16, or NULL);
- * s8 + s8_scale: quantized for int8 weights (stride ld8, or NULL), the scales of row m's
- * activation groups at s8_scale + m * act_groups(K). */
+ * s8 + s8_scale: rotated and quantized for int8 weights (stride ld8, or NULL), row m's
+ * scale at s8_scale[m]. */
 typedef struct {
     const float *f32;
     int64_t ld32;
@@ -73,10 +67,10 @@ void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64
 void wblock_gemm_pair(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j1,
                       int64_t j2, void *pad, float *C1, float *C2, int64_t ldc);
 size_t pad_bytes(int64_t K);
-/* symmetric int8 quantization of one row, per group of ACT_GROUP inputs: q = rne(x * 127 /
- * amax) in [-127, 127], Kq entries (zero padded); each group's scale amax / 127 (0 for a
- * zero group) into scales[act_groups(K)] */
-void quantize_row_s8(const float *x, int64_t K, int8_t *q, int64_t Kq, float *scales);
+/* one row of activations for int8 weights: x rotated in place (hadamard_rotate, as the
+ * weights' rows were), then quantized symmetrically, q = rne(x * 127 / amax) in [-127, 127],
+ * Kq entries (zero padded), and its scale amax / 127 (0 for a zero row) into *scale */
+void quantize_row_s8(float *x, int64_t K, int8_t *q, int64_t Kq, float *scale);
 
 /* Rows of bf16 (stride ld, K columns) -> float32 rows of Kp columns (zero padded). */
 static inline void widen_row(const bf16 *x, int64_t K, float *out, int64_t Kp) {
@@ -102,38 +96,38 @@ int tiles_read_bf16(void);
 /* moe.c: silu(gate) * up, rounded as the reference's bf16 ops round */
 void swiglu_row(const float *gate, const float *up, float *out, int64_t n);
 
-/* gemm8.c: the products of int8 blocks, C[m][0..16) = sum over activation groups g of
- * a_scale[m * lds + g] * (the exact integer sum of group g's products), each group's sum
- * added with one FMA in group order, so every path gives the same floats. A: rows of signed
- * bytes (stride lda, Kq columns), multiplied by each of `count` blocks: B one packed 16-column
- * block, colsum its column sums per group ([groups][16]) for kernels that multiply unsigned
- * bytes, C its results (stride ldc). Blocks taken together share each load of the rows, and
- * AMX streams two blocks' weights at once. VNNI and AMX kernels live in libraries of their
- * own (int8_vnni.c, amx.c) set by cpu_kernels.enable. */
+/* gemm8.c: the integer products of int8 blocks, C[m][0..16) = the exact int32 sums of row m
+ * of A times each column of a block (int8_blocks scales them). A: rows of signed bytes (stride
+ * lda, Kq columns), multiplied by each of `count` blocks: B one packed 16-column block,
+ * colsum its 16 column sums for kernels that multiply unsigned bytes, C its sums (stride
+ * ldc). Blocks taken together share each load of the rows, and AMX streams two blocks'
+ * weights at once. VNNI and AMX kernels live in libraries of their own (int8_vnni.c, amx.c)
+ * set by cpu_kernels.enable. */
 typedef struct {
     const int8_t *B;
     const int32_t *colsum;
-    float *C;
+    int32_t *C;
 } int8_job;
-typedef void (*int8_fn)(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const float *a_scale, int64_t lds,
-                        const int8_job *jobs, int64_t count, int64_t ldc);
-void int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const float *a_scale, int64_t lds,
-                const int8_job *jobs, int64_t count, int64_t ldc);
+typedef void (*int8_fn)(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const int8_job *jobs, int64_t count,
+                        int64_t ldc);
+void int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const int8_job *jobs, int64_t count,
+                int64_t ldc);
 
 /* The paged KV cache's row formats (cpu_kernels.KV_KINDS): bf16; int8, fp8 e4m3 or e5m2 with a
  * bf16 scale after each (slot, head) row's values. Strides in elements of
  * the cache's storage (bf16 or bytes). */
 enum { KV_BF16 = 0, KV_INT8 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };
 /* d values of one cache row -> float32 (an 8-bit row's scale at row + scale_at bytes): an
- * 8-bit row's values come back rotated (kv_rotate), as they were stored */
+ * 8-bit row's values come back rotated (hadamard_rotate), as they were stored */
 void kv_widen_row(const void *row, int kind, int64_t d, int64_t scale_at, float *out);
 /* d float32 values -> one cache row (8-bit: rotated first, in x, then quantized with the scale
  * written at row + d bytes) */
 void kv_store_row(float *x, int kind, int64_t d, void *row);
 /* x[0..n) times the normalized Hadamard matrix of each power-of-two block of n, largest first
- * (576 = 512 + 64), in place; its own inverse. 8-bit KV rows are stored rotated: it spreads
- * a row's few large values over all of them, and fp8 keys lose less (kv_cache.py). */
-void kv_rotate(float *x, int64_t n);
+ * (576 = 512 + 64), in place; its own inverse (hadamard.py, the same floats). 8-bit KV rows
+ * and int8 weights and activations are held rotated: it spreads a row's few large values
+ * over all of them, and 8-bit rounding loses less. */
+void hadamard_rotate(float *x, int64_t n);
 
 int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, const wmat *w, int64_t w_bs,
               int64_t N, const bf16 *bias, bf16 *y, int64_t y_bs, int64_t ldy, int64_t batch, int nthreads);

@@ -100,8 +100,8 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
         (size_t)nthreads * pad,
         x16 ? round64((size_t)pairs * Dp * sizeof(bf16)) : 0, /* the tokens and */
         h16 ? round64((size_t)pairs * Ip * sizeof(bf16)) : 0, /* silu(gate) * up as bf16 */
-        x8 ? round64((size_t)pairs * Dq) + round64(pairs * act_groups(D) * sizeof(float)) : 0, /* the tokens */
-        h8 ? round64((size_t)pairs * Iq) + round64(pairs * act_groups(I) * sizeof(float)) : 0, /* and h, int8 */
+        x8 ? round64((size_t)pairs * Dq) + round64(pairs * sizeof(float)) : 0, /* the tokens */
+        h8 ? round64((size_t)pairs * Iq) + round64(pairs * sizeof(float)) : 0, /* and h, int8 */
     };
     size_t total = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) total += sizes[i];
@@ -153,10 +153,18 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
                 memcpy(xs16 + r * Dp, row, D * sizeof(bf16));
                 if (Dp != D) xs16[r * Dp + D] = 0;
             }
-            if (xs8) { /* the same token's rows quantize alike */
+        }
+        if (xs8) { /* each token rotated and quantized once, copied to its other rows */
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) {
                 float *row32 = tpad;
-                widen_row(row, D, row32, D);
-                quantize_row_s8(row32, D, xs8 + r * Dq, Dq, xs8_scale + r * act_groups(D));
+                const int64_t r = pair_row[t * A];
+                widen_row(x + t * ldx, D, row32, D);
+                quantize_row_s8(row32, D, xs8 + r * Dq, Dq, xs8_scale + r);
+                for (int64_t a = 1; a < A; a++) {
+                    memcpy(xs8 + pair_row[t * A + a] * Dq, xs8 + r * Dq, Dq);
+                    xs8_scale[pair_row[t * A + a]] = xs8_scale[r];
+                }
             }
         }
         if (fused) {
@@ -181,10 +189,9 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
                     for (int64_t i = 0; i < Ip; i++) hidden16[r * Ip + i] = f32_to_bf16(hidden[r * Ip + i]);
             }
         }
-        if (hidden8) {
+        if (hidden8) { /* rotated in place: the int8 product reads only the quantized rows */
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < pairs; r++)
-                quantize_row_s8(hidden + r * Ip, I, hidden8 + r * Iq, Iq, hidden8_scale + r * act_groups(I));
+            for (int64_t r = 0; r < pairs; r++) quantize_row_s8(hidden + r * Ip, I, hidden8 + r * Iq, Iq, hidden8_scale + r);
         }
 #pragma omp for schedule(dynamic, 4)
         for (int64_t it = 0; it < chunks * blocks2; it++) {

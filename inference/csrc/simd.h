@@ -290,6 +290,31 @@ static inline vf vf_from_e5m2_raw(vi w, int i) {
 #define E4M3_UNBIAS 0x1p120f
 #define E5M2_UNBIAS 0x1p112f
 
+/* One stage of a Hadamard transform inside a vector: lanes i and i ^ h (h < VL, a power of
+ * two) become the low lane's value plus the high one's, and the low one's minus the high
+ * one's. The partner lanes come from a permute; fma(x, -1, partner) is exactly partner - x,
+ * so the floats are the scalar butterflies' (hadamard_rotate's order). */
+static const int32_t butterfly_partner[4][16] = {
+    {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14},
+    {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+    {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+    {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+};
+static const float butterfly_sign[4][16] = {
+    {1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1},
+    {1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1},
+    {1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1},
+    {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1},
+};
+static inline vf vf_butterfly(vf x, int stage /* log2 h */) {
+#if defined(MS_AVX512)
+    const vf partner = _mm512_permutexvar_ps(_mm512_loadu_si512(butterfly_partner[stage]), x);
+#else
+    const vf partner = _mm256_permutevar8x32_ps(x, _mm256_loadu_si256((const __m256i *)butterfly_partner[stage]));
+#endif
+    return vf_fma(x, vf_load(butterfly_sign[stage]), partner);
+}
+
 /* exp(x) to ~1 ulp: Cody-Waite reduction by ln 2, Cephes' expf polynomial, 2^n built in the
  * exponent bits */
 static inline vf vf_exp(vf x) {

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference import cpu_kernels, kv_cache, quant
+from inference import cpu_kernels, hadamard, kv_cache, quant
 from inference.config import ModelArgs
 from inference.moe import grouped_dispatch, select_experts
 from tests.inference.test_cpu_kernels import (  # noqa: F401 (the fixture)
@@ -31,16 +31,12 @@ def int8_path(request, path):  # noqa: F811
 
 
 def int8_reference(x: torch.Tensor, qw: quant.QWeight) -> torch.Tensor:
-    """W8A8 in float64: the rows quantized as the kernels quantize them (quant.quantize_rows:
-    the same float32 operations), each activation group's integer sum exact, scaled by the
-    group's activation scale and the column's weight scale."""
-    q, sx = quant.quantize_rows(x, quant.ACT_GROUP)
-    out = torch.zeros(x.shape[0], qw.out_features, dtype=torch.float64)
-    for g in range(sx.shape[1]):
-        cols = slice(g * quant.ACT_GROUP, (g + 1) * quant.ACT_GROUP)
-        sums = q[:, cols].long() @ qw.data[:, cols].long().t()
-        out += sums.double() * sx[:, g : g + 1].double()
-    return out * qw.scale[0].double()
+    """W8A8 in float64: the rows rotated and quantized as the kernels do (hadamard.rotate and
+    quant.quantize_rows: the same float32 operations), each row's integer sums exact, scaled
+    by the row's activation scale and the column's weight scale."""
+    q, sx = quant.quantize_rows(hadamard.rotate(x.float()))
+    sums = q.long() @ qw.data.long().t()
+    return sums.double() * sx.double().unsqueeze(-1) * qw.scale[0].double()
 
 
 @pytest.mark.parametrize(
@@ -51,31 +47,31 @@ def test_int8_linear_matches_the_integer_arithmetic(int8_path, path, m, n, k):  
     w, x, b = randn(n, k, scale=0.05), randn(m, k, seed=1), randn(n, seed=2)
     qw = quant.quantize_int8(w.float())
     packed = cpu_kernels.pack_qweight(qw)
-    groups, blocks = -(-k // quant.ACT_GROUP), -(-n // 16)
-    padded = F.pad(qw.data.int(), (0, groups * quant.ACT_GROUP - k))
-    sums = F.pad(padded.view(n, groups, -1).sum(-1).t(), (0, 16 * blocks - n))  # [groups, N16]
-    assert torch.equal(packed.colsum, sums.view(groups, blocks, 16).transpose(0, 1))
+    blocks = -(-n // 16)
+    assert torch.equal(packed.colsum, F.pad(qw.data.int().sum(-1), (0, 16 * blocks - n)))
     exact = int8_reference(x, qw)
-    # group sums exact, then a few float32 roundings and one to bf16
+    # integer sums exact, then a few float32 roundings and one to bf16
     close_to_bf16(cpu_kernels.linear(x, packed), exact.float())
     close_to_bf16(cpu_kernels.linear(x, packed, b), (exact + b.double()).float())
     close_to_bf16(quant.linear(x, qw, b), (exact + b.double()).float())
-    # every int8 path (AMX tiles, VNNI, vpmaddubsw) sums and scales in the same order
+    # every int8 path (AMX tiles, VNNI, vpmaddubsw) gives the same sums, scaled in one place
     ours = cpu_kernels.linear(x, packed, b)
     cpu_kernels.enable(path.isa, amx=False, emulated=path.emulated, vnni=False)
     assert torch.equal(cpu_kernels.linear(x, packed, b), ours)
 
 
 def test_int8_products_need_no_offset_and_never_saturate(int8_path):
-    """Rows of +-127 against weights of +-127: the largest products a pair can make."""
-    k = 256
-    x = torch.full((20, k), 1.0).bfloat16()
-    x[:, 1::2] = -1.0
-    w = torch.ones(32, k)
-    w[::2, 1::2] = -1.0
+    """Rows of +-127 against weights of +-127 (after the rotation: each is the rotation of a
+    sign pattern), the largest products a pair can make, equal signs included."""
+    k, g = 256, torch.Generator().manual_seed(3)
+    signs = torch.randint(0, 2, (32, k), generator=g).float() * 2 - 1
+    signs[0], signs[1, 1::2] = 1.0, -signs[1, 1::2]
+    x = hadamard.rotate(signs[:20]).bfloat16()  # multiples of 1/16: exact in bf16
+    w = hadamard.rotate(signs)
     qw = quant.quantize_int8(w)
+    assert qw.data.abs().eq(127).all()
     out = cpu_kernels.linear(x, cpu_kernels.pack_qweight(qw))
-    exact = x.float() @ w.t()  # every group's sum is +-64, exactly
+    exact = signs[:20] @ signs.t()  # sums of +-1, up to 256 when the patterns are equal
     torch.testing.assert_close(out.float(), exact)
 
 
@@ -188,33 +184,14 @@ def test_an_int8_latent_cache_reads_its_values_and_scale_as_mla_does(path):  # n
         close_to_bf16(out[b], expected)
 
 
-def hadamard(n: int) -> torch.Tensor:
-    """The normalized Hadamard matrix of a power of two n (Sylvester's construction)."""
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return h / n**0.5
-
-
-@pytest.mark.parametrize("n,blocks", [(64, [64]), (576, [512, 64]), (96, [64, 32]), (1, [1])])
-def test_the_rotation_is_hadamard_per_power_of_two_block_and_its_own_inverse(n, blocks):
-    assert kv_cache.rotation_blocks(n) == blocks
-    x = randn(5, 3, n, seed=n).float()
-    dense = torch.block_diag(*[hadamard(b) for b in blocks])
-    rotated = kv_cache.rotate(x)
-    torch.testing.assert_close(rotated.double(), x.double() @ dense.T, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(kv_cache.rotate(rotated), x, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(rotated.norm(dim=-1), x.norm(dim=-1))
-
-
 def test_int8_rows_hold_their_rotated_values_within_a_step_of_their_scale():
     x = randn(50, 4, 64, seed=9)
     cache = caches("int8", 50, 4, 64)
     kv_cache.write_kv(cache, torch.arange(50), x)
     back = kv_cache.dequantize(cache, torch.float32)
-    rotated = kv_cache.rotate(x.float())  # what the row stores
+    rotated = hadamard.rotate(x.float())  # what the row stores
     step = rotated.abs().amax(-1, keepdim=True) / 127
-    assert (kv_cache.rotate(back) - rotated).abs().le(step * 0.51 + 1e-6).all()
+    assert (hadamard.rotate(back) - rotated).abs().le(step * 0.51 + 1e-6).all()
     assert F.cosine_similarity(back.flatten(), x.float().flatten(), dim=0) > 0.9999
 
 
@@ -226,8 +203,8 @@ def test_fp8_rows_keep_their_relative_precision_whatever_their_magnitude(fmt, bi
     cache = caches(fmt, 60, 2, 64)
     kv_cache.write_kv(cache, torch.arange(60), x)
     back, exact = (
-        kv_cache.rotate(kv_cache.dequantize(cache, torch.float32)),
-        kv_cache.rotate(x.float()),
+        hadamard.rotate(kv_cache.dequantize(cache, torch.float32)),
+        hadamard.rotate(x.float()),
     )
     close = (back - exact).abs().le(exact.abs() * 2.0 ** -(bits + 1) * 1.01 + 1e-12)
     assert close.float().mean() > 0.99
