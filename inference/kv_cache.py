@@ -15,7 +15,7 @@ An 8-bit row is stored rotated (hadamard.py: its values times the normalized Had
 matrix of each power-of-two block of the width, largest first; MLA's 576 = 512 + 64). A few
 channels of keys carry most of their size; rotated, every value carries a share of it, and
 fp8's error, relative to each value, costs attention less (SmolLM2 perplexity, fp8_e4m3:
-+0.58% unrotated, +0.43% rotated; e5m2 +2.47% and +1.93%; int8 +0.056% either way). The
++0.58% unrotated, +0.35% rotated; e5m2 +2.47% and +1.91%; int8 +0.056% either way). The
 reads rotate back: dequantize() here, and the C kernels rotate the queries instead and
 their outputs back (q . k = Rq . Rk), a few rows where the context has thousands.
 """
