@@ -41,7 +41,16 @@ def int8_reference(x: torch.Tensor, qw: quant.QWeight) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "m,n,k",
-    [(1, 4000, 512), (1, 40, 70), (3, 17, 1), (5, 64, 510), (17, 96, 64), (64, 48, 256)],
+    [
+        (1, 4000, 512),
+        (1, 40, 70),
+        (3, 17, 1),
+        (5, 64, 510),
+        (17, 96, 64),
+        (32, 40, 128),
+        (40, 33, 64),
+        (64, 48, 256),
+    ],
 )
 def test_int8_linear_matches_the_integer_arithmetic(int8_path, path, m, n, k):  # noqa: F811
     w, x, b = randn(n, k, scale=0.05), randn(m, k, seed=1), randn(n, seed=2)
