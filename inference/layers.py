@@ -69,7 +69,7 @@ class Embedding(nn.Embedding):
             flat = ids.reshape(-1)
             rows = self.weight.data.index_select(0, flat).float()
             rows.mul_(self.weight.scale[0].index_select(0, flat).unsqueeze(-1))
-            return hadamard.rotate(rows).to(self.dtype).view(*ids.shape, -1)
+            return hadamard.rotate_by_products(rows).to(self.dtype).view(*ids.shape, -1)
         return F.embedding(ids, self.weight)
 
     def quantize(self) -> None:
