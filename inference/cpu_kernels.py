@@ -524,7 +524,7 @@ def pack_qweight(w: QWeight) -> QWeight:
     if w.fmt == "int8":
         n = w.data.shape[-2]
         sums = w.data.sum(dim=-1, dtype=torch.int32)
-        colsum = F.pad(sums, (0, -(-n // 16) * 16 - n)).contiguous()
+        colsum = F.pad(sums, (0, -(-n // 16) * 16 - n))
     if w.fmt == "fp8" and float(w.scale.max()) >= 2.0**7:
         # the kernels fold fp8's exponent rebias (2^120) into the scale: keep it finite
         raise ValueError(f"fp8 weight scales must be below 128 (largest {float(w.scale.max())})")

@@ -311,7 +311,8 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
     {
         void *tpad = scratch + a_bytes + c_bytes + q_bytes + (size_t)omp_get_thread_num() * pad;
         float C[TILE_ROWS * BLOCK], C2[TILE_ROWS * BLOCK];
-        float *row32 = need8 ? (float *)tpad : NULL; /* a row widened (and rotated) for quantizing (pad is free here) */
+        /* a row widened (and rotated) for quantizing: the pad is free here */
+        float *row32 = need8 ? (float *)tpad : NULL;
 #pragma omp for collapse(2) schedule(static)
         for (int64_t i = 0; i < batch; i++)
             for (int64_t m = 0; m < M; m++) {

@@ -146,13 +146,20 @@ void int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const in
         }
 }
 
+/* the largest |x[i]|, i < n (the scale of an 8-bit row: activations and KV-cache rows) */
+static float row_amax(const float *x, int64_t n) {
+    vf vmax = vf_zero();
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) vmax = vf_max(vmax, vf_max(vf_load(x + i), vf_sub(vf_zero(), vf_load(x + i))));
+    float amax = vf_hmax(vmax);
+    for (; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    return amax;
+}
+
 void quantize_row_s8(float *x, int64_t K, int8_t *q, int64_t Kq, float *scale) {
     hadamard_rotate(x, K);
-    vf vmax = vf_zero();
-    int64_t k = 0;
-    for (; k + VL <= K; k += VL) vmax = vf_max(vmax, vf_max(vf_load(x + k), vf_sub(vf_zero(), vf_load(x + k))));
-    float amax = vf_hmax(vmax);
-    for (; k < K; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
+    const float amax = row_amax(x, K);
+    int64_t k;
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     const vf vinv = vf_set1(inv), lim = vf_set1(127.0f), neg = vf_set1(-127.0f);
     for (k = 0; k + VL <= K; k += VL) /* cvtps2dq rounds to nearest even, as nearbyintf */
@@ -169,8 +176,9 @@ void quantize_row_s8(float *x, int64_t K, int8_t *q, int64_t Kq, float *scale) {
 /* ---- fp8 weight-only ----------------------------------------------------------------- */
 
 /* rows x one fp8 block: weights widened in registers (3 instructions a vector), float32 FMAs
- * with the widened rows (K inputs: the rows are not read past them, the block's padding); the scale (and the exponent rebias) multiplies each group's sums
- * once, not every weight (sc: the block's scales per group, 16 each, times 2^120). */
+ * with the widened rows (their K inputs: not read past them, into the block's padding); the
+ * scale (and the exponent rebias) multiplies each group's sums once, not every weight (sc:
+ * the block's scales per group, 16 each, times 2^120). */
 static inline __attribute__((always_inline)) void fp8_tile(const int rows, const float *A, int64_t lda,
                                                            const uint8_t *B, int64_t K, const float *sc,
                                                            int64_t group, float *C, int64_t ldc) {
@@ -476,8 +484,7 @@ void kv_store_row(float *x, int kind, int64_t d, void *row) {
     }
     hadamard_rotate(x, d);
     const float limit = kind == KV_INT8 ? 127.0f : kind == KV_E4M3 ? 448.0f : 57344.0f;
-    float amax = 0.0f;
-    for (int64_t i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float amax = row_amax(x, d);
     /* the scale is stored as bf16: quantize with the stored value, so reading is exact */
     const bf16 s16 = f32_to_bf16(amax / limit);
     const float s = bf16_to_f32(s16);

@@ -191,7 +191,8 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
         }
         if (hidden8) { /* rotated in place: the int8 product reads only the quantized rows */
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < pairs; r++) quantize_row_s8(hidden + r * Ip, I, hidden8 + r * Iq, Iq, hidden8_scale + r);
+            for (int64_t r = 0; r < pairs; r++)
+                quantize_row_s8(hidden + r * Ip, I, hidden8 + r * Iq, Iq, hidden8_scale + r);
         }
 #pragma omp for schedule(dynamic, 4)
         for (int64_t it = 0; it < chunks * blocks2; it++) {
