@@ -40,8 +40,9 @@ def rotate_by_products(x: torch.Tensor) -> torch.Tensor:
     H_b1 (x) H_b2 (Sylvester's construction), so its rows rotate as H_b1 X H_b2 with X the
     row as [b1, b2], 2 * sqrt(b) products a value where the butterflies make log2(b) passes
     over memory. Where the rounding need not be the kernels' (weights at load, the int8
-    embedding's rows at lookup): a layer of the demo model's experts, [8, 2048, 512], in
-    0.08 s, not 0.57; a decode step's 32 embedding rows in 0.08 ms, not 0.64."""
+    embedding's rows off the CPU kernels): a layer of the demo model's experts,
+    [8, 2048, 512], in 0.08 s, not 0.57; a decode step's 32 embedding rows in 0.08 ms, not
+    0.64."""
     parts, off = [], 0
     rows = x.float().reshape(-1, x.shape[-1])
     for b in rotation_blocks(x.shape[-1]):

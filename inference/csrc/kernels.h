@@ -144,6 +144,8 @@ void ms_rmsnorm(const bf16 *x, int64_t ldx, bf16 *residual, int64_t ldr, const b
 void ms_rope_cache(bf16 *qkv, int64_t ld, int64_t T, int64_t H, int64_t G, int64_t d, const bf16 *cos,
                    const bf16 *sin, const int64_t *slots, int kv_kind, void *k_cache, void *v_cache,
                    int64_t cache_row, int nthreads);
+int ms_embed_int8(const int8_t *table, int64_t ld, const float *scales, int64_t V, const int64_t *ids, int64_t T,
+                  int64_t D, bf16 *out, int nthreads);
 void ms_greedy(const bf16 *x, int64_t ldx, int64_t rows, int64_t n, int64_t *out, int nthreads);
 
 #endif

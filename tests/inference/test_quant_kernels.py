@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from inference import cpu_kernels, hadamard, kv_cache, quant
 from inference.config import ModelArgs
+from inference.layers import Embedding
 from inference.moe import grouped_dispatch, select_experts
 from tests.inference.test_cpu_kernels import (  # noqa: F401 (the fixture)
     attention_reference,
@@ -99,6 +100,25 @@ def test_rotated_int8_products_lose_less_when_a_few_channels_carry_the_activatio
     rotated_error = (rotated.double() - exact.double()).pow(2).mean()
     unrotated_error = (unrotated - exact.double()).pow(2).mean()
     assert rotated_error < 0.25 * unrotated_error
+
+
+@pytest.mark.parametrize("d", [512, 576, 96, 7])
+def test_int8_embedding_rows_come_back_as_the_torch_lookup_gives_them(path, d):  # noqa: F811
+    """The kernel's lookup (dequantize, rotate back, round to bf16) gives the floats of
+    hadamard.rotate; an id outside the table fails as torch's lookup does."""
+    embed = Embedding(300, d).to(torch.bfloat16)
+    embed.weight.data.copy_(randn(300, d, seed=5))
+    embed.quantize()
+    ids = torch.tensor([[0, 299, 7, 7], [150, 3, 42, 1]])
+    flat = ids.reshape(-1)
+    rows = embed.weight.data[flat].float() * embed.weight.scale[0][flat].unsqueeze(-1)
+    expected = hadamard.rotate(rows).bfloat16().view(2, 4, d)
+    assert torch.equal(cpu_kernels.embed_int8(embed.weight, ids), expected)
+    assert torch.equal(embed(ids), expected)
+    with pytest.raises(IndexError):
+        cpu_kernels.embed_int8(embed.weight, torch.tensor([300]))
+    with pytest.raises(IndexError):
+        cpu_kernels.embed_int8(embed.weight, torch.tensor([-1]))
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 300, 256), (4, 40, 130), (20, 64, 256), (50, 33, 512)])
