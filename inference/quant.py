@@ -7,7 +7,7 @@
   int32 sum over all inputs times the row's scale, then the channel's. Unrotated, a few
   outlier channels set each token's scale: SmolLM2 lost ~4% of perplexity with per-token
   scales (a torch simulation), +0.81% with a scale per 64 inputs; rotated, per-token
-  scales lose +0.30% (bench/NOTES.md), and the integer sums need no flush every 64 inputs
+  scales lose +0.29% (bench/NOTES.md), and the integer sums need no flush every 64 inputs
   (AMX's tiles accumulate all of them).
 - fp8 (e4m3): FP8 checkpoints as published (128x128 block scales `weight_scale_inv`, as
   DeepSeek-V3 and the Qwen3 FP8 releases ship them; per-tensor or per-channel `weight_scale`,
