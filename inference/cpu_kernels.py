@@ -287,7 +287,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     ]
     lib.ms_greedy.argtypes = [_P, _I64, _I64, _I64, _P, _INT]
     lib.ms_embed_int8.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64, _P, _INT]
-    lib.ms_set_amx.argtypes = [_P]
+    lib.ms_set_amx.argtypes = [_P, _P]
     lib.ms_set_int8.argtypes = [_P, _P]
     lib.ms_int8_path.restype = _INT
     lib.ms_decode_step.argtypes = [
@@ -440,7 +440,10 @@ def enable(
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
             log.warning("VNNI off: build failed", error=str(exc))
     amx_int8 = amx_lib is not None and (emulated or "amx_int8" in cpu_flags())
-    lib.ms_set_amx(ctypes.cast(amx_lib.ms_amx_block, _P) if amx_lib else None)
+    lib.ms_set_amx(
+        ctypes.cast(amx_lib.ms_amx_block, _P) if amx_lib else None,
+        ctypes.cast(amx_lib.ms_amx_new_call, _P) if amx_lib else None,
+    )
     lib.ms_set_int8(
         ctypes.cast(vnni_lib.ms_int8_vnni_block, _P) if vnni_lib else None,
         ctypes.cast(amx_lib.ms_amx_int8_block, _P) if amx_int8 else None,

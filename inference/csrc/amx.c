@@ -43,16 +43,36 @@ typedef struct {
 } __attribute__((packed)) tile_config;
 
 /* Tiles: 0 C (16 rows), 1 A (16 rows), 2 B, 3 C (`tail` rows), 4 A (`tail` rows); the int8
- * products' second block: 5 C (16 rows), 6 B, 7 C (`tail` rows). Loaded on every call: other
- * libraries in the process (oneDNN) configure the tiles for their own use. */
+ * products' second block: 5 C (16 rows), 6 B, 7 C (`tail` rows).
+ *
+ * A thread keeps its configuration from block to block within one call of the kernel library
+ * (loading and releasing it for every block of 16 columns cost 4-5% of a batched decode step,
+ * bench/NOTES.md), and loads it again for a new tail or a new call: between calls, other
+ * libraries in the process (oneDNN) use the same threads' tiles and release them. The library's outermost calls bump call_epoch
+ * (ms_amx_new_call, from region_enter) before their parallel regions start. */
+static uint64_t call_epoch = 1;
+static __thread uint64_t configured_epoch;
+static __thread int configured_tail;
+
+void ms_amx_new_call(void) { __atomic_add_fetch(&call_epoch, 1, __ATOMIC_RELAXED); }
+
 static void configure(int tail) {
+    const uint64_t epoch = __atomic_load_n(&call_epoch, __ATOMIC_RELAXED);
+    if (configured_epoch == epoch && configured_tail == tail) return;
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
     for (int t = 0; t < 8; t++) cfg.colsb[t] = 64;
     cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = cfg.rows[5] = cfg.rows[6] = 16;
     cfg.rows[3] = cfg.rows[4] = cfg.rows[7] = (uint8_t)(tail ? tail : 16);
+#if defined(MS_AMX_EMULATED)
     _tile_loadconfig(&cfg);
+#else
+    /* an asm that reads all 64 bytes: with GCC 12's _tile_loadconfig builtin, the optimiser
+     * dropped the stores of colsb and rows before it once configure was not inlined */
+    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+#endif
+    configured_epoch = epoch, configured_tail = tail;
 }
 
 /* bytes a tile load looks ahead along its block's stream (2-4 KB measured best; 8 KB and
@@ -89,7 +109,6 @@ void ms_amx_block(const bf16 *A, int64_t lda, int64_t rows, const bf16 *B, int64
         }
         _tile_stored(3, C + full * 16 * ldc, ldc * sizeof(float));
     }
-    _tile_release();
 }
 
 /* The int8 products (kernels.h int8_fn): for each job's block, C[r][0..16) = the exact int32
@@ -147,5 +166,4 @@ void ms_amx_int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, c
                 INT8_ROWS(3, 4, 7);
         }
     }
-    _tile_release();
 }

@@ -30,8 +30,6 @@ static inline void _tile_loadconfig(const void *config) {
     }
 }
 
-static inline void _tile_release(void) { memset(&amx_emu, 0, sizeof amx_emu); }
-
 static inline void _tile_zero(int t) { memset(amx_emu.data[t], 0, sizeof amx_emu.data[t]); }
 
 static inline void _tile_loadd(int t, const void *base, int64_t stride) {

@@ -215,9 +215,17 @@ int tiles_read_bf16(void) {
  * as for 16) when the inputs fill whole tiles. */
 typedef void (*amx_fn)(const bf16 *A, int64_t lda, int64_t rows, const bf16 *B, int64_t Kp, float *C, int64_t ldc);
 static amx_fn amx_block;
+static void (*amx_call_begins)(void); /* amx.c's ms_amx_new_call */
 #define AMX_MIN_ROWS 4
 
-void ms_set_amx(void *fn) { amx_block = (amx_fn)fn; }
+void ms_set_amx(void *block, void *new_call) {
+    amx_block = (amx_fn)block;
+    amx_call_begins = (void (*)(void))new_call;
+}
+
+void amx_new_call(void) {
+    if (amx_call_begins) amx_call_begins();
+}
 
 static inline int amx_takes(int64_t rows, int64_t Kp) { return amx_block && rows >= AMX_MIN_ROWS && Kp % 32 == 0; }
 

@@ -92,6 +92,9 @@ int64_t chunk_rows(int64_t Kp);
 /* gemm.c: whether products of many rows go to AMX (cpu_kernels.enable sets it), and whether
  * the register tiles read the rows as bf16 (the AVX512-BF16 build) */
 int amx_enabled(void);
+/* gemm.c: tells AMX an outermost call begins (the tiles' configuration from earlier calls may
+ * be gone; region_enter calls it) */
+void amx_new_call(void);
 int tiles_read_bf16(void);
 /* moe.c: silu(gate) * up, rounded as the reference's bf16 ops round */
 void swiglu_row(const float *gate, const float *up, float *out, int64_t n);

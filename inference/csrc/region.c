@@ -22,6 +22,7 @@ void region_enter(void) {
     if (region_depth++ == 0) {
         pthread_mutex_lock(&region_lock);
         region_used = region_peak = 0;
+        amx_new_call(); /* every outermost call enters here, before its parallel regions */
     }
     region_marks[region_depth < 8 ? region_depth : 7] = region_used;
 }

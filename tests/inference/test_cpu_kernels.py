@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import platform
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -101,6 +103,47 @@ def test_amx_off_by_environment_keeps_the_avx512_kernels(monkeypatch):
     finally:
         monkeypatch.undo()
         cpu_kernels.enable()
+
+
+# oneDNN's AMX matmul between two kernel calls: it configures the tiles of the threads the
+# kernels' tiles run on, then releases them. Rows 20 and 7: a tail of 4, then of 7.
+_TILES_SHARED_WITH_ONEDNN = """
+import torch
+from inference import cpu_kernels, quant
+assert cpu_kernels.enable("avx512", amx=True) == "avx512" and cpu_kernels.INT8 == "amx"
+g = torch.Generator().manual_seed(0)
+w = torch.randn(96, 256, generator=g).bfloat16()
+weights = [cpu_kernels.pack_weight(w), cpu_kernels.pack_qweight(quant.quantize_int8(w.float()))]
+rows = [torch.randn(m, 256, generator=g).bfloat16() for m in (20, 7)]
+want = [[cpu_kernels.linear(x, p) for p in weights] for x in rows]
+big = torch.randn(512, 1024, generator=g).bfloat16()
+for _ in range(3):
+    for x, expected in zip(rows, want):
+        for p, out in zip(weights, expected):
+            big @ big.t()
+            assert torch.equal(cpu_kernels.linear(x, p), out)
+"""
+
+
+def test_amx_tiles_are_configured_again_after_onednn_used_them():
+    """The kernels keep a thread's tile configuration for the rest of a call (amx.c); a call
+    that follows oneDNN's matmul on the same threads must configure them again, or its first
+    tile instruction is illegal (SIGILL): run in a process of its own so that shows as a
+    failure."""
+    amx = Path("avx512", amx=True)
+    lacking = amx.missing() or (
+        None if "amx_int8" in cpu_kernels.cpu_flags() else "this CPU lacks amx_int8"
+    )
+    if lacking:
+        pytest.skip(f"avx512+amx: {lacking}")
+    run = subprocess.run(
+        [sys.executable, "-c", _TILES_SHARED_WITH_ONEDNN],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-2000:]}"
 
 
 def test_a_failed_build_falls_back_to_the_next_instruction_set(monkeypatch):
