@@ -63,7 +63,7 @@ QUEUE_SERIES = (
     "e2e_p95_seconds",
 )
 # Same requests before and during the flood: only the concurrency turns pathological.
-REQUEST = {"model": MODEL, "max_tokens": 128, "ignore_eos": True, "stream": True}
+REQUEST = {"model": MODEL, "max_tokens": 32, "ignore_eos": True, "stream": True}
 TRACE_ID = re.compile(r'trace_id="([0-9a-f]{32})"')
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 
