@@ -48,8 +48,9 @@ typedef struct {
  * A thread keeps its configuration from block to block within one call of the kernel library
  * (loading and releasing it for every block of 16 columns cost 4-5% of a batched decode step,
  * bench/NOTES.md), and loads it again for a new tail or a new call: between calls, other
- * libraries in the process (oneDNN) use the same threads' tiles and release them. The library's outermost calls bump call_epoch
- * (ms_amx_new_call, from region_enter) before their parallel regions start. */
+ * libraries in the process (oneDNN) use the same threads' tiles and release them. The
+ * library's outermost calls bump call_epoch (ms_amx_new_call, from region_enter) before their
+ * parallel regions start. */
 static uint64_t call_epoch = 1;
 static __thread uint64_t configured_epoch;
 static __thread int configured_tail;

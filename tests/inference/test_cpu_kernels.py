@@ -105,12 +105,17 @@ def test_amx_off_by_environment_keeps_the_avx512_kernels(monkeypatch):
         cpu_kernels.enable()
 
 
+_AMX_REFUSED = 77  # the script's exit status where Linux refuses the AMX register state
 # oneDNN's AMX matmul between two kernel calls: it configures the tiles of the threads the
 # kernels' tiles run on, then releases them. Rows 20 and 7: a tail of 4, then of 7.
-_TILES_SHARED_WITH_ONEDNN = """
+_TILES_SHARED_WITH_ONEDNN = f"""
+import sys
 import torch
 from inference import cpu_kernels, quant
-assert cpu_kernels.enable("avx512", amx=True) == "avx512" and cpu_kernels.INT8 == "amx"
+assert cpu_kernels.enable("avx512", amx=True) == "avx512"
+if not cpu_kernels.AMX:
+    sys.exit({_AMX_REFUSED})
+assert cpu_kernels.INT8 == "amx"
 g = torch.Generator().manual_seed(0)
 w = torch.randn(96, 256, generator=g).bfloat16()
 weights = [cpu_kernels.pack_weight(w), cpu_kernels.pack_qweight(quant.quantize_int8(w.float()))]
@@ -143,6 +148,8 @@ def test_amx_tiles_are_configured_again_after_onednn_used_them():
         text=True,
         timeout=300,
     )
+    if run.returncode == _AMX_REFUSED:
+        pytest.skip("avx512+amx: Linux refused the AMX register state")
     assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-2000:]}"
 
 
