@@ -34,7 +34,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.harness import ServerProcess
-from inference.demo_model import ensure_demo_model
+from inference.checkpoints.demo_model import ensure_demo_model
 
 RESULTS = Path(__file__).parent / "results"
 KEYS = {"flood": "sk-bench-flood", "flood-open": "sk-bench-flood-open", "steady": "sk-bench-steady"}

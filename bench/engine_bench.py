@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from inference import LLMEngine, SamplingParams
-from inference.demo_model import ARCHS, ensure_demo_model
+from inference.checkpoints.demo_model import ARCHS, ensure_demo_model
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -174,7 +174,7 @@ def bench_smollm2(num_requests: int, prompt_len: int, output_len: int, rounds: i
     """SmolLM2-135M-Instruct, bf16: single stream and batched, engine vs transformers."""
     from transformers import AutoModelForCausalLM
 
-    from inference.model_zoo import resolve_model
+    from inference.checkpoints.model_zoo import resolve_model
 
     model_dir = resolve_model("smollm2")
     engine = load_engine(model_dir)

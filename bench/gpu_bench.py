@@ -48,10 +48,11 @@ from pathlib import Path
 import torch
 
 from bench.engine_bench import hf_static_batches, make_prompts
-from inference import LLMEngine, SamplingParams, cpu_kernels
-from inference.demo_model import Preset, write_demo_model
-from inference.kv_cache import kv_bytes_per_token
-from inference.moe import MoE, SharedExpertMoE
+from inference import LLMEngine, SamplingParams
+from inference.checkpoints.demo_model import Preset, write_demo_model
+from inference.kernels import cpu as cpu_kernels
+from inference.models.moe import MoE, SharedExpertMoE
+from inference.models.paged_cache import kv_bytes_per_token
 
 RESULT = Path(__file__).parent / "results" / "gpu_check.json"
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench.engine_bench import make_prompts
 from inference import LLMEngine, SamplingParams
-from inference.demo_model import ensure_demo_model
+from inference.checkpoints.demo_model import ensure_demo_model
 
 RESULTS = Path(__file__).parent / "results"
 WINDOW, TOKENS, CHUNK = 1024, 32768, 64
@@ -93,7 +93,7 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
 
 
 def bench_accuracy() -> dict:
-    from inference.model_zoo import resolve_model
+    from inference.checkpoints.model_zoo import resolve_model
 
     model_dir = resolve_model("smollm2")
     rows, ids, prompts, reference = {}, None, None, None

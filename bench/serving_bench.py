@@ -29,7 +29,7 @@ import torch
 from bench.harness import ServerProcess
 from bench.rest_load import closed_loop, streaming_body
 from inference import LLMEngine, SamplingParams
-from inference.demo_model import ensure_demo_model
+from inference.checkpoints.demo_model import ensure_demo_model
 
 RESULTS = Path(__file__).parent / "results"
 

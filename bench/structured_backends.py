@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from inference.demo_model import ensure_demo_model
-from inference.model_zoo import resolve_model
+from inference.checkpoints.demo_model import ensure_demo_model
+from inference.checkpoints.model_zoo import resolve_model
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -232,7 +232,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    from inference.loader import load_hf_config
+    from inference.executor.loader import load_hf_config
 
     backends = [Llguidance]
     try:

@@ -32,8 +32,8 @@ import torch
 from bench.engine_bench import make_prompts
 from bench.structured_backends import SCHEMA, cpu_name  # one schema for both benches
 from inference import LLMEngine, SamplingParams, StructuredOutputs
-from inference.demo_model import ensure_demo_model
-from inference.model_zoo import resolve_model
+from inference.checkpoints.demo_model import ensure_demo_model
+from inference.checkpoints.model_zoo import resolve_model
 
 RESULTS = Path(__file__).parent / "results"
 

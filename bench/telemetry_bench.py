@@ -39,7 +39,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from bench.harness import ServerProcess
 from bench.rest_load import closed_loop, streaming_body
-from inference.demo_model import ensure_demo_model
+from inference.checkpoints.demo_model import ensure_demo_model
 
 RESULTS = Path(__file__).parent / "results"
 SCRAPE_INTERVAL_S = 5.0  # as deploy/prometheus/prometheus.yml scrapes moeserve

@@ -33,7 +33,7 @@ from inference.engine_core import (
     spawn_engine_core,
 )
 from inference.errors import EngineDeadError, InvalidParameterError, ModelLoadError, QueueFullError
-from inference.loader import load_hf_config, load_tokenizer
+from inference.executor.loader import load_hf_config, load_tokenizer
 from inference.outputs import RequestOutput, StepStats
 from inference.prompts import Prompt, tokenize_prompt
 from inference.sampling_params import SamplingParams

@@ -7,7 +7,9 @@ reads a config deep inside the hot path.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -288,3 +290,9 @@ def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str | None
         return torch.bfloat16
     chosen = _DTYPES.get(str(checkpoint_dtype).removeprefix("torch."), torch.float32)
     return torch.bfloat16 if chosen == torch.float16 else chosen
+
+
+def cache_root() -> Path:
+    """Where moeserve keeps what it builds or fetches once: demo checkpoints, tokenizers,
+    wheels, compiled kernels (MOESERVE_CACHE_DIR, else ~/.cache/moeserve)."""
+    return Path(os.environ.get("MOESERVE_CACHE_DIR") or Path.home() / ".cache" / "moeserve")

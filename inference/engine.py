@@ -12,30 +12,30 @@ from pathlib import Path
 import structlog
 import torch
 
-from inference import cpu_kernels
 from inference.block_manager import BlockManager
 from inference.config import EngineConfig, ModelArgs, resolve_device, resolve_dtype
 from inference.detokenizer import IncrementalDetokenizer
 from inference.errors import InvalidParameterError
-from inference.heap import collector_skips_existing, keep_freed_memory
-from inference.kv_cache import (
-    allocate_kv_cache,
-    kv_bytes_per_token,
-    num_cache_blocks,
-    storage_dtype,
-)
-from inference.loader import (
+from inference.executor.loader import (
     checkpoint_quantization,
     load_hf_config,
     load_tokenizer,
     load_weights,
 )
-from inference.model import MoETransformer
-from inference.model_runner import ModelRunner
-from inference.moe import gather_limit
+from inference.executor.model_runner import ModelRunner
+from inference.executor.sampler import Sampler
+from inference.heap import collector_skips_existing, keep_freed_memory
+from inference.kernels import cpu as cpu_kernels
+from inference.models.decoder import MoETransformer
+from inference.models.moe import gather_limit
+from inference.models.paged_cache import (
+    allocate_kv_cache,
+    kv_bytes_per_token,
+    num_cache_blocks,
+    storage_dtype,
+)
 from inference.outputs import CompletionOutput, FinishedSequence, RequestOutput, StepStats
 from inference.prompts import Prompt, check_token_ids, tokenize_prompt
-from inference.sampler import Sampler
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sequence import Sequence, SequenceStatus

@@ -15,7 +15,7 @@ def _serve(ns: argparse.Namespace) -> int:
 
 
 def _demo_model(ns: argparse.Namespace) -> int:
-    from inference.demo_model import write_demo_model
+    from inference.checkpoints.demo_model import write_demo_model
 
     path = write_demo_model(ns.out_dir, preset=ns.preset, seed=ns.seed, arch=ns.arch)
     print(path)
@@ -24,7 +24,7 @@ def _demo_model(ns: argparse.Namespace) -> int:
 
 def _import_gguf(ns: argparse.Namespace) -> int:
     from inference import ModelLoadError
-    from inference.gguf_import import import_gguf
+    from inference.checkpoints.gguf_import import import_gguf
 
     try:
         print(import_gguf(ns.file, ns.out_dir))
@@ -54,7 +54,7 @@ _WEBHOOK_FLAGS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from inference.demo_model import ARCHS, PRESETS
+    from inference.checkpoints.demo_model import ARCHS, PRESETS
 
     parser = argparse.ArgumentParser(prog="moeserve", description="Observable MoE inference server")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -70,7 +70,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def model_path_and_name(settings: Settings) -> tuple[Path, str]:
     """`demo`, a ready model name (`smollm2`) or a checkpoint folder -> (folder, served name)."""
-    from inference.model_zoo import READY_MODELS, resolve_model
+    from inference.checkpoints.model_zoo import READY_MODELS, resolve_model
 
     path = resolve_model(settings.model, demo_preset=settings.demo_preset)
     if settings.model == "demo" or settings.model in READY_MODELS:

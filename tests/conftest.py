@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     """arch -> folder of a tiny float32 checkpoint (written on first use)."""
-    from inference.demo_model import write_demo_model
+    from inference.checkpoints.demo_model import write_demo_model
 
     root = tmp_path_factory.mktemp("models")
     cache: dict[str, object] = {}

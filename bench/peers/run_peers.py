@@ -976,7 +976,7 @@ def main(argv: list[str] | None = None) -> int:
     require_peers(engines)
 
     sys.path.insert(0, str(REPO))
-    from inference.demo_model import ensure_demo_model
+    from inference.checkpoints.demo_model import ensure_demo_model
 
     model_dir = Path(ensure_demo_model(ns.preset))
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]

@@ -16,7 +16,7 @@ import pytest
 
 from bench import gpu_bench, gpu_wheels
 from inference import LLMEngine
-from inference.demo_model import write_demo_model
+from inference.checkpoints.demo_model import write_demo_model
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from inference.demo_model import ensure_demo_model
+from inference.checkpoints.demo_model import ensure_demo_model
 from tests.grpc.grpc_harness import GrpcServerThread
 
 

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from inference.quant import FP8, FP8_BLOCK, FP8_MAX
+from inference.quantization.qweight import FP8, FP8_BLOCK, FP8_MAX
 
 # the projections FP8 checkpoints ship in fp8 (per expert, per projection)
 QUANTIZED = ("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from inference import cpu_kernels
+from inference.kernels import cpu as cpu_kernels
 
 
 @dataclass(frozen=True)

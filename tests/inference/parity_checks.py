@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from inference import LLMEngine, SamplingParams
-from inference.attention import AttentionMetadata, PrefillChunk
+from inference.models.attention import AttentionMetadata, PrefillChunk
 
 DEVICE = os.environ.get("MOESERVE_TEST_DEVICE", "cpu")
 # min_tokens: transformers' min_new_tokens masks the EOS ids, so the engine must too

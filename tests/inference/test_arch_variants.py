@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from inference import LLMEngine
-from inference.attention import AttentionMetadata, PrefillChunk
-from inference.demo_model import ARCHS, PRESETS
+from inference.checkpoints.demo_model import ARCHS, PRESETS
+from inference.models.attention import AttentionMetadata, PrefillChunk
 from tests.inference.parity_checks import DEVICE, hf_model
 
 VARIANTS = {

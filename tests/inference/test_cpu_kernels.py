@@ -19,10 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference import LLMEngine, SamplingParams, cpu_kernels
-from inference.attention import AttentionMetadata, PrefillChunk
-from inference.layers import linear
-from inference.moe import select_experts
+from inference import LLMEngine, SamplingParams
+from inference.kernels import cpu as cpu_kernels
+from inference.models.attention import AttentionMetadata, PrefillChunk
+from inference.models.layers import linear
+from inference.models.moe import select_experts
 from tests.inference.kernel_paths import PATHS, Path, forced
 from tests.inference.parity_checks import hf_model, prompts
 
@@ -111,7 +112,8 @@ _AMX_REFUSED = 77  # the script's exit status where Linux refuses the AMX regist
 _TILES_SHARED_WITH_ONEDNN = f"""
 import sys
 import torch
-from inference import cpu_kernels, quant
+from inference.kernels import cpu as cpu_kernels
+from inference.quantization import qweight as quant
 assert cpu_kernels.enable("avx512", amx=True) == "avx512"
 if not cpu_kernels.AMX:
     sys.exit({_AMX_REFUSED})
@@ -382,7 +384,7 @@ def test_greedy_ties_go_to_the_first_index(path):
 
 
 def test_rope_and_cache_write_match_the_reference_ops_bit_for_bit(path):
-    from inference.layers import apply_rope
+    from inference.models.layers import apply_rope
 
     t, h, g, d = 7, 4, 2, 64
     qkv = randn(t, h + 2 * g, d)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from inference import demo_model
-from inference.demo_model import (
+from inference.checkpoints import demo_model
+from inference.checkpoints.demo_model import (
     ARCHS,
     CHAT_TEMPLATE,
     PRESETS,

@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from inference import model_zoo
-from inference.demo_model import CHAT_TEMPLATE
+from inference.checkpoints import model_zoo
+from inference.checkpoints.demo_model import CHAT_TEMPLATE
+from inference.checkpoints.gguf_import import import_gguf
 from inference.errors import ModelLoadError
-from inference.gguf_import import import_gguf
 from tests.inference.tiny_gguf import random_llama, write_gguf
 
 DEAD_INDEX = "http://127.0.0.1:9/simple"  # nothing listens on the discard port

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference import hadamard
+from inference.quantization import hadamard
 
 
 def sylvester(n: int) -> torch.Tensor:

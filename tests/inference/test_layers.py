@@ -1,7 +1,7 @@
 import torch
 import torch.nn.functional as F
 
-from inference.layers import linear
+from inference.models.layers import linear
 
 
 def test_single_row_bf16_linear_matches_gemm():

@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 from inference import LLMEngine
-from inference.demo_model import CHAT_TEMPLATE
-from inference.gguf_import import import_gguf
+from inference.checkpoints.demo_model import CHAT_TEMPLATE
+from inference.checkpoints.gguf_import import import_gguf
 from tests.inference.parity_checks import (
     DEVICE,
     GREEDY_32,

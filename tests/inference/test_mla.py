@@ -9,8 +9,8 @@ import torch
 from inference import LLMEngine
 from inference.config import SUPPORTED_ARCHITECTURES, ModelArgs
 from inference.errors import ModelLoadError
-from inference.kv_cache import kv_bytes_per_token
-from inference.moe import select_experts
+from inference.models.moe import select_experts
+from inference.models.paged_cache import kv_bytes_per_token
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

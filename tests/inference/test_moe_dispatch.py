@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference.moe import (
+from inference.models.moe import (
     DISPATCH_PATHS,
     DenseMLP,
     MoE,

@@ -11,10 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference import cpu_kernels, hadamard, kv_cache, quant
 from inference.config import ModelArgs
-from inference.layers import Embedding
-from inference.moe import grouped_dispatch, select_experts
+from inference.kernels import cpu as cpu_kernels
+from inference.models import paged_cache as kv_cache
+from inference.models.layers import Embedding
+from inference.models.moe import grouped_dispatch, select_experts
+from inference.quantization import hadamard
+from inference.quantization import qweight as quant
 from tests.inference.test_cpu_kernels import (  # noqa: F401 (the fixture)
     attention_reference,
     close_to_bf16,

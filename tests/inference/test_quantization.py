@@ -17,9 +17,11 @@ import json
 import pytest
 import torch
 
-from inference import LLMEngine, SamplingParams, cpu_kernels, kv_cache
+from inference import LLMEngine, SamplingParams
 from inference.errors import InvalidParameterError, ModelLoadError
-from inference.quant import QWeight
+from inference.kernels import cpu as cpu_kernels
+from inference.models import paged_cache as kv_cache
+from inference.quantization.qweight import QWeight
 from tests.inference.fp8_checkpoints import write_fp8_checkpoint
 from tests.inference.parity_checks import prompts
 from tests.inference.test_cpu_kernels import arch_dirs  # noqa: F401 (the fixture)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from inference.sampler import Sampler
+from inference.executor.sampler import Sampler
 from inference.sampling_params import SamplingParams
 from inference.sequence import Sequence
 

@@ -9,8 +9,8 @@ import pydantic
 import pytest
 
 from bench.harness import ServerProcess
+from inference.checkpoints.model_zoo import resolve_model
 from inference.errors import ModelLoadError
-from inference.model_zoo import resolve_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 

@@ -45,9 +45,9 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from inference.demo_model import cache_root
-from inference.kv_cache import kv_kind, kv_width, rotates_alone
-from inference.quant import QWeight
+from inference.config import cache_root
+from inference.models.paged_cache import kv_kind, kv_width, rotates_alone
+from inference.quantization.qweight import QWeight
 
 log = structlog.get_logger(__name__)
 

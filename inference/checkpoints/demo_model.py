@@ -40,6 +40,8 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from inference.config import cache_root
+
 # Bump when the written files change, so stale cached demo models are rewritten.
 FORMAT_VERSION = 2
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -252,10 +254,6 @@ ARCHS: dict[str, Callable[[Preset, dict[str, int]], PretrainedConfig]] = {
     "olmoe": _olmoe,
     "deepseek_v2": _deepseek_v2,
 }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MOESERVE_CACHE_DIR") or Path.home() / ".cache" / "moeserve")
 
 
 def _corpus() -> list[str]:

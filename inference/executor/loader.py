@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from inference import quant
 from inference.config import ModelArgs
 from inference.errors import ModelLoadError
-from inference.quant import QWeight
+from inference.quantization import qweight as quant
+from inference.quantization.qweight import QWeight
 
 # HF tensor name (after "model.layers.N.") -> (our parameter under "layers.N.", part)
 # part: None (whole tensor), or which rows of a fused parameter it fills.

@@ -1,6 +1,6 @@
 /* bf16 CPU kernels for the engine's linear layers, MoE layers, decode attention, RMSNorm and
  * rotary embeddings, written once against simd.h and compiled per instruction set (AVX2,
- * AVX-512). Loaded through ctypes by inference/cpu_kernels.py.
+ * AVX-512). Loaded through ctypes by inference/kernels/cpu.py.
  *
  * Weights are prepacked once at load (cpu_kernels.pack_weight) into the layout these loops
  * read: an [N, K] matrix becomes blocks of 16 output columns; block j holds, for each pair of

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from inference.config import ModelArgs
-from inference.hadamard import rotate, rotation_blocks, rotation_matrix
+from inference.quantization.hadamard import rotate, rotation_blocks, rotation_matrix
 
 _STORAGE = {
     "int8": torch.uint8,

@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference import cpu_kernels
-from inference.attention import AttentionMetadata
 from inference.config import ModelArgs
-from inference.kv_cache import gather_slots, write_kv
-from inference.layers import Linear, RMSNorm, apply_rope_interleaved
+from inference.kernels import cpu as cpu_kernels
+from inference.models.attention import AttentionMetadata
+from inference.models.layers import Linear, RMSNorm, apply_rope_interleaved
+from inference.models.paged_cache import gather_slots, write_kv
 
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use the reference's default eps
 

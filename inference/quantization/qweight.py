@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inference.hadamard import rotate, rotate_by_products
+from inference.quantization.hadamard import rotate, rotate_by_products
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

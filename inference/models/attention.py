@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inference import cpu_kernels
-from inference.kv_cache import gather_slots
+from inference.kernels import cpu as cpu_kernels
+from inference.models.paged_cache import gather_slots
 
 
 @dataclass(slots=True)

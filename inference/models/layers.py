@@ -8,9 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference import cpu_kernels, hadamard, quant
 from inference.config import ModelArgs
-from inference.quant import QWeight
+from inference.kernels import cpu as cpu_kernels
+from inference.quantization import hadamard
+from inference.quantization import qweight as quant
+from inference.quantization.qweight import QWeight
 
 
 def linear(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference import cpu_kernels
+from inference.kernels import cpu as cpu_kernels
 from inference.outputs import TokenLogprob, TokenLogprobs
 from inference.sequence import Sequence
 from inference.structured import Constraints

@@ -13,14 +13,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from inference import cpu_kernels, quant
-from inference.attention import AttentionMetadata, paged_attention
 from inference.config import ModelArgs
-from inference.kv_cache import write_kv
-from inference.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rope, set_weight
-from inference.mla import MLAttention
-from inference.moe import DenseMLP, MoE, SharedExpertMoE
-from inference.quant import QWeight
+from inference.kernels import cpu as cpu_kernels
+from inference.models.attention import AttentionMetadata, paged_attention
+from inference.models.layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rope,
+    set_weight,
+)
+from inference.models.mla import MLAttention
+from inference.models.moe import DenseMLP, MoE, SharedExpertMoE
+from inference.models.paged_cache import write_kv
+from inference.quantization import qweight as quant
+from inference.quantization.qweight import QWeight
 
 
 class Attention(nn.Module):
