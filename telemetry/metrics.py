@@ -12,13 +12,12 @@ come from the model's shape, `key` (an API key's name) from the service's keys f
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from operator import add, sub
 from typing import Any, NamedTuple
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.registry import Collector
+
+from telemetry.metric_collectors import ExpertLoadCollector, SpanExportCollector
 
 __all__ = [
     "APIS",
@@ -165,35 +164,60 @@ class ServiceMetrics:
         self.model = model
         self.num_layers = num_layers
         self.num_experts = num_experts
-        m, r = (model,), registry
+        # Registration order is exposition order: /metrics lists the families as added here.
+        self._add_latency_histograms()
+        self._add_request_counters()
+        self._add_engine_instruments(max_waiting)
+        self._add_structured_output_instruments()
+        self._add_model_instruments(info or {}, weight_bytes, kv_cache_bytes)
+        # moeserve_moe_expert_tokens_total and moeserve_moe_expert_imbalance.
+        self.experts = ExpertLoadCollector(model, num_layers, num_experts, imbalance_window_steps)
+        registry.register(self.experts)
+        # moeserve_trace_spans_exported_total and moeserve_trace_spans_dropped_total{reason}.
+        registry.register(SpanExportCollector(model, span_export))
 
-        def hist(name: str, doc: str, labels: Sequence[str], buckets: Sequence[float]) -> Histogram:
-            return Histogram(name, doc, labels, registry=r, buckets=buckets)
+    # Each _add_* defines one group of instruments and resolves the children its hot path
+    # uses once, so observe_* never goes through .labels().
 
-        self.ttft = hist(
+    def _add_latency_histograms(self) -> None:
+        """Per-request latencies: TTFT, TPOT and e2e by api (with exemplars), queue time."""
+        r, model = self.registry, self.model
+        self.ttft = _histogram(
+            r,
             "moeserve_time_to_first_token_seconds",
             "Time from arrival in the engine to the first generated token.",
             ("model", "api"),
             TTFT_BUCKETS,
         )
-        self.tpot = hist(
+        self.tpot = _histogram(
+            r,
             "moeserve_time_per_output_token_seconds",
             "Mean time per output token after the first, per request.",
             ("model", "api"),
             TPOT_BUCKETS,
         )
-        self.e2e = hist(
+        self.e2e = _histogram(
+            r,
             "moeserve_e2e_request_latency_seconds",
             "Time from arrival in the engine to the request finishing.",
             ("model", "api"),
             E2E_BUCKETS,
         )
-        self.queue_time = hist(
+        self.queue_time = _histogram(
+            r,
             "moeserve_request_queue_time_seconds",
             "Time requests spent waiting before first being scheduled.",
             ("model",),
             QUEUE_BUCKETS,
         )
+        self._ttft = {api: self.ttft.labels(model, api) for api in APIS}
+        self._tpot = {api: self.tpot.labels(model, api) for api in APIS}
+        self._e2e = {api: self.e2e.labels(model, api) for api in APIS}
+        self._queue = self.queue_time.labels(model)
+
+    def _add_request_counters(self) -> None:
+        """Tokens of finished requests, requests by outcome and key, rate-limit refusals."""
+        r, model = self.registry, self.model
         self.prompt_tokens = Counter(
             "moeserve_prompt_tokens",
             "Prompt tokens of finished requests.",
@@ -219,6 +243,16 @@ class ServiceMetrics:
             ("model", "api", "key", "limit"),
             registry=r,
         )
+        self._prompt = {api: self.prompt_tokens.labels(model, api) for api in APIS}
+        self._generated = {api: self.generation_tokens.labels(model, api) for api in APIS}
+        self._requests: dict[tuple[str, str, str, str], Any] = {}
+        self._rate_limited: dict[tuple[str, str, str], Any] = {}
+        self.add_key(NO_KEY)
+
+    def _add_engine_instruments(self, max_waiting: int) -> None:
+        """What each engine step reports: batch occupancy, KV cache use, step times,
+        preemptions; and the waiting queue's configured bound."""
+        r, model = self.registry, self.model
         self.running = Gauge(
             "moeserve_num_requests_running",
             "Requests in the running batch.",
@@ -237,13 +271,14 @@ class ServiceMetrics:
             ("model",),
             registry=r,
         )
-        self.batch_size = hist(
-            "moeserve_batch_size", "Sequences per engine step.", ("model",), BATCH_BUCKETS
+        self.batch_size = _histogram(
+            r, "moeserve_batch_size", "Sequences per engine step.", ("model",), BATCH_BUCKETS
         )
-        self.step_time = hist(
-            "moeserve_engine_step_seconds", "Engine step duration.", ("model",), STEP_BUCKETS
+        self.step_time = _histogram(
+            r, "moeserve_engine_step_seconds", "Engine step duration.", ("model",), STEP_BUCKETS
         )
-        self.decode_per_sequence = hist(
+        self.decode_per_sequence = _histogram(
+            r,
             "moeserve_engine_decode_seconds_per_sequence",
             "Duration of an engine step that only decodes (no prefill chunk, no recompute), "
             "divided by its batch size: the same work at a different speed shows here, more "
@@ -263,20 +298,39 @@ class ServiceMetrics:
             ("model",),
             registry=r,
         )
+        self._running = self.running.labels(model)
+        self._waiting = self.waiting.labels(model)
+        self._kv = self.kv_usage.labels(model)
+        self._batch = self.batch_size.labels(model)
+        self._step = self.step_time.labels(model)
+        self._decode_per_seq = self.decode_per_sequence.labels(model)
+        self._preempt = self.preemptions.labels(model)
+        self.max_waiting.labels(model).set(max_waiting)
+
+    def _add_structured_output_instruments(self) -> None:
+        """Grammar-constrained requests by kind, and grammar compile times."""
+        r, model = self.registry, self.model
         self.structured_requests = Counter(
             "moeserve_structured_requests",
             "Requests constrained by a grammar (structured outputs), by kind.",
             ("model", "kind"),
             registry=r,
         )
-        self.grammar_compile = hist(
+        self.grammar_compile = _histogram(
+            r,
             "moeserve_grammar_compile_seconds",
             "Time compiling a constrained request's grammar (cache: hit or miss).",
             ("model", "cache"),
             GRAMMAR_COMPILE_BUCKETS,
         )
+        self._structured = {k: self.structured_requests.labels(model, k) for k in STRUCTURED_KINDS}
+        self._compile = {c: self.grammar_compile.labels(model, c) for c in GRAMMAR_CACHE}
 
-        info = info or {}
+    def _add_model_instruments(
+        self, info: dict[str, str], weight_bytes: int, kv_cache_bytes: int
+    ) -> None:
+        """The served model's numeric formats (an info gauge) and its resident bytes."""
+        r, model = self.registry, self.model
         self.model_info = Gauge(
             "moeserve_model_info",
             "The served model's numeric formats (value 1): weights and KV cache.",
@@ -293,32 +347,6 @@ class ServiceMetrics:
         )
         self.memory.labels(model, "weights").set(weight_bytes)
         self.memory.labels(model, "kv_cache").set(kv_cache_bytes)
-
-        # Children resolved once: the hot paths never go through .labels().
-        self._ttft = {api: self.ttft.labels(model, api) for api in APIS}
-        self._tpot = {api: self.tpot.labels(model, api) for api in APIS}
-        self._e2e = {api: self.e2e.labels(model, api) for api in APIS}
-        self._prompt = {api: self.prompt_tokens.labels(model, api) for api in APIS}
-        self._generated = {api: self.generation_tokens.labels(model, api) for api in APIS}
-        self._requests: dict[tuple[str, str, str, str], Any] = {}
-        self._rate_limited: dict[tuple[str, str, str], Any] = {}
-        self.add_key(NO_KEY)
-        self._queue = self.queue_time.labels(*m)
-        self._running = self.running.labels(*m)
-        self._waiting = self.waiting.labels(*m)
-        self._kv = self.kv_usage.labels(*m)
-        self._batch = self.batch_size.labels(*m)
-        self._step = self.step_time.labels(*m)
-        self._decode_per_seq = self.decode_per_sequence.labels(*m)
-        self._preempt = self.preemptions.labels(*m)
-        self.max_waiting.labels(*m).set(max_waiting)
-        self._structured = {k: self.structured_requests.labels(model, k) for k in STRUCTURED_KINDS}
-        self._compile = {c: self.grammar_compile.labels(model, c) for c in GRAMMAR_CACHE}
-        # moeserve_moe_expert_tokens_total and moeserve_moe_expert_imbalance.
-        self.experts = ExpertLoadCollector(model, num_layers, num_experts, imbalance_window_steps)
-        registry.register(self.experts)
-        # moeserve_trace_spans_exported_total and moeserve_trace_spans_dropped_total{reason}.
-        registry.register(SpanExportCollector(model, span_export))
 
     # ------------------------------------------------------------------ engine steps
 
@@ -429,107 +457,14 @@ class ServiceMetrics:
         self.max_waiting.labels(self.model).set(max_waiting)
 
 
-class ExpertLoadCollector(Collector):
-    """Per-expert routed-token totals and per-layer max/mean load over a sliding window of
-    the last `window_steps` steps.
-
-    Plain int lists updated in place with C-level map() per layer (each step is
-    O(layers * experts) with no Python loop over experts and no prometheus locks); the
-    samples are built only when Prometheus scrapes. One writer (the stats consumer);
-    a scrape racing a step may see that step half-applied, never a decreasing counter.
-    """
-
-    def __init__(self, model: str, num_layers: int, num_experts: int, window_steps: int) -> None:
-        self.model = model
-        self.num_layers = num_layers
-        self.num_experts = num_experts
-        self.window_steps = window_steps
-        self.totals = [[0] * num_experts for _ in range(num_layers)]
-        self.window = [[0] * num_experts for _ in range(num_layers)]  # sums over the ring
-        self._ring = [[[0] * num_experts for _ in range(num_layers)] for _ in range(window_steps)]
-        self._pos = 0
-        self._zeros = [0] * num_experts
-
-    def observe(self, expert_tokens: Sequence[Sequence[int]]) -> None:
-        slot = self._ring[self._pos]
-        self._pos = (self._pos + 1) % self.window_steps
-        num_experts = self.num_experts
-        for layer in range(self.num_layers):
-            new = expert_tokens[layer] if layer < len(expert_tokens) else self._zeros
-            if len(new) != num_experts:  # clip/pad: labels stay within the model's shape
-                new = [*new[:num_experts], *self._zeros[len(new) :]]
-            old, window, totals = slot[layer], self.window[layer], self.totals[layer]
-            totals[:] = map(add, totals, new)
-            window[:] = map(sub, map(add, window, new), old)
-            old[:] = new
-
-    def imbalance(self, layer: int) -> float:
-        """max/mean expert load of `layer` over the window; 0.0 when nothing was routed."""
-        window = self.window[layer]
-        total = sum(window)
-        return max(window) * self.num_experts / total if total else 0.0
-
-    def _families(self) -> tuple[CounterMetricFamily, GaugeMetricFamily]:
-        tokens = CounterMetricFamily(
-            "moeserve_moe_expert_tokens",
-            "Tokens routed to each expert.",
-            labels=("model", "layer", "expert"),
-        )
-        imbalance = GaugeMetricFamily(
-            "moeserve_moe_expert_imbalance",
-            f"Max/mean expert load per layer over the last {self.window_steps} steps "
-            "(1 = balanced, num_experts = one expert takes all; 0 = no tokens routed).",
-            labels=("model", "layer"),
-        )
-        return tokens, imbalance
-
-    def describe(self) -> Iterable[Metric]:
-        return self._families()
-
-    def collect(self) -> Iterable[Metric]:
-        tokens, imbalance = self._families()
-        for layer in range(self.num_layers):
-            name = str(layer)
-            for expert, count in enumerate(list(self.totals[layer])):
-                tokens.add_metric((self.model, name, str(expert)), count)
-            imbalance.add_metric((self.model, name), self.imbalance(layer))
-        return tokens, imbalance
-
-
-class SpanExportCollector(Collector):
-    """What became of the process's ended spans, read from a `SpanExportStats` at scrape
-    time: exported, or dropped (queue_full: the exporter fell behind; export_failed: the
-    collector was down, refused or timed out). A rising drop rate is the exporter alert's
-    signal; requests never wait for the exporter."""
-
-    def __init__(self, model: str, stats: Any) -> None:
-        self.model, self.stats = model, stats
-
-    def _families(self) -> tuple[CounterMetricFamily, CounterMetricFamily]:
-        exported = CounterMetricFamily(
-            "moeserve_trace_spans_exported",
-            "Spans the trace exporter delivered.",
-            labels=("model",),
-        )
-        dropped = CounterMetricFamily(
-            "moeserve_trace_spans_dropped",
-            "Spans lost before delivery: queue_full (the exporter fell behind and the "
-            "bounded span queue was full) or export_failed (the collector was down, "
-            "refused the batch or timed out).",
-            labels=("model", "reason"),
-        )
-        return exported, dropped
-
-    def describe(self) -> Iterable[Metric]:
-        return self._families()
-
-    def collect(self) -> Iterable[Metric]:
-        exported, dropped = self._families()
-        n_exported, n_dropped = self.stats.snapshot()
-        exported.add_metric((self.model,), n_exported)
-        for reason, count in n_dropped.items():
-            dropped.add_metric((self.model, reason), count)
-        return exported, dropped
+def _histogram(
+    registry: CollectorRegistry,
+    name: str,
+    doc: str,
+    labels: Sequence[str],
+    buckets: Sequence[float],
+) -> Histogram:
+    return Histogram(name, doc, labels, registry=registry, buckets=buckets)
 
 
 def _api(api: str) -> str:
