@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, fields
 
 from inference.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
-from inference.tool_parsers import PARSERS
+from service.parsers.tool_calls import PARSERS
 
 
 @dataclass(slots=True)

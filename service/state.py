@@ -7,10 +7,10 @@ import asyncio
 from dataclasses import dataclass, field
 
 from inference import AsyncLLMEngine
-from inference.tool_parsers import parser_for
 from service.api_keys import KeyRing
 from service.inspector.recorder import InspectorRecorder
 from service.observability import Observability
+from service.parsers.tool_calls import parser_for
 from service.settings import Settings
 
 

@@ -4,7 +4,7 @@ A request's tools and tool_choice become a ToolPlan: the tools the chat template
 and for "required" or a named function the JSON schema the grammar forces, so the calls
 always parse and match their parameters. Each choice's text then becomes content and tool
 calls: forced output is read as that JSON; under "auto" the model's own syntax is read with
-its family's parser (inference/tool_parsers.py, chosen by --tool-call-parser or from the
+its family's parser (service/parsers/tool_calls/, chosen by --tool-call-parser or from the
 checkpoint).
 """
 
@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from inference import StructuredOutputs
-from inference.tool_parsers import (
+from service.errors import BadRequest
+from service.parsers.tool_calls import (
     ToolCall,
     ToolCallDelta,
     ToolCallStream,
@@ -21,7 +22,6 @@ from inference.tool_parsers import (
     forced_calls_schema,
     new_call_id,
 )
-from service.errors import BadRequest
 
 TOOL_CHOICES = ("none", "auto", "required")
 

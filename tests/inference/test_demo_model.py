@@ -16,7 +16,7 @@ from inference.checkpoints.demo_model import (
     ensure_demo_model,
     write_demo_model,
 )
-from inference.tool_parsers import parse_tool_calls, parser_for
+from service.parsers.tool_calls import parse_tool_calls, parser_for
 
 
 @pytest.fixture(scope="module")

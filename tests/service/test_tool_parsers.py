@@ -1,7 +1,7 @@
 """Tool-call parsers: canned outputs of each family parsed whole and streamed over many
 chunkings (the same content and calls every way), the forced-call schema checked with
 jsonschema, and the parser each served architecture gets (the demo checkpoints' own are
-checked in test_demo_model.py)."""
+checked in tests/inference/test_demo_model.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference.tool_parsers import (
+from service.parsers.tool_calls import (
     PARSERS,
     ToolCall,
     ToolCallDelta,
