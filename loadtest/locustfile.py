@@ -65,6 +65,7 @@ from urllib.parse import urlparse
 import gevent
 import locust.stats
 import requests
+from grpc_client_stubs import load_inference_stubs
 from locust import User, events, tag, task
 from locust.runners import WorkerRunner
 from prompt_words import FALLBACK_TOKENS_PER_WORD, WORDS
@@ -618,8 +619,7 @@ class GrpcUser(User):
     def on_start(self) -> None:
         if grpc is None:
             raise RuntimeError("GrpcUser needs grpcio (pip install grpcio)")
-        from service.proto.moeserve.v1 import inference_pb2, inference_pb2_grpc
-
+        inference_pb2, inference_pb2_grpc = load_inference_stubs()
         self.pb = inference_pb2
         self.channel = grpc.insecure_channel(CONFIG.grpc_target)
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
