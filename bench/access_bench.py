@@ -34,6 +34,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.harness import ServerProcess
+from bench.machine import cpu_name
 from inference.checkpoints.demo_model import ensure_demo_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -44,13 +45,6 @@ TARGET = 1.5  # limited / baseline, median TTFT
 
 def _auth(name: str) -> dict[str, str]:
     return {"authorization": f"Bearer {KEYS[name]}"}
-
-
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 class Load:
@@ -210,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "date": time.strftime("%Y-%m-%d %H:%M"),
-                "cpu": _cpu(),
+                "cpu": cpu_name(),
                 "machine": platform.platform(),
                 "median_ttft_s": median,
                 "ratio_limited": ratio,

@@ -25,11 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import time
 from pathlib import Path
 
 from bench.engine_bench import make_prompts
+from bench.machine import cpu_name
 from inference import LLMEngine, SamplingParams
 from inference.checkpoints.demo_model import ensure_demo_model
 
@@ -43,16 +43,6 @@ ACCURACY_CONFIGS = {
     "fp8_e4m3_kv": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8_e5m2_kv": {"kv_cache_dtype": "fp8_e5m2"},
 }
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def corpus_ids(tokenizer) -> list[int]:

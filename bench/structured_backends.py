@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.machine import cpu_name
 from inference.checkpoints.demo_model import ensure_demo_model
 from inference.checkpoints.model_zoo import resolve_model
 
@@ -47,17 +48,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 BATCH = 32
-
-
-def cpu_name() -> str:
-    """The CPU's model name as /proc/cpuinfo gives it (bench notes name the CPU of each run)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _allowed(row: np.ndarray, vocab: int) -> np.ndarray:

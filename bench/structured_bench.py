@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from bench.engine_bench import make_prompts
-from bench.structured_backends import SCHEMA, cpu_name  # one schema for both benches
+from bench.machine import cpu_name
+from bench.structured_backends import SCHEMA  # one schema for both benches
 from inference import LLMEngine, SamplingParams, StructuredOutputs
 from inference.checkpoints.demo_model import ensure_demo_model
 from inference.checkpoints.model_zoo import resolve_model

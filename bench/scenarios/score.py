@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.harness import REPO
+from bench.machine import cpu_name
 from bench.scenarios.load import latency_ms
 
 RESULTS = REPO / "bench" / "results" / "scenarios.json"
@@ -46,17 +46,6 @@ SERIES_CAUSE = {
     "target_up": "engine",
     "expert_imbalance": "expert_imbalance",
 }
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def ranked_causes(incident: dict[str, Any]) -> list[str]:
@@ -191,7 +180,7 @@ def write_results(rows: list[dict[str, Any]], path: Path = RESULTS, **meta: Any)
     s = score(merged)
     doc = {
         "date": time.strftime("%Y-%m-%d %H:%M", time.localtime()),
-        "cpu": cpu_model(),
+        "cpu": cpu_name(),
         "f1": s["f1"],
         **{k: v for k, v in s.items() if k != "f1"},
         **meta,
