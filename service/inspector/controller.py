@@ -27,7 +27,7 @@ from service.inspector.schemas import (
     InspectorRequestDetail,
     InspectorRequestList,
 )
-from service.openapi import errors
+from service.openapi_errors import errors
 from service.responses import ErrorResponse
 
 STATIC = Path(__file__).parent / "static"
@@ -110,7 +110,8 @@ class InspectorController(Controller):
     )
     async def engine(self, request: Request) -> InspectorEngine:
         """The engine now and over the last minutes (sparklines, expert-load heatmap)."""
-        return views.engine_view(_recorder(request), request.app.state.serving)
+        state = request.app.state.serving
+        return views.engine_view(state.inspector, state.engine, state.model_name, state.in_flight)
 
 
 def inspector_routes() -> list[Controller | Router | type[Controller]]:

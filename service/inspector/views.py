@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 
+from inference import AsyncLLMEngine
 from service.inspector.engine_window import HEATMAP_S
 from service.inspector.recorder import InspectorRecorder
 from service.inspector.requests import RequestRecord, StepRecord
@@ -24,7 +25,6 @@ from service.inspector.schemas import (
     InspectorSeries,
     InspectorStep,
 )
-from service.state import ServingState
 
 MAX_PEERS = 16  # other requests named per step
 _OUTCOME_OF_FILTER = {"errors": "error", "aborts": "aborted", "rejected": "rejected"}
@@ -163,13 +163,16 @@ def detail(
     )
 
 
-def engine_view(recorder: InspectorRecorder, state: ServingState) -> InspectorEngine:
-    engine, window, now = state.engine, recorder.window, time.time()
+def engine_view(
+    recorder: InspectorRecorder, engine: AsyncLLMEngine, model_name: str, in_flight: int
+) -> InspectorEngine:
+    """The engine now (`in_flight`: the server's requests in it) and its recorded window."""
+    window, now = recorder.window, time.time()
     return InspectorEngine(
-        model=state.model_name,
+        model=model_name,
         running=engine.num_running,
         waiting=engine.num_waiting,
-        in_flight=state.in_flight,
+        in_flight=in_flight,
         kv_usage=round(engine.kv_usage, 4),
         kv_blocks_used=engine.kv_blocks_used,
         steps=recorder.steps,
