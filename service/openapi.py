@@ -1,12 +1,12 @@
 """The OpenAPI document served at /schema/openapi.json, made to say what the server does.
 
 Litestar builds the paths and operations (with the error responses each route declares
-through `errors()`). Its schemas of msgspec Structs lose constraints (ranges inside unions,
-minLength, additionalProperties: false, enums of neutral values), so the component schemas
-come from msgspec's own generator instead, which reads the same annotations the decoder
-enforces. On top: the served model's limits (token ids below the vocabulary size, max_tokens
-below the context length), the rules that span fields, the SSE alternative of the streaming
-operations, and bearer auth when an API key is set.
+through openapi_errors.py's `errors()`). Its schemas of msgspec Structs lose constraints
+(ranges inside unions, minLength, additionalProperties: false, enums of neutral values), so
+the component schemas come from msgspec's own generator instead, which reads the same
+annotations the decoder enforces. On top: the served model's limits (token ids below the
+vocabulary size, max_tokens below the context length), the rules that span fields, the SSE
+alternative of the streaming operations, and bearer auth when an API key is set.
 """
 
 from __future__ import annotations
@@ -16,22 +16,12 @@ from typing import Any
 
 import msgspec
 from litestar import Request
-from litestar.openapi import ResponseSpec
 from litestar.openapi.plugins import JsonRenderPlugin
 
 from service import responses as response_bodies
 from service import schemas
 from service.inspector import schemas as inspector_bodies
 
-_DESCRIPTIONS = {
-    400: "Invalid request: `error.param` names the field",
-    401: "Missing or invalid API key",
-    404: "Unknown model",
-    413: "Body over the size limit",
-    429: "Waiting queue full, or the API key over one of its limits (`code`: "
-    "rate_limit_exceeded): retry after the `retry-after` header's seconds",
-    503: "Draining after SIGTERM, or the engine is not running",
-}
 # Rules across fields, which one field's annotation cannot state.
 _STRUCT_RULES = {
     "TokenizeRequest": {
@@ -86,16 +76,6 @@ def _event(chunk: str) -> dict:
         "type": "object",
         "required": ["data"],
         "properties": {"data": {"type": "string", "anyOf": [{"const": "[DONE]"}, data]}},
-    }
-
-
-def errors(*statuses: int) -> dict[int, ResponseSpec]:
-    """A route's error responses, each in OpenAI's error envelope."""
-    return {
-        s: ResponseSpec(
-            response_bodies.ErrorResponse, description=_DESCRIPTIONS[s], generate_examples=False
-        )
-        for s in statuses
     }
 
 

@@ -27,7 +27,7 @@ from service.controllers.common import (
 from service.controllers.openai_render import ChatRender, CompletionRender
 from service.errors import BadRequest, ServiceError
 from service.generation import Generation
-from service.openapi import errors
+from service.openapi_errors import errors
 from service.responses import (
     ChatCompletionResponse,
     CompletionResponse,

@@ -11,7 +11,7 @@ from service import validation
 from service.auth import reject_while_draining, require_api_key
 from service.controllers.common import serving_state
 from service.errors import BadRequest
-from service.openapi import errors
+from service.openapi_errors import errors
 from service.responses import DetokenizeResponse, TokenizeResponse
 from service.schemas import DetokenizeRequest, TokenizeRequest, chat_message_dicts
 
