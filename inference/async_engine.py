@@ -20,7 +20,7 @@ from pathlib import Path
 import msgspec
 import structlog
 
-from inference.config import EngineConfig, ModelArgs
+from inference.config import EngineConfig
 from inference.engine_core import (
     AbortRequest,
     AddRequest,
@@ -34,6 +34,7 @@ from inference.engine_core import (
 )
 from inference.errors import EngineDeadError, InvalidParameterError, ModelLoadError, QueueFullError
 from inference.executor.loader import load_hf_config, load_tokenizer
+from inference.models.registry import model_args
 from inference.outputs import RequestOutput, StepStats
 from inference.prompts import Prompt, tokenize_prompt
 from inference.sampling_params import SamplingParams
@@ -91,7 +92,7 @@ class AsyncLLMEngine:
         path = Path(model_dir)
         config = config or EngineConfig()
         self.max_waiting = config.max_waiting
-        self.args = ModelArgs.from_hf_config(load_hf_config(path))
+        self.args = model_args(load_hf_config(path))
         self.tokenizer = load_tokenizer(path)
         self._streams: dict[str, RequestStream] = {}
         self._unscheduled: set[str] = set()  # submitted, no output yet: the waiting queue

@@ -178,7 +178,7 @@ class EngineCore:
         self.wakeup = threading.Event()
         self.stopping = False
         # a grammar compiling off the step path wakes the loop when it is done
-        engine.on_compile_done = self.wakeup.set
+        engine.pending_grammars.on_done = self.wakeup.set
 
     def _read_inputs(self) -> None:
         decoder = msgspec.msgpack.Decoder(ToCore)

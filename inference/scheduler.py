@@ -12,9 +12,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import structlog
+
 from inference.block_manager import BlockManager
 from inference.sequence import Sequence, SequenceStatus
 from inference.waiting_queue import WaitingQueue
+
+log = structlog.get_logger("inference.engine")  # the engine's lines: one logger for them
 
 
 @dataclass(slots=True)
@@ -35,11 +39,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         on_preempt=None,
     ) -> None:
+        """on_preempt(seq): told of each preemption (default: a log line)."""
         self.bm = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
-        self.on_preempt = on_preempt or (lambda seq: None)
+        self.on_preempt = on_preempt or self._log_preemption
 
     @property
     def has_work(self) -> bool:
@@ -100,6 +105,15 @@ class Scheduler:
         seq.finish_reason = reason
         seq.times.finished = time.monotonic()
         self.bm.free_sequence(seq)
+
+    def _log_preemption(self, seq: Sequence) -> None:
+        log.info(
+            "sequence preempted",
+            seq_id=seq.seq_id,
+            num_tokens=seq.num_tokens,
+            kv_usage=round(self.bm.usage, 3),
+            **seq.log_context,
+        )
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free_sequence(seq)

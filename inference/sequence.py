@@ -11,7 +11,13 @@ import time
 
 import torch
 
-from inference.outputs import RequestTimes, TokenLogprobs
+from inference.outputs import (
+    CompletionOutput,
+    FinishedSequence,
+    RequestOutput,
+    RequestTimes,
+    TokenLogprobs,
+)
 from inference.sampling_params import SamplingParams
 
 
@@ -74,3 +80,68 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token: int, logprobs: TokenLogprobs | None, now: float) -> None:
+        self.token_ids.append(token)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+        if self.times.first_token is None:
+            self.times.first_token = now
+        self.times.last_token = now
+
+    def take_output(self) -> CompletionOutput:
+        """Everything generated so far, and the delta since the last call (text held back
+        while it may still turn into a stop string)."""
+        done = self.is_finished
+        text_end = self.detok.streamable_len(done)
+        text = self.detok.text
+        tokens = self.output_token_ids
+        out = CompletionOutput(
+            index=self.index,
+            text=text[:text_end],
+            token_ids=tokens,
+            delta_text=text[self.sent_text : text_end],
+            delta_token_ids=tokens[self.sent_tokens :],
+            delta_logprobs=self.logprobs[self.sent_logprobs :],
+            logprobs=self.logprobs if self.params.logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            times=self.times,
+        )
+        self.sent_text, self.sent_tokens, self.sent_logprobs = (
+            text_end,
+            len(tokens),
+            len(self.logprobs),
+        )
+        return out
+
+    def finished_record(self) -> FinishedSequence:
+        return FinishedSequence(
+            self.request_id,
+            self.seq_id,
+            self.num_prompt_tokens,
+            self.num_output_tokens,
+            self.num_cached_tokens,
+            self.finish_reason,
+            self.times,
+        )
+
+
+def request_output(request_id: str, seqs: list[Sequence]) -> RequestOutput:
+    """The request's output now: each sequence's completion and delta (advancing what was sent),
+    and the prompt's logprobs once every position has one."""
+    completions = [seq.take_output() for seq in seqs]
+    first = seqs[0]
+    prompt_logprobs = None
+    if first.params.prompt_logprobs is not None and (
+        len(first.prompt_logprobs) == first.num_prompt_tokens
+    ):
+        prompt_logprobs = first.prompt_logprobs
+    return RequestOutput(
+        request_id,
+        first.token_ids[: first.num_prompt_tokens],
+        completions,
+        finished=all(s.is_finished for s in seqs),
+        num_cached_tokens=first.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs,
+    )

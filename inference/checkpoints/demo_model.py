@@ -8,7 +8,7 @@ downloaded: weights come from transformers' own initialisation under a fixed see
 the byte-level BPE tokenizer is trained on the Python standard library's source text.
 
 Presets fix the dimensions (`PRESETS`); each architecture in `ARCHS` is one function
-turning a preset into its transformers config. `ensure_demo_model()` writes the folder
+turning a preset into its transformers config, kept in the family's own file (models/). `ensure_demo_model()` writes the folder
 into the cache (`default_model_dir()`) once, atomically, and returns its path; this is
 what `--model demo` serves.
 """
@@ -30,17 +30,13 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
-    DeepseekV2Config,
     GenerationConfig,
-    MixtralConfig,
-    OlmoeConfig,
     PretrainedConfig,
     PreTrainedTokenizerFast,
-    Qwen2MoeConfig,
-    Qwen3MoeConfig,
 )
 
 from inference.config import cache_root
+from inference.models.registry import demo_configs
 
 # Bump when the written files change, so stale cached demo models are rewritten.
 FORMAT_VERSION = 2
@@ -178,82 +174,8 @@ def _common(p: Preset, ids: dict[str, int]) -> dict:
     )
 
 
-def _mixtral(p: Preset, ids: dict[str, int]) -> PretrainedConfig:
-    return MixtralConfig(
-        **_common(p, ids),
-        head_dim=p.head_dim,
-        intermediate_size=p.ffn,
-        num_local_experts=p.num_experts,
-        sliding_window=None,
-    )
-
-
-def _qwen2_moe(p: Preset, ids: dict[str, int]) -> PretrainedConfig:
-    assert p.hidden == p.num_heads * p.head_dim, "Qwen2-MoE has no head_dim field"
-    return Qwen2MoeConfig(
-        **_common(p, ids),
-        intermediate_size=p.ffn,
-        moe_intermediate_size=p.ffn,
-        shared_expert_intermediate_size=p.shared_ffn or p.ffn,
-        num_experts=p.num_experts,
-        norm_topk_prob=False,
-        use_sliding_window=False,
-    )
-
-
-def _qwen3_moe(p: Preset, ids: dict[str, int]) -> PretrainedConfig:
-    return Qwen3MoeConfig(
-        **_common(p, ids),
-        head_dim=p.head_dim,
-        intermediate_size=p.ffn,
-        moe_intermediate_size=p.ffn,
-        num_experts=p.num_experts,
-        norm_topk_prob=True,
-        use_sliding_window=False,
-    )
-
-
-def _olmoe(p: Preset, ids: dict[str, int]) -> PretrainedConfig:
-    assert p.hidden == p.num_heads * p.head_dim, "OLMoE has no head_dim field"
-    return OlmoeConfig(
-        **_common(p, ids),
-        intermediate_size=p.ffn,
-        num_experts=p.num_experts,
-        norm_topk_prob=False,
-    )
-
-
-def _deepseek_v2(p: Preset, ids: dict[str, int]) -> PretrainedConfig:
-    # V2-Lite layout (no q LoRA): layer 0 dense, MLA with a compressed KV of hidden/2,
-    # one shared expert, group-limited routing over 2 groups choosing 1.
-    common = _common(p, ids) | {"num_key_value_heads": p.num_heads}
-    return DeepseekV2Config(
-        **common,
-        intermediate_size=p.ffn * p.top_k,
-        moe_intermediate_size=p.ffn,
-        n_routed_experts=p.num_experts,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        q_lora_rank=None,
-        kv_lora_rank=p.hidden // 2,
-        qk_nope_head_dim=p.head_dim,
-        qk_rope_head_dim=p.head_dim // 2,
-        v_head_dim=p.head_dim,
-        n_group=2,
-        topk_group=1,
-        topk_method="group_limited_greedy",
-        routed_scaling_factor=1.0,
-        norm_topk_prob=False,
-    )
-
-
-ARCHS: dict[str, Callable[[Preset, dict[str, int]], PretrainedConfig]] = {
-    "mixtral": _mixtral,
-    "qwen2_moe": _qwen2_moe,
-    "qwen3_moe": _qwen3_moe,
-    "olmoe": _olmoe,
-    "deepseek_v2": _deepseek_v2,
-}
+# --arch name -> the family's demo config (models/<family>.py), for every family that has one
+ARCHS: dict[str, Callable[[Preset, dict], PretrainedConfig]] = demo_configs()
 
 
 def _corpus() -> list[str]:
@@ -348,7 +270,9 @@ def write_demo_model(
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(p.tokenizer_vocab or p.vocab_size)
     eot, im_end = tok.token_to_id(ENDOFTEXT), tok.token_to_id(IM_END)
-    config = ARCHS[arch](p, {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot})
+    config = ARCHS[arch](
+        p, _common(p, {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot})
+    )
     config.initializer_range = 0.02
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)

@@ -1,7 +1,7 @@
 """Loading a Hugging Face checkpoint folder: config, safetensors weights (one file or sharded
 with an index), tokenizer. Checkpoint tensors are mapped onto our fused parameters
-(q/k/v -> wqkv, gate/up -> w13, experts stacked; MLA projections one to one) and checked
-for presence and shape."""
+(q/k/v -> wqkv, gate/up -> w13, experts stacked; MLA projections one to one) by the rules of
+the checkpoint's family (models/), and checked for presence and shape."""
 
 from __future__ import annotations
 
@@ -12,57 +12,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from inference.config import ModelArgs
 from inference.errors import ModelLoadError
+from inference.models.args import ModelArgs
 from inference.quantization import qweight as quant
 from inference.quantization.qweight import QWeight
 
-# HF tensor name (after "model.layers.N.") -> (our parameter under "layers.N.", part)
-# part: None (whole tensor), or which rows of a fused parameter it fills.
-_LAYER_RULES: list[tuple[re.Pattern, str, str | None]] = [
-    (re.compile(p), target, part)
-    for p, target, part in [
-        (r"input_layernorm\.weight", "input_norm.weight", None),
-        (r"post_attention_layernorm\.weight", "post_attn_norm.weight", None),
-        (r"self_attn\.([qkv])_proj\.(weight|bias)", "attn.wqkv.{1}", "{0}"),
-        (r"self_attn\.o_proj\.(weight|bias)", "attn.wo.{0}", None),
-        (r"self_attn\.([qk])_norm\.weight", "attn.{0}_norm.weight", None),  # Qwen3-MoE, OLMoE
-        # DeepSeek-V2 multi-head latent attention (q_proj itself: _MLA_RULES)
-        (r"self_attn\.q_a_proj\.(weight|bias)", "attn.wq_a.{0}", None),
-        (r"self_attn\.q_a_layernorm\.weight", "attn.q_a_norm.weight", None),
-        (r"self_attn\.q_b_proj\.weight", "attn.wq_b.weight", None),
-        (r"self_attn\.kv_a_proj_with_mqa\.(weight|bias)", "attn.wkv_a.{0}", None),
-        (r"self_attn\.kv_a_layernorm\.weight", "attn.kv_a_norm.weight", None),
-        (r"self_attn\.kv_b_proj\.weight", "attn.wkv_b.weight", None),
-        # Mixtral
-        (r"(?:block_sparse_moe|mlp)\.gate\.weight", "{moe}gate", None),
-        (r"block_sparse_moe\.experts\.(\d+)\.w1\.weight", "{moe}w13", "gate"),
-        (r"block_sparse_moe\.experts\.(\d+)\.w3\.weight", "{moe}w13", "up"),
-        (r"block_sparse_moe\.experts\.(\d+)\.w2\.weight", "{moe}w2", None),
-        # Qwen2-MoE style experts (and transformers 5 fused stacks)
-        (r"mlp\.experts\.(\d+)\.gate_proj\.weight", "{moe}w13", "gate"),
-        (r"mlp\.experts\.(\d+)\.up_proj\.weight", "{moe}w13", "up"),
-        (r"mlp\.experts\.(\d+)\.down_proj\.weight", "{moe}w2", None),
-        (r"(?:block_sparse_moe|mlp)\.experts\.gate_up_proj", "{moe}w13", None),
-        (r"(?:block_sparse_moe|mlp)\.experts\.down_proj", "{moe}w2", None),
-        (r"mlp\.shared_expert\.gate_proj\.weight", "mlp.shared.w13", "gate"),
-        (r"mlp\.shared_expert\.up_proj\.weight", "mlp.shared.w13", "up"),
-        (r"mlp\.shared_expert\.down_proj\.weight", "mlp.shared.w2", None),
-        (r"mlp\.shared_expert_gate\.weight", "mlp.shared_gate", None),
-        (r"mlp\.shared_experts\.gate_proj\.weight", "mlp.shared.w13", "gate"),  # DeepSeek-V2
-        (r"mlp\.shared_experts\.up_proj\.weight", "mlp.shared.w13", "up"),
-        (r"mlp\.shared_experts\.down_proj\.weight", "mlp.shared.w2", None),
-        # dense MLP layers
-        (r"mlp\.gate_proj\.weight", "mlp.w13", "gate"),
-        (r"mlp\.up_proj\.weight", "mlp.w13", "up"),
-        (r"mlp\.down_proj\.weight", "mlp.w2", None),
-        (r"mlp\.gate_proj\.bias", "mlp.b13", "gate"),  # Llama mlp_bias
-        (r"mlp\.up_proj\.bias", "mlp.b13", "up"),
-        (r"mlp\.down_proj\.bias", "mlp.b2", None),
-    ]
-]
-# MLA has an unfused query projection: checked before _LAYER_RULES' q/k/v rule.
-_MLA_RULES = [(re.compile(r"self_attn\.q_proj\.weight"), "attn.wq.weight", None)]
 _TOP_LEVEL = {
     "model.embed_tokens.weight": "embed.weight",
     "model.norm.weight": "norm.weight",
@@ -92,6 +46,22 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
+def eos_token_ids(path: Path, hf_config, tokenizer) -> set[int]:
+    """Every id that ends generation: the config's, the tokenizer's and the generation
+    config's (chat models often list their end-of-turn token only there)."""
+    ids: set[int] = set()
+    sources = [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
+    try:
+        from transformers import GenerationConfig
+
+        sources.append(GenerationConfig.from_pretrained(path).eos_token_id)
+    except OSError:
+        pass
+    for value in sources:
+        ids.update(value if isinstance(value, list) else [value] if value is not None else [])
+    return ids
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -108,7 +78,9 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def _target(name: str, model, args: ModelArgs) -> tuple[str, int | None, str | None] | None:
+def _target(name: str, args: ModelArgs, weights) -> tuple[str, int | None, str | None] | None:
+    """A checkpoint tensor -> (our parameter, expert index or None, part or None), by the
+    family's WeightRules (models/args.py); None for a name no rule knows."""
     if name in _TOP_LEVEL:
         return _TOP_LEVEL[name], None, None
     m = _LAYER_PREFIX.fullmatch(name)
@@ -116,14 +88,13 @@ def _target(name: str, model, args: ModelArgs) -> tuple[str, int | None, str | N
         return None
     layer, rest = int(m.group(1)), m.group(2)
     moe_prefix = "mlp.moe." if args.shared_expert_intermediate_size else "mlp."
-    for pattern, target, part in _MLA_RULES + _LAYER_RULES if args.kv_lora_rank else _LAYER_RULES:
-        pm = pattern.fullmatch(rest)
+    for rule in weights:
+        pm = rule.pattern.fullmatch(rest)
         if pm:
             groups = pm.groups()
             expert = int(groups[0]) if groups and groups[0].isdigit() else None
-            target = target.format(*groups, moe=moe_prefix)
-            if part is not None:
-                part = part.format(*groups)
+            target = rule.target.format(*groups, moe=moe_prefix)
+            part = None if rule.part is None else rule.part.format(*groups)
             return f"layers.{layer}.{target}", expert, part
     return None
 
@@ -190,7 +161,9 @@ class _Fp8Parts:
         return QWeight("fp8", self.data.view(quant.FP8), scale, self.group, k)
 
 
-def load_weights(model, path: Path, args: ModelArgs, keep_fp8: bool = False) -> dict[str, QWeight]:
+def load_weights(
+    model, path: Path, args: ModelArgs, weights, keep_fp8: bool = False
+) -> dict[str, QWeight]:
     """Copies every checkpoint tensor into the model; raises on a missing, unknown-shaped or
     absent weight. Parameters must already have their final dtype and device. FP8 tensors
     are dequantized into the parameters; with keep_fp8, also returned as they were published
@@ -208,7 +181,7 @@ def load_weights(model, path: Path, args: ModelArgs, keep_fp8: bool = False) -> 
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 if name.endswith(_SCALE_SUFFIXES):
                     continue
-                tgt = _target(name, model, args)
+                tgt = _target(name, args, weights)
                 if tgt is None:
                     if ".rotary_emb." in name:
                         continue

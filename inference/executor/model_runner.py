@@ -1,15 +1,14 @@
-"""The only code that touches the device: scheduled sequences -> tensors -> forward -> sample."""
+"""The model runner: a step's scheduled sequences -> device tensors -> forward -> sample."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from inference.executor.sampler import Sampler, SamplerOutput
-from inference.kernels import cpu as cpu_kernels
 from inference.models.attention import AttentionMetadata, PrefillChunk
-from inference.models.decoder import MoETransformer
 from inference.outputs import TokenLogprob, TokenLogprobs
 from inference.scheduler import SchedulerOutput
 from inference.sequence import Sequence
@@ -26,38 +25,28 @@ class RunnerOutput:
 
 
 class ModelRunner:
+    """Scheduled sequences -> tensors -> forward -> sample: the only code that builds a step's
+    device tensors. `forward`: the model, or for decode-only steps `decode_forward` (a
+    backend's fused step or the compiled model). `block_tables`: decode rows attend through
+    a backend that reads the paged cache in place (kernels/modules.py), so the step carries
+    block tables instead of gathered slots."""
+
     def __init__(
         self,
-        model: MoETransformer,
+        model: nn.Module,
         kv_caches,
         block_size: int,
         sampler: Sampler,
         device: torch.device,
-        compile: bool = False,
+        decode_forward=None,
+        block_tables: bool = False,
         structured: StructuredOutputManager | None = None,
     ) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.sampler, self.device = sampler, device
         self.structured = structured
-        # Decode rows attend through the CPU kernel, which reads block tables, when the
-        # model runs on the CPU kernels (bf16, any KV format); else SDPA over gathered slots.
-        self.paged_kernel = (
-            kv_caches[0][0].device.type == "cpu"
-            and model.dtype == torch.bfloat16
-            and cpu_kernels.ISA is not None
-        )
-        if compile:
-            # Inductor would decompose the single-row GEMVs into a generated reduction that
-            # runs 1.4-2x slower than the ATen/MKL kernel on our CPUs (768x512 bf16: 53 vs
-            # 32 us); without the decomposition they stay ATen calls.
-            from torch._inductor.decomposition import decompositions
-
-            decompositions.pop(torch.ops.aten.mv.default, None)
-        # Decode-only steps run the compiled model: a few hundred small per-layer ops (norms,
-        # rope, routing) become a handful of fused kernels, which is most of a decode step's
-        # time at this size. dynamic=True: one graph for one sequence (0/1 specialisation) and
-        # one for every larger batch and context length.
-        self.decode_model = torch.compile(model, dynamic=True) if compile else model
+        self.paged_kernel = block_tables
+        self.decode_model = decode_forward or model
 
     def _slots(self, block_tables: list[list[int]], length: int) -> torch.Tensor:
         """[rows, length] cache slots of each row's first `length` positions (rows padded with

@@ -11,9 +11,9 @@ that is the point of MLA. Keys and values are rebuilt from the latent with kv_b_
 - decode rows use the absorbed form: W_UK is folded into the query (q_nope W_UK -> [H, r]),
   so the query attends directly over the cached rows, as one-kv-head attention with keys
   [c_kv, k_pe] and values c_kv, and W_UV is applied to the [H, r] result. Same product,
-  without expanding the whole context every step. On the CPU kernels the two absorbed
-  projections are per-head products on prepacked W_UK^T and W_UV, and the attention reads
-  the latent cache in place.
+  without expanding the whole context every step (AbsorbedAttention; a backend may replace
+  it: on the CPU kernels the two absorbed projections are per-head products on prepacked
+  W_UK^T and W_UV, and the attention reads the latent cache in place).
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference.config import ModelArgs
-from inference.kernels import cpu as cpu_kernels
+from inference.models.args import ModelArgs, rules
 from inference.models.attention import AttentionMetadata
 from inference.models.layers import Linear, RMSNorm, apply_rope_interleaved
 from inference.models.paged_cache import gather_slots, write_kv
@@ -63,18 +62,9 @@ class MLAttention(nn.Module):
         self.wkv_b = Linear(args.kv_lora_rank, h * (self.nope_dim + self.v_dim), bias=False)
         self.wo = Linear(h * self.v_dim, d, bias=args.o_bias)
         self.scale = softmax_scale(args.head_dim, getattr(args.hf_config, "rope_parameters", None))
-        self.w_uk_t = self.w_uv = None  # packed per-head absorbed projections (pack())
-
-    def pack(self) -> None:
-        """The absorbed projections as packed per-head weights for the CPU kernels, from the
-        row-major kv_b_proj (which its own Linear.pack() packs afterwards, for prefill)."""
-        w = self.wkv_b.weight.data.view(
-            self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank
+        self.absorbed = AbsorbedAttention(
+            h, self.nope_dim, self.v_dim, args.kv_lora_rank, self.scale
         )
-        self.w_uk_t = cpu_kernels.pack_weight(
-            w[:, : self.nope_dim].transpose(1, 2)
-        )  # [H] of [r, n]
-        self.w_uv = cpu_kernels.pack_weight(w[:, self.nope_dim :])  # [H] of [v, r]
 
     def forward(
         self,
@@ -95,7 +85,7 @@ class MLAttention(nn.Module):
         out = x.new_empty(t, h, self.v_dim)
         nd = meta.num_decode
         if nd:
-            out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], cache, meta)
+            out[:nd] = self.absorbed(q_nope[:nd], q_pe[:nd], cache, meta, self.wkv_b.weight)
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
             ctx = latent[rows] if chunk.slots is None else gather_slots(cache, chunk.slots, x.dtype)
@@ -125,40 +115,45 @@ class MLAttention(nn.Module):
         k_pe = latent[:, :, r:].expand(n, self.num_heads, self.rope_dim)
         return torch.cat((k_nope, k_pe), dim=-1), v
 
-    def _decode(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """Absorbed attention of B_d single-token queries over their cached latents -> [B_d, H, v]."""
-        r = self.kv_lora_rank
-        if self.w_uk_t is not None:  # packed for the CPU kernels
-            heads = cpu_kernels.linear_heads
-            q_lat = heads(q_nope, self.w_uk_t)
-        else:
-            w = self.wkv_b.weight.view(self.num_heads, self.nope_dim + self.v_dim, r)
-            w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]  # [H, n, r], [H, v, r]
-            q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
+
+class AbsorbedAttention(nn.Module):
+    """Decode rows of MLA in the absorbed form: B_d single-token queries over their cached
+    latents -> [B_d, H, v]. W_UK and W_UV are views of the row-major kv_b_proj weight
+    [H * (n + v), r] the caller passes (a backend's replacement holds them prepacked)."""
+
+    def __init__(self, num_heads: int, nope_dim: int, v_dim: int, kv_lora_rank: int, scale: float):
+        super().__init__()
+        self.num_heads, self.nope_dim, self.v_dim = num_heads, nope_dim, v_dim
+        self.kv_lora_rank, self.scale = kv_lora_rank, scale
+
+    def forward(self, q_nope, q_pe, cache, meta: AttentionMetadata, wkv_b: torch.Tensor):
+        w = wkv_b.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]  # [H, n, r], [H, v, r]
+        q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
         q_abs = torch.cat((q_lat, q_pe), dim=-1)  # [B_d, H, r + p]
-        if meta.block_tables is not None:
-            o = cpu_kernels.decode_attention(
-                q_abs,
-                cache,
-                cache,
-                meta.block_tables,
-                meta.context_lens,
-                meta.block_size,
-                self.scale,
-                r,
-            )
-        else:
-            keys = gather_slots(cache, meta.decode_slots, q_abs.dtype)[:, :, 0]  # [B_d, L, r + p]
-            # One kv head shared by all H query heads: two bmm with the heads as rows, instead
-            # of SDPA, whose CPU path would copy the keys H times (enable_gqa) every step.
-            scores = torch.bmm(q_abs, keys.transpose(1, 2)).float() * self.scale  # [B_d, H, L]
-            if meta.decode_mask is not None:
-                scores = scores.masked_fill(
-                    ~meta.decode_mask.view(scores.shape[0], 1, -1), float("-inf")
-                )
-            o = torch.bmm(scores.softmax(dim=-1).to(keys.dtype), keys[..., :r])  # [B_d, H, r]
-        if self.w_uk_t is not None:
-            return heads(o, self.w_uv)
+        o = latent_attention(q_abs, cache, meta, self.scale, self.kv_lora_rank)
         return torch.einsum("bhr,hvr->bhv", o, w_uv)
+
+
+def latent_attention(q_abs, cache, meta: AttentionMetadata, scale: float, r: int) -> torch.Tensor:
+    """Absorbed queries q_abs [B_d, H, r + p] over their gathered latents -> [B_d, H, r]."""
+    keys = gather_slots(cache, meta.decode_slots, q_abs.dtype)[:, :, 0]  # [B_d, L, r + p]
+    # One kv head shared by all H query heads: two bmm with the heads as rows, instead of
+    # SDPA, whose CPU path would copy the keys H times (enable_gqa) every step.
+    scores = torch.bmm(q_abs, keys.transpose(1, 2)).float() * scale  # [B_d, H, L]
+    if meta.decode_mask is not None:
+        scores = scores.masked_fill(~meta.decode_mask.view(scores.shape[0], 1, -1), float("-inf"))
+    return torch.bmm(scores.softmax(dim=-1).to(keys.dtype), keys[..., :r])  # [B_d, H, r]
+
+
+# DeepSeek's checkpoint names for MLA (models/args.py WeightRule)
+MLA_WEIGHTS = rules(
+    (r"self_attn\.q_proj\.weight", "attn.wq.weight", None),
+    (r"self_attn\.q_a_proj\.(weight|bias)", "attn.wq_a.{0}", None),
+    (r"self_attn\.q_a_layernorm\.weight", "attn.q_a_norm.weight", None),
+    (r"self_attn\.q_b_proj\.weight", "attn.wq_b.weight", None),
+    (r"self_attn\.kv_a_proj_with_mqa\.(weight|bias)", "attn.wkv_a.{0}", None),
+    (r"self_attn\.kv_a_layernorm\.weight", "attn.kv_a_norm.weight", None),
+    (r"self_attn\.kv_b_proj\.weight", "attn.wkv_b.weight", None),
+    (r"self_attn\.o_proj\.(weight|bias)", "attn.wo.{0}", None),
+)

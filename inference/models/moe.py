@@ -3,9 +3,11 @@
 Shapes: T tokens, D hidden, E experts, A experts per token (top-k), I expert FFN width.
 Expert weights are stacked per projection: w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I].
 
-On the CPU kernels (bf16 engines, weights packed at load) one call per layer runs the whole
-MoE for any number of tokens (cpu_kernels.moe): pairs sorted by expert, each expert with
-tokens read once, the others not at all. Elsewhere four dispatch paths, same result:
+A layer is a router (Router: which experts each token goes to, with which weights) and the
+experts (Experts: their stacked weights and the dispatch of tokens to them). Backends replace
+the Experts from outside: the CPU kernels run a whole layer in one call for any number of
+tokens (kernels/modules.py), 8-bit experts take quantization/modules.py's. In torch, four
+dispatch paths, same result:
 - gather (gpt-fast): each token gathers its A experts' weights and runs one batched matmul.
   No host sync and a fixed op count, so it suits small decode batches on a GPU; it copies
   T*A expert matrices, which is why it is not used for large batches.
@@ -16,7 +18,7 @@ tokens read once, the others not at all. Elsewhere four dispatch paths, same res
   never tokens. On CPU the per-expert counts cost nothing to read: large prefills take this
   path.
 - single token (CPU decode of one sequence): its A experts one after the other, a dozen ops.
-dispatch_path() names the path a step takes; dispatch(path=...) and MoE(dispatch_path=...)
+dispatch_path() names the path a step takes; dispatch(path=...) and Experts(dispatch_path=...)
 force one (tests/inference/test_moe_dispatch.py holds them all equal, the C kernels too).
 """
 
@@ -26,9 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference.kernels import cpu as cpu_kernels
-from inference.models.layers import linear, packed, set_weight
-from inference.quantization.qweight import QWeight
+from inference.models.layers import Linear, linear
 
 
 def select_experts(
@@ -159,7 +159,9 @@ def padded_dispatch(x, weights, ids, counts, w13, w2) -> torch.Tensor:
     return torch.zeros_like(x).index_add_(0, token_of, ys)
 
 
-def grouped_dispatch(x, weights, ids, counts, w13, w2) -> torch.Tensor:
+def grouped_dispatch(x, weights, ids, counts, w13, w2, product=linear) -> torch.Tensor:
+    """Large batches: one product per expert that received tokens (`product`: x, one expert's
+    weight -> x W^T; 8-bit experts pass their own)."""
     top_k = ids.shape[1]
     flat_ids = ids.flatten()
     order = flat_ids.argsort(stable=True)
@@ -170,7 +172,7 @@ def grouped_dispatch(x, weights, ids, counts, w13, w2) -> torch.Tensor:
     for expert, n in enumerate(counts.tolist()):
         if n:
             end = start + n
-            ys[start:end] = linear(swiglu(linear(xs[start:end], w13[expert])), w2[expert])
+            ys[start:end] = product(swiglu(product(xs[start:end], w13[expert])), w2[expert])
             start = end
     ys *= weights.flatten()[order].to(ys.dtype).unsqueeze(1)
     return torch.zeros_like(x).index_add_(0, token_of, ys)
@@ -196,6 +198,47 @@ def _(x, weights, ids, w13, w2, gather_max_tokens, path=None):
     return torch.empty_like(x), x.new_empty(w13.shape[0], dtype=torch.long)
 
 
+class Router(Linear):
+    """The gate: hidden [T, D] -> expert logits [T, E]; in float32 where the reference routes
+    in float32 (DeepSeek-V2), whatever the model's dtype."""
+
+    def __init__(self, hidden_size: int, num_experts: int, fp32: bool = False) -> None:
+        super().__init__(hidden_size, num_experts, bias=False)
+        self.fp32 = fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp32:
+            return F.linear(x.float(), self.weight.float())
+        return linear(x, self.weight)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts, stacked: w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I].
+    forward(x [T, D], router weights and ids [T, A]) -> the weighted sum of each token's
+    experts [T, D] and the tokens per expert [E]."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        gather_max_tokens: int = 0,
+        dispatch_path: str | None = None,
+    ) -> None:
+        super().__init__()
+        if dispatch_path not in (None, *DISPATCH_PATHS):
+            raise ValueError(f"unknown MoE dispatch path {dispatch_path!r}")
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.gather_max_tokens = gather_max_tokens  # use the gather path up to this many tokens
+        self.dispatch_path = dispatch_path  # one path forced (None: by size and device)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x, weights, ids) -> tuple[torch.Tensor, torch.Tensor]:
+        run = dispatch_op if torch.compiler.is_compiling() else dispatch
+        return run(x, weights, ids, self.w13, self.w2, self.gather_max_tokens, self.dispatch_path)
+
+
 class MoE(nn.Module):
     def __init__(
         self,
@@ -212,26 +255,17 @@ class MoE(nn.Module):
         dispatch_path: str | None = None,
     ) -> None:
         super().__init__()
-        if dispatch_path not in (None, *DISPATCH_PATHS):
-            raise ValueError(f"unknown MoE dispatch path {dispatch_path!r}")
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
-        self.num_groups, self.topk_group, self.scaling = (
-            num_groups,
-            topk_group,
-            routed_scaling_factor,
+        self.num_groups, self.topk_group = num_groups, topk_group
+        self.scaling = routed_scaling_factor
+        self.gate = Router(hidden_size, num_experts, router_fp32)
+        self.experts = Experts(
+            num_experts, hidden_size, intermediate_size, gather_max_tokens, dispatch_path
         )
-        self.router_fp32 = router_fp32
-        self.intermediate_size = intermediate_size
-        self.gather_max_tokens = gather_max_tokens  # use the gather path up to this many tokens
-        self.dispatch_path = dispatch_path  # one path forced (None: by size and device)
-        self.gate = nn.Parameter(torch.empty(num_experts, hidden_size))
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Softmax router (in float32, as the reference does) -> top-A weights and expert ids."""
-        logits = linear(x.float(), self.gate.float()) if self.router_fp32 else linear(x, self.gate)
-        probs = logits.softmax(dim=-1, dtype=torch.float32)
+        probs = self.gate(x).softmax(dim=-1, dtype=torch.float32)
         return select_experts(
             probs, self.top_k, self.norm_topk_prob, self.num_groups, self.topk_group, self.scaling
         )
@@ -239,20 +273,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the MoE output [T, D] and the per-expert token counts [E]."""
         weights, ids = self.route(x)
-        if cpu_kernels.is_packed(self.w13, matrix_dims=3):
-            return cpu_kernels.moe(x, self.w13, self.w2, ids, weights)
-        if isinstance(self.w13, QWeight):  # 8-bit experts on the torch path: one expert at a time
-            counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
-            return grouped_dispatch(x, weights, ids, counts, self.w13, self.w2), counts
-        run = dispatch_op if torch.compiler.is_compiling() else dispatch
-        return run(x, weights, ids, self.w13, self.w2, self.gather_max_tokens, self.dispatch_path)
-
-    def pack(self) -> None:
-        """Prepacks the experts (and the router, unless it runs in float32) for the CPU kernels."""
-        set_weight(self, "w13", packed(self.w13))
-        set_weight(self, "w2", packed(self.w2))
-        if not self.router_fp32:
-            set_weight(self, "gate", packed(self.gate))
+        return self.experts(x, weights, ids)
 
 
 class DenseMLP(nn.Module):
@@ -262,17 +283,11 @@ class DenseMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.w13 = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(hidden_size, intermediate_size))
-        self.b13 = nn.Parameter(torch.empty(2 * intermediate_size)) if bias else None
-        self.b2 = nn.Parameter(torch.empty(hidden_size)) if bias else None
+        self.w13 = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.w2 = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(swiglu(linear(x, self.w13, self.b13)), self.w2, self.b2)
-
-    def pack(self) -> None:
-        set_weight(self, "w13", packed(self.w13))
-        set_weight(self, "w2", packed(self.w2))
+        return self.w2(swiglu(self.w13(x)))
 
 
 class SharedExpertMoE(nn.Module):
@@ -282,14 +297,11 @@ class SharedExpertMoE(nn.Module):
     def __init__(self, moe: MoE, shared: DenseMLP, gated: bool = True) -> None:
         super().__init__()
         self.moe, self.shared = moe, shared
-        self.shared_gate = nn.Parameter(torch.empty(1, moe.gate.shape[1])) if gated else None
-
-    def pack(self) -> None:
-        if self.shared_gate is not None:
-            set_weight(self, "shared_gate", packed(self.shared_gate))
+        hidden = moe.gate.weight.shape[1]
+        self.shared_gate = Router(hidden, 1) if gated else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         routed, counts = self.moe(x)
         if self.shared_gate is None:
             return routed + self.shared(x), counts
-        return routed + torch.sigmoid(linear(x, self.shared_gate)) * self.shared(x), counts
+        return routed + torch.sigmoid(self.shared_gate(x)) * self.shared(x), counts

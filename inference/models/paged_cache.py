@@ -1,7 +1,7 @@
-"""The paged KV tensors, slot = block * block_size + offset. Per layer, one tensor per entry of
-ModelArgs.kv_cache_shapes: a key and a value cache [slots, kv_heads, head_dim], or for MLA a
-single latent cache [slots, 1, kv_lora_rank + qk_rope_head_dim]. Sized by kv_cache_tokens (or
-kv_cache_bytes) on CPU and from free memory on GPU.
+"""The rows of the paged KV tensors, as attention writes and reads them: slot = block *
+block_size + offset. Per layer, one tensor per entry of ModelArgs.kv_cache_shapes: a key and
+a value cache [slots, kv_heads, head_dim], or for MLA a single latent cache [slots, 1,
+kv_lora_rank + qk_rope_head_dim] (allocated by executor/kv_cache.py).
 
 Formats (--kv-cache-dtype): "auto" stores the model's dtype; "int8", "fp8_e4m3" and
 "fp8_e5m2" store each (slot, head) row as 8-bit values scaled by the row's amax (to 127, or
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from inference.config import ModelArgs
 from inference.quantization.hadamard import rotate, rotation_blocks, rotation_matrix
 
 _STORAGE = {
@@ -41,54 +40,14 @@ def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return _STORAGE.get(kv_cache_dtype, model_dtype)
 
 
+def stores_8bit(storage: torch.dtype) -> bool:
+    """Whether cache rows of this storage dtype are 8-bit values with a scale."""
+    return storage in _LIMIT
+
+
 def row_width(width: int, storage: torch.dtype) -> int:
     """Elements of storage per (slot, head) row holding `width` values."""
     return width + SCALE_BYTES if storage in _LIMIT else width
-
-
-def kv_bytes_per_token(args: ModelArgs, storage: torch.dtype) -> int:
-    elem = torch.empty((), dtype=storage).element_size()
-    rows = sum(heads * row_width(width, storage) for heads, width in args.kv_cache_shapes)
-    return args.num_layers * rows * elem
-
-
-def num_cache_blocks(
-    args: ModelArgs,
-    storage: torch.dtype,
-    device: torch.device,
-    block_size: int,
-    kv_cache_tokens: int | None,
-    gpu_memory_utilization: float,
-    kv_cache_bytes: int | None = None,
-) -> int:
-    if kv_cache_bytes is not None:
-        kv_cache_tokens = kv_cache_bytes // kv_bytes_per_token(args, storage)
-    elif kv_cache_tokens is None and device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = free - (1 - gpu_memory_utilization) * total  # keep headroom for activations
-        kv_cache_tokens = max(int(budget // kv_bytes_per_token(args, storage)), block_size)
-    elif kv_cache_tokens is None:
-        kv_cache_tokens = 65536
-    return max(kv_cache_tokens // block_size, 1)
-
-
-def allocate_kv_cache(
-    args: ModelArgs, num_blocks: int, block_size: int, storage: torch.dtype, device: torch.device
-) -> list[tuple[torch.Tensor, ...]]:
-    r = args.kv_lora_rank
-    if storage in _LIMIT and r and not rotates_alone(r, r + args.qk_rope_head_dim):
-        raise ValueError(
-            f"an 8-bit KV cache cannot hold this model's MLA latent ({r} + "
-            f"{args.qk_rope_head_dim} values per row): use --kv-cache-dtype auto"
-        )
-    slots = num_blocks * block_size
-    return [
-        tuple(
-            torch.zeros(slots, heads, row_width(width, storage), dtype=storage, device=device)
-            for heads, width in args.kv_cache_shapes
-        )
-        for _ in range(args.num_layers)
-    ]
 
 
 def kv_kind(cache: torch.Tensor) -> int:

@@ -1,0 +1,159 @@
+"""Installs our CPU kernels in a loaded bf16 model from outside: its plain (or 8-bit) modules are
+replaced by kernels/modules.py's with their weights prepacked, and where the fused kernel
+covers every layer (kernels/csrc/layer.c), a decode step runs the whole model in one call
+(FusedDecodeStep). The layer specs the fused kernel reads are taken from the model's modules
+here, as gpt-fast's tp.py walks a plain model; a layer of another shape keeps the composed
+modules."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from inference.executor.module_swap import swap_modules
+from inference.executor.quantize import QuantEmbedding, QuantExperts, QuantLinear
+from inference.kernels import cpu
+from inference.kernels.modules import (
+    CpuAbsorbedAttention,
+    CpuExperts,
+    CpuLinear,
+    CpuPagedAttention,
+    CpuQuantEmbedding,
+    CpuRMSNorm,
+)
+from inference.models.attention import AttentionMetadata, PagedAttention
+from inference.models.decoder import Attention, Decoder, DecoderLayer
+from inference.models.layers import Linear, RMSNorm
+from inference.models.mla import AbsorbedAttention, MLAttention
+from inference.models.moe import DenseMLP, Experts, MoE, Router, SharedExpertMoE
+
+
+def _replacement(name: str, module: nn.Module, parent: nn.Module) -> nn.Module | None:
+    kind = type(module)
+    if kind in (Linear, QuantLinear) or (kind is Router and not module.fp32):
+        return CpuLinear(module.weight, module.bias)
+    if kind in (Experts, QuantExperts):
+        return CpuExperts(module.w13, module.w2)
+    if kind is RMSNorm:
+        norm = CpuRMSNorm(module.weight.shape[0], module.eps)
+        norm.weight = module.weight
+        return norm
+    if kind is PagedAttention:
+        return CpuPagedAttention(module.num_heads, module.num_kv_heads, module.scale)
+    if kind is AbsorbedAttention and isinstance(parent, MLAttention):
+        return CpuAbsorbedAttention(module, parent.wkv_b.weight)  # read before it is packed
+    if kind is QuantEmbedding:
+        return CpuQuantEmbedding(module)
+    return None
+
+
+class FusedDecodeStep:
+    """A decode step of every layer in one kernel call, with the model's own signature; steps
+    with prefill chunks (or without block tables) run the composed model."""
+
+    def __init__(self, model: Decoder, step: cpu.DecodeStep) -> None:
+        self.model, self.step = model, step
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, ...]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if meta.block_tables is None or meta.prefills:
+            return self.model(input_ids, positions, meta, kv_caches)
+        rows = input_ids if self.step.embeds else self.model.embed(input_ids)
+        return cpu.decode_step(
+            self.step,
+            rows,
+            positions,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.context_lens,
+            meta.block_size,
+            kv_caches,
+        )
+
+
+def install(model: nn.Module) -> FusedDecodeStep | None:
+    """Replaces the model's modules by the kernels' (weights packed once, parents' needs read
+    first: MLA derives its absorbed projections from the row-major kv_b_proj), and returns
+    the one-call decode step where the fused kernel covers every layer."""
+    swap_modules(model, _replacement)
+    if not isinstance(model, Decoder):
+        return None
+    specs = [layer_spec(layer) for layer in model.layers]
+    if not all(specs):
+        return None
+    embed = model.embed.weight if type(model.embed) is nn.Embedding else None  # int8: no
+    rope, norm = model.rope, model.norm
+    step = cpu.DecodeStep(specs, embed, rope.cos, rope.sin, norm.weight, norm.eps)
+    return FusedDecodeStep(model, step)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def layer_spec(layer: nn.Module) -> cpu.LayerSpec | None:
+    """A decoder layer as the fused decode step reads it, once its modules are the kernels';
+    None for layers it does not cover (another layer shape, MLA, group-limited or float32
+    routing)."""
+    if type(layer) is not DecoderLayer or type(layer.attn) is not Attention:
+        return None
+    attn, mlp = layer.attn, layer.mlp
+    moe, shared = (mlp.moe, mlp.shared) if isinstance(mlp, SharedExpertMoE) else (mlp, None)
+    if not isinstance(attn.wqkv, CpuLinear) or not isinstance(attn.attn, CpuPagedAttention):
+        return None
+    if layer.is_moe and (
+        type(moe) is not MoE
+        or moe.num_groups > 1
+        or not isinstance(moe.gate, CpuLinear)
+        or not isinstance(moe.experts, CpuExperts)
+    ):
+        return None
+    spec = _attention_spec(layer, attn)
+    if layer.is_moe:
+        spec.experts, spec.top_k = moe.num_experts, moe.top_k
+        spec.moe_inter = moe.experts.intermediate_size
+        spec.norm_topk_prob, spec.routed_scaling = int(moe.norm_topk_prob), moe.scaling
+        spec.router = cpu.wmat(moe.gate.weight)
+        spec.w13, spec.w2 = cpu.wmat(moe.experts.w13), cpu.wmat(moe.experts.w2)
+        gate = mlp.shared_gate if shared is not None else None
+        spec.shared_gate = cpu.wmat(None if gate is None else gate.weight)
+    dense = mlp if isinstance(mlp, DenseMLP) else shared
+    if dense is not None:
+        spec.mlp_inter = dense.intermediate_size
+        spec.mlp_w13, spec.mlp_b13 = cpu.wmat(dense.w13.weight), _ptr(dense.w13.bias)
+        spec.mlp_w2, spec.mlp_b2 = cpu.wmat(dense.w2.weight), _ptr(dense.w2.bias)
+    return spec
+
+
+def _attention_spec(layer: DecoderLayer, attn: Attention) -> cpu.LayerSpec:
+    return cpu.LayerSpec(
+        hidden=layer.input_norm.weight.shape[0],
+        heads=attn.num_heads,
+        kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        qk_norm={None: 0, True: 1, False: 2}[attn.per_head_norm if attn.q_norm else None],
+        eps=layer.input_norm.eps,
+        scale=attn.scale,
+        clip_qkv=attn.clip_qkv or 0.0,
+        input_norm=_ptr(layer.input_norm.weight),
+        post_norm=_ptr(layer.post_attn_norm.weight),
+        wqkv=cpu.wmat(attn.wqkv.weight),
+        qkv_bias=_ptr(attn.wqkv.bias),
+        wo=cpu.wmat(attn.wo.weight),
+        o_bias=_ptr(attn.wo.bias),
+        q_norm=_ptr(attn.q_norm.weight) if attn.q_norm else None,
+        k_norm=_ptr(attn.k_norm.weight) if attn.k_norm else None,
+    )
+
+
+def greedy(logits: torch.Tensor) -> list[int]:
+    """Each row's top token: the kernels' vector pass over bf16 logits (torch's bf16 max() is
+    scalar: 3.5 ms over [32, 32000], longer than some decode steps)."""
+    if cpu.applies(logits) and logits.dim() == 2:
+        return cpu.greedy(logits)
+    return logits.max(dim=-1).indices.tolist()

@@ -1,0 +1,210 @@
+"""ModelExecutor: everything between a loaded config and a ready step function. It builds the
+checkpoint family's model (models/registry.py), loads and converts its weights, quantizes
+(quantize.py), installs a backend (our CPU kernels chosen by the CPU's flags, else torch's;
+CUDA runs torch, compiled on request), allocates the paged KV cache and builds the model
+runner. LLMEngine keeps requests, the schedule -> execute -> update loop and outputs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import structlog
+import torch
+from torch import nn
+
+from inference.config import EngineConfig
+from inference.errors import InvalidParameterError
+from inference.executor import cpu_backend
+from inference.executor.kv_cache import allocate_kv_cache, kv_bytes_per_token, num_cache_blocks
+from inference.executor.loader import load_weights
+from inference.executor.model_runner import ModelRunner
+from inference.executor.quantize import quantize_model, weight_bytes
+from inference.executor.sampler import Sampler
+from inference.kernels import cpu
+from inference.models.args import Family, ModelArgs
+from inference.models.moe import gather_limit
+from inference.models.paged_cache import storage_dtype
+from inference.structured import StructuredOutputManager
+
+log = structlog.get_logger("inference.engine")
+
+
+class ModelExecutor:
+    def __init__(
+        self,
+        path: Path,
+        family: Family,
+        args: ModelArgs,
+        device: torch.device,
+        dtype: torch.dtype,
+        config: EngineConfig,
+        quantization: str,
+        published: str,
+    ) -> None:
+        """quantization: the weights' format to serve (none, int8, fp8); published: the
+        checkpoint's own (none, fp8)."""
+        self.args, self.device, self.dtype, self.config = args, device, dtype, config
+        self.quantization = quantization
+        max_positions = min(
+            args.max_position_embeddings, config.max_model_len or args.max_position_embeddings
+        )
+        self.model, published_fp8 = self._load(path, family, max_positions, published)
+        self.kernels = device.type == "cpu" and dtype == torch.bfloat16
+        self.kernels = self.kernels and cpu.enable_once() is not None
+        if quantization != "none":
+            # an FP8 checkpoint served as fp8 keeps what it shipped in 16 bits (its lm_head);
+            # so does a bf16 one quantized to fp8 here: e4m3's 3 mantissa bits on the lm_head
+            # cost SmolLM2 4.5% of perplexity, int8's 0.3% (bench/NOTES.md)
+            quantize_model(
+                self.model,
+                quantization,
+                published_fp8,
+                lm_head=quantization == "int8",
+                only_published=published == "fp8" and quantization == "fp8",
+            )
+            self._note_quantized_path()
+        self.fused_step = self._install_backend()
+        self.weight_bytes = weight_bytes(self.model)
+        self.max_model_len, self.kv_caches = self._allocate_kv_cache(max_positions)
+
+    def _load(self, path: Path, family: Family, max_positions: int, published: str):
+        """The family's model with the checkpoint's weights, and its fp8 weights as published
+        (parameter name -> QWeight) where fp8 is served."""
+        log.info(
+            "loading weights",
+            model=str(path),
+            architecture=self.args.architecture,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            checkpoint_quantization=published,
+        )
+        with torch.device(self.device):
+            model = family.model(self.args, max_positions, gather_limit(self.device.type))
+        model.to(self.dtype)
+        model.rope.to(torch.float32)
+        keep = self.quantization == "fp8"
+        published_fp8 = load_weights(model, path, self.args, family.weights, keep)
+        return model.eval(), published_fp8
+
+    def _install_backend(self) -> cpu_backend.FusedDecodeStep | None:
+        """Our CPU kernels in a bf16 model on the CPU (the start-up `CPU kernels` line names the
+        path of each layer kind); torch's modules elsewhere."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
+            return None
+        fused = cpu_backend.install(self.model) if self.kernels else None
+        log.info("CPU kernels", isa=cpu.ISA or "none", amx=cpu.AMX, **cpu.paths())
+        return fused
+
+    def _note_quantized_path(self) -> None:
+        """Says at start-up which path the 8-bit weights take where it is not our kernels'
+        (never a silent slow path)."""
+        if self.kernels:
+            return
+        if self.device.type == "cuda":
+            path = (
+                "torch._scaled_mm with per-token fp8 activations"
+                if self.quantization == "fp8"
+                else "float32 matmuls of each activation group (W8A8)"
+            )
+            log.warning(
+                "8-bit weights on CUDA: unmeasured path (no GPU run has proven it); "
+                "experts dequantize one at a time",
+                quantization=self.quantization,
+                path=path,
+            )
+        else:
+            log.warning(
+                "8-bit weights without the CPU kernels (float32 model, no AVX2, or kernels "
+                "off): torch's path, slower than bf16 on our kernels",
+                quantization=self.quantization,
+                dtype=str(self.dtype).removeprefix("torch."),
+            )
+
+    def _allocate_kv_cache(self, max_positions: int) -> tuple[int, list]:
+        """Sizes the paged cache (config: tokens, bytes, or GPU memory) and allocates it;
+        returns the longest sequence the model and the cache allow, and the caches."""
+        config, args = self.config, self.args
+        storage = storage_dtype(config.kv_cache_dtype, self.dtype)
+        num_blocks = num_cache_blocks(
+            args,
+            storage,
+            self.device,
+            config.block_size,
+            config.kv_cache_tokens,
+            config.gpu_memory_utilization,
+            config.kv_cache_bytes,
+        )
+        self.num_blocks = num_blocks
+        self.kv_cache_tokens = cache_tokens = num_blocks * config.block_size
+        max_model_len = min(max_positions, cache_tokens)
+        if config.max_model_len and config.max_model_len > max_model_len:
+            raise InvalidParameterError(
+                "max_model_len",
+                f"is {config.max_model_len} but the model and KV cache allow at most "
+                f"{max_model_len} tokens",
+            )
+        per_token = kv_bytes_per_token(args, storage)
+        self.kv_cache_bytes = cache_tokens * per_token
+        log.info(
+            "allocating kv cache",
+            blocks=num_blocks,
+            tokens=cache_tokens,
+            bytes=self.kv_cache_bytes,
+            max_model_len=max_model_len,
+            bytes_per_token=per_token,
+            kv_cache_dtype=config.kv_cache_dtype,
+        )
+        log.info(
+            "model ready",
+            quantization=self.quantization,
+            kv_cache_dtype=config.kv_cache_dtype,
+            weight_bytes=self.weight_bytes,
+        )
+        caches = allocate_kv_cache(args, num_blocks, config.block_size, storage, self.device)
+        return max_model_len, caches
+
+    def runner(
+        self, eos_token_ids: set[int], structured: StructuredOutputManager | None
+    ) -> ModelRunner:
+        """The model runner over this model and cache: decode-only steps take the backend's
+        fused step, or the compiled model (config.compile, where no kernels run)."""
+        greedy = cpu_backend.greedy if self.kernels else None
+        sampler = Sampler(self.args.vocab_size, eos_token_ids, greedy)
+        return ModelRunner(
+            self.model,
+            self.kv_caches,
+            self.config.block_size,
+            sampler,
+            self.device,
+            decode_forward=self.fused_step or self._compiled(),
+            block_tables=self.kernels,
+            structured=structured,
+        )
+
+    @property
+    def compiles(self) -> bool:
+        """Whether decode steps run a torch.compile'd model (warmed up before any request)."""
+        return self.config.compile and self.quantization == "none" and not self.kernels
+
+    def _compiled(self) -> nn.Module | None:
+        if self.config.compile and not self.compiles:
+            if self.quantization != "none":
+                log.info("not compiling: 8-bit weights run eagerly", quantization=self.quantization)
+            else:
+                # The kernels already fuse what torch.compile would, and a compiled graph of
+                # their operators measured slower (one sequence 7 against 132 tok/s eager).
+                log.info("not compiling: decode steps run on the CPU kernels", isa=cpu.ISA)
+        if not self.compiles:
+            return None
+        # Inductor would decompose the single-row GEMVs into a generated reduction that runs
+        # 1.4-2x slower than the ATen/MKL kernel on our CPUs (768x512 bf16: 53 vs 32 us);
+        # without the decomposition they stay ATen calls.
+        from torch._inductor.decomposition import decompositions
+
+        decompositions.pop(torch.ops.aten.mv.default, None)
+        # Decode-only steps run the compiled model: a few hundred small per-layer ops (norms,
+        # rope, routing) become a handful of fused kernels, which is most of a decode step's
+        # time at this size. dynamic=True: one graph for one sequence (0/1 specialisation)
+        # and one for every larger batch and context length.
+        return torch.compile(self.model, dynamic=True)

@@ -1,0 +1,54 @@
+"""Sizing and allocating the paged KV tensors (their row formats: models/paged_cache.py). Sized
+by kv_cache_tokens (or kv_cache_bytes) on CPU and from free memory on GPU."""
+
+from __future__ import annotations
+
+import torch
+
+from inference.models.args import ModelArgs
+from inference.models.paged_cache import rotates_alone, row_width, stores_8bit
+
+
+def kv_bytes_per_token(args: ModelArgs, storage: torch.dtype) -> int:
+    elem = torch.empty((), dtype=storage).element_size()
+    rows = sum(heads * row_width(width, storage) for heads, width in args.kv_cache_shapes)
+    return args.num_layers * rows * elem
+
+
+def num_cache_blocks(
+    args: ModelArgs,
+    storage: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    kv_cache_tokens: int | None,
+    gpu_memory_utilization: float,
+    kv_cache_bytes: int | None = None,
+) -> int:
+    if kv_cache_bytes is not None:
+        kv_cache_tokens = kv_cache_bytes // kv_bytes_per_token(args, storage)
+    elif kv_cache_tokens is None and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - (1 - gpu_memory_utilization) * total  # keep headroom for activations
+        kv_cache_tokens = max(int(budget // kv_bytes_per_token(args, storage)), block_size)
+    elif kv_cache_tokens is None:
+        kv_cache_tokens = 65536
+    return max(kv_cache_tokens // block_size, 1)
+
+
+def allocate_kv_cache(
+    args: ModelArgs, num_blocks: int, block_size: int, storage: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, ...]]:
+    r = args.kv_lora_rank
+    if stores_8bit(storage) and r and not rotates_alone(r, r + args.qk_rope_head_dim):
+        raise ValueError(
+            f"an 8-bit KV cache cannot hold this model's MLA latent ({r} + "
+            f"{args.qk_rope_head_dim} values per row): use --kv-cache-dtype auto"
+        )
+    slots = num_blocks * block_size
+    return [
+        tuple(
+            torch.zeros(slots, heads, row_width(width, storage), dtype=storage, device=device)
+            for heads, width in args.kv_cache_shapes
+        )
+        for _ in range(args.num_layers)
+    ]

@@ -1,0 +1,106 @@
+"""8-bit weights applied to a plain model from outside (as gpt-fast's quantize.py does): every
+attention projection, expert and dense MLP, and the lm_head if asked; with int8 the embedding
+table too (a scale per row). Routers and norms stay in the model's dtype, as does MLA's
+kv_b_proj (the absorbed projections are derived from it). The modules installed here run
+quantization/qweight.py's torch path; on the CPU kernels executor/cpu_backend.py replaces them
+again with the same weights packed."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from inference.executor.module_swap import swap_modules
+from inference.models.layers import Linear
+from inference.models.moe import Experts, grouped_dispatch
+from inference.quantization import qweight as quant
+from inference.quantization.hadamard import rotate_by_products
+from inference.quantization.qweight import QWeight
+
+
+class QuantLinear(nn.Module):
+    """A linear layer of an 8-bit weight (QWeight, row-major) and an optional bias."""
+
+    def __init__(self, weight: QWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quant.linear(x, self.weight, self.bias)
+
+
+class QuantExperts(nn.Module):
+    """Stacked experts of 8-bit weights: one expert at a time (grouped dispatch)."""
+
+    def __init__(self, w13: QWeight, w2: QWeight) -> None:
+        super().__init__()
+        self.w13, self.w2 = w13, w2
+        self.num_experts = w13.scale.shape[0]
+
+    def forward(self, x, weights, ids) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
+        out = grouped_dispatch(x, weights, ids, counts, self.w13, self.w2, quant.linear)
+        return out, counts
+
+
+class QuantEmbedding(nn.Module):
+    """An int8 embedding table, a scale per row, stored rotated as every int8 weight
+    (quant.quantize_int8): looked-up rows are dequantized and rotated back, in the model's
+    dtype."""
+
+    def __init__(self, table: QWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight, self.dtype = table, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # index_select: 2.5x faster than advanced indexing for a 2,048-token chunk on CPU
+        flat = ids.reshape(-1)
+        rows = self.weight.data.index_select(0, flat).float()
+        rows.mul_(self.weight.scale[0].index_select(0, flat).unsqueeze(-1))
+        return rotate_by_products(rows).to(self.dtype).view(*ids.shape, -1)
+
+
+def quantize_model(
+    model: nn.Module,
+    fmt: str,
+    published: dict[str, QWeight],
+    lm_head: bool = True,
+    only_published: bool = False,
+) -> None:
+    """Installs 8-bit weights (int8 or fp8), once after loading. `published`: fp8 weights as the
+    checkpoint shipped them (parameter name -> row-major QWeight), used as they are; with
+    only_published, what the checkpoint kept in 16 bits stays so."""
+
+    def weight(name: str, w: torch.Tensor) -> QWeight | None:
+        kept = published.get(name) if fmt == "fp8" else None
+        if kept is None and only_published:
+            return None
+        return kept or quant.quantize(w.data, fmt)
+
+    def replace(name: str, module: nn.Module, parent: nn.Module) -> nn.Module | None:
+        if type(module) is Linear:  # not its subclasses: routers stay in the model's dtype
+            if name.endswith("attn.wkv_b") or (name == "lm_head" and not lm_head):
+                return None
+            w = weight(f"{name}.weight", module.weight)
+            return None if w is None else QuantLinear(w, module.bias)
+        if isinstance(module, Experts):
+            w13, w2 = weight(f"{name}.w13", module.w13), weight(f"{name}.w2", module.w2)
+            return None if w13 is None or w2 is None else QuantExperts(w13, w2)
+        if isinstance(module, nn.Embedding) and fmt == "int8":
+            return QuantEmbedding(quant.quantize_int8(module.weight.data), module.weight.dtype)
+        return None
+
+    swap_modules(model, replace)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights held: parameters, 8-bit weights and packed extras."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        for value in module.__dict__.values():
+            if isinstance(value, QWeight):
+                total += value.nbytes
+            elif isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total

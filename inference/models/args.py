@@ -1,0 +1,124 @@
+"""What the model files share about a checkpoint: ModelArgs, the architecture-independent shape
+of a decoder read from its config.json, and Family, what one architecture adds to it (how to
+read its config and weights, which module to build, its demo checkpoint). models/registry.py
+maps each supported `architectures` name to its Family.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+
+@dataclass(slots=True)
+class ModelArgs:
+    """Architecture-independent description of a decoder, derived from config.json: MoE, or
+    dense (num_experts 0, every layer in dense_layers)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # query/key head width (MLA: nope + rope part)
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    max_position_embeddings: int
+    qkv_bias: bool = False  # MLA: bias of q_a_proj and kv_a_proj_with_mqa
+    o_bias: bool = False
+    qk_norm: str = ""  # "head": RMSNorm per head (Qwen3-MoE); "full": whole q/k projection (OLMoE)
+    clip_qkv: float | None = None
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gated: bool = True  # Qwen2-MoE scales it by a sigmoid gate; DeepSeek does not
+    dense_intermediate_size: int = 0  # MLP width of layers that are dense (not MoE)
+    mlp_bias: bool = False  # dense MLP projections have biases (Llama mlp_bias)
+    dense_layers: tuple[int, ...] = ()
+    topk_method: str = "greedy"  # or "group_limited_greedy" (DeepSeek-V2)
+    num_groups: int = 1  # > 1 only for group-limited routing
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    router_fp32: bool = False  # DeepSeek-V2 routes in float32 whatever the model dtype
+    q_lora_rank: int = 0  # MLA (DeepSeek-V2) from here on; kv_lora_rank 0: standard attention
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    tie_word_embeddings: bool = False
+    hf_config: object = field(default=None, repr=False)  # for rope initialisation
+
+    @property
+    def rope_dim(self) -> int:
+        return self.qk_rope_head_dim or self.head_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers that route tokens to experts (the rows of StepStats.expert_tokens)."""
+        return self.num_layers - len(self.dense_layers) if self.num_experts else 0
+
+    @property
+    def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
+        """Per layer, the [heads, width] of each paged cache tensor (one row per token slot):
+        key and value, or for MLA one compressed latent plus the shared rope key."""
+        if self.kv_lora_rank:
+            return ((1, self.kv_lora_rank + self.qk_rope_head_dim),)
+        return ((self.num_kv_heads, self.head_dim),) * 2
+
+
+def common_fields(cfg) -> dict:
+    """The ModelArgs fields every Hugging Face decoder config spells the same way."""
+    return {
+        "architecture": cfg.architectures[0],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_layers": cfg.num_hidden_layers,
+        "num_heads": cfg.num_attention_heads,
+        "num_kv_heads": cfg.num_key_value_heads,
+        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        "top_k": getattr(cfg, "num_experts_per_tok", 0),
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+        "hf_config": cfg,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class WeightRule:
+    """Checkpoint tensor names (after "model.layers.N.") -> one of our parameters (under
+    "layers.N."). `target` may use the pattern's groups ({0}, {1}) and {moe}, the routed
+    experts' module ("mlp." or, beside shared experts, "mlp.moe."); a pattern's first group,
+    when it is a number, is the expert index. `part`: None (the whole tensor), or which rows
+    of a fused parameter it fills ("q", "k", "v", "gate", "up", or a group such as "{0}")."""
+
+    pattern: re.Pattern
+    target: str
+    part: str | None = None
+
+
+def rules(*specs: tuple[str, str, str | None]) -> tuple[WeightRule, ...]:
+    return tuple(WeightRule(re.compile(p), target, part) for p, target, part in specs)
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One architecture (config.json's `architectures[0]`):
+    - fields: its config -> the ModelArgs fields past common_fields (raising ModelLoadError for
+      a variant we do not serve);
+    - weights: its checkpoint's per-layer tensor names -> our parameters, first match wins;
+    - model: the nn.Module built as model(args, max_positions, gather_max_tokens);
+    - demo: the --arch name of its random-weight demo checkpoint and the transformers config
+      it writes (demo(preset, common) -> PretrainedConfig; checkpoints/demo_model.py), if any.
+    """
+
+    architecture: str
+    fields: Callable[[Any], dict]
+    weights: tuple[WeightRule, ...]
+    model: type[nn.Module]
+    demo: tuple[str, Callable[[Any, dict], Any]] | None = None
