@@ -110,14 +110,20 @@ def _compiler() -> str:
 
 # The kernel library's sources; amx.c is built on its own.
 KERNEL_SOURCES = (
+    "hooks.c",
     "region.c",
+    "hadamard.c",
     "gemm.c",
     "gemm8.c",
+    "wmat.c",
+    "kv_rows.c",
+    "linear.c",
     "moe.c",
     "attention.c",
     "norm_rope.c",
-    "layer.c",
+    "embed.c",
     "greedy.c",
+    "layer.c",
 )
 
 

@@ -1,6 +1,27 @@
-/* What the kernel sources share: the scratch region, the packed-weight geometry and the
- * products of packed blocks (gemm.c, gemm8.c), and the exported kernels (cpu_kernels.py
- * binds them). */
+/* What the kernel sources share: the types and inline helpers every file may use, then the
+ * declarations of each file's functions, one section per file, in the order of the file-level
+ * call graph from the bottom up (a file calls only files of the sections above its own; the
+ * test tests/inference/test_kernel_sources.py checks the graph has no cycle):
+ *
+ *   hooks.c      the AMX and int8 product hooks cpu.py sets (no calls out)
+ *   region.c     scratch memory                          -> hooks.c
+ *   hadamard.c   the Hadamard rotation                   (no calls out)
+ *   gemm.c       products of packed bf16 blocks           -> hooks.c
+ *   gemm8.c      products of packed 8-bit blocks, the activation quantizer
+ *                                                         -> hooks.c, gemm.c, hadamard.c
+ *   wmat.c       a packed weight of any kind: its blocks' products
+ *                                                         -> hooks.c, gemm.c, gemm8.c
+ *   kv_rows.c    the paged KV cache's row formats         -> hadamard.c
+ *   linear.c     ms_linear          -> region.c, gemm.c, gemm8.c, wmat.c
+ *   moe.c        ms_moe, swiglu_row -> region.c, gemm.c, gemm8.c, wmat.c
+ *   attention.c  ms_decode_attention -> region.c, hadamard.c, kv_rows.c
+ *   norm_rope.c  ms_rmsnorm, ms_rope_cache -> kv_rows.c
+ *   embed.c      ms_embed_int8      -> hadamard.c
+ *   greedy.c     ms_greedy          (no calls out)
+ *   layer.c      ms_decode_step     -> region.c, linear.c, moe.c, attention.c, norm_rope.c
+ *
+ * cpu.py binds the exported ms_* kernels; amx.c and int8_vnni.c are libraries of their own
+ * whose products hooks.c holds. */
 #ifndef MS_KERNELS_H
 #define MS_KERNELS_H
 
@@ -10,13 +31,13 @@
 
 #include "simd.h"
 
+/* ==== shared types and inline helpers ================================================ */
+
 #define BLOCK 16         /* output columns per packed block */
 #define VPB (BLOCK / VL) /* vectors per block row */
 
-/* region.c: scratch memory, see there */
-void region_enter(void);
-void *region_alloc(size_t bytes);
-void region_leave(void);
+/* internal state shared between the library's files, not exported */
+#define MS_HIDDEN __attribute__((visibility("hidden")))
 
 static inline size_t round64(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
 static inline int64_t even(int64_t k) { return k + (k & 1); }
@@ -53,6 +74,107 @@ typedef struct {
     const float *s8_scale;
 } rows_t;
 
+/* The integer products of int8 blocks, C[m][0..16) = the exact int32 sums of row m of A
+ * times each column of a block (gemm8.c's int8_blocks scales them). A: rows of signed bytes
+ * (stride lda, Kq columns), multiplied by each of `count` blocks: B one packed 16-column
+ * block, colsum its 16 column sums for kernels that multiply unsigned bytes, C its sums
+ * (stride ldc). Blocks taken together share each load of the rows, and AMX streams two
+ * blocks' weights at once. VNNI and AMX kernels live in libraries of their own (int8_vnni.c,
+ * amx.c) that cpu_kernels.enable hands to hooks.c. */
+typedef struct {
+    const int8_t *B;
+    const int32_t *colsum;
+    int32_t *C;
+} int8_job;
+typedef void (*int8_fn)(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const int8_job *jobs, int64_t count,
+                        int64_t ldc);
+
+/* AMX's bf16 product (amx.c): C = A B for a block and a group of rows, A as bf16. */
+typedef void (*amx_fn)(const bf16 *A, int64_t lda, int64_t rows, const bf16 *B, int64_t Kp, float *C, int64_t ldc);
+
+/* Rows of bf16 (stride ld, K columns) -> float32 rows of Kp columns (zero padded). */
+static inline void widen_row(const bf16 *x, int64_t K, float *out, int64_t Kp) {
+    int64_t k = 0;
+    for (; k + VL <= K; k += VL) vf_store(out + k, vf_load_bf16(x + k));
+    for (; k < K; k++) out[k] = bf16_to_f32(x[k]);
+    for (; k < Kp; k++) out[k] = 0.0f;
+}
+
+/* the largest |x[i]|, i < n (the scale of an 8-bit row: activations (gemm8.c) and KV-cache
+ * rows (kv_rows.c)) */
+static inline float row_amax(const float *x, int64_t n) {
+    vf vmax = vf_zero();
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) vmax = vf_max(vmax, vf_max(vf_load(x + i), vf_sub(vf_zero(), vf_load(x + i))));
+    float amax = vf_hmax(vmax);
+    for (; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    return amax;
+}
+
+/* ==== hooks.c: the products of the libraries of their own (amx.c, int8_vnni.c) ========= */
+
+/* cpu_kernels.enable sets them where the CPU has them (NULL: none); block_gemm (gemm.c) and
+ * int8_block (gemm8.c) read them */
+extern MS_HIDDEN amx_fn amx_block;
+extern MS_HIDDEN int8_fn int8_vnni, int8_amx;
+void ms_set_amx(void *block, void *new_call);
+void ms_set_int8(void *vnni, void *amx);
+/* which integer product runs (for the start-up log line): 2 AMX, 1 VNNI, 0 vpmaddubsw */
+int ms_int8_path(void);
+/* whether products of many rows go to AMX */
+int amx_enabled(void);
+/* tells AMX an outermost call begins (the tiles' configuration from earlier calls may be
+ * gone; region_enter calls it) */
+void amx_new_call(void);
+
+/* ==== region.c: scratch memory, see there ============================================= */
+
+void region_enter(void);
+void *region_alloc(size_t bytes);
+void region_leave(void);
+
+/* ==== hadamard.c ======================================================================= */
+
+/* x[0..n) times the normalized Hadamard matrix of each power-of-two block of n, largest first
+ * (576 = 512 + 64), in place; its own inverse (hadamard.py, the same floats). 8-bit KV rows
+ * and int8 weights and activations are held rotated: it spreads a row's few large values
+ * over all of them, and 8-bit rounding loses less. */
+void hadamard_rotate(float *x, int64_t n);
+
+/* ==== gemm.c: products of packed bf16 blocks ============================================ */
+
+/* block j of packed W [N, K] as a full 16-column block (the narrow last one copied into pad,
+ * Kp * 16 bf16), its real width in *cols; and C[m][0..16) = rows of A times one block (A
+ * float32 at stride lda; A16 the same rows as bf16 at stride lda16, or NULL, for AMX and the
+ * AVX512-BF16 tiles) */
+const bf16 *weight_block(const bf16 *w, int64_t N, int64_t Kp, int64_t j, bf16 *pad, int64_t *cols);
+void block_gemm(const float *A, int64_t lda, int64_t rows, const bf16 *B, int64_t Kp, float *C, int64_t ldc,
+                const bf16 *A16, int64_t lda16);
+/* rows per chunk so a chunk's float32 activations stay in L2 while weight blocks pass */
+int64_t chunk_rows(int64_t Kp);
+/* whether the register tiles read the rows as bf16 (the AVX512-BF16 build) */
+int tiles_read_bf16(void);
+
+/* ==== gemm8.c: products of packed 8-bit blocks ========================================== */
+
+/* the exact int32 sums of rows times int8 blocks (see int8_job), on the hooks' AMX or VNNI
+ * products where set, else vpmaddubsw */
+void int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const int8_job *jobs, int64_t count,
+                int64_t ldc);
+/* one row of activations for int8 weights: x rotated in place (hadamard_rotate, as the
+ * weights' rows were), then quantized symmetrically, q = rne(x * 127 / amax) in [-127, 127],
+ * Kq entries (zero padded), and its scale amax / 127 (0 for a zero row) into *scale */
+void quantize_row_s8(float *x, int64_t K, int8_t *q, int64_t Kq, float *scale);
+/* wblock_gemm (wmat.c) for 8-bit weights (int8, fp8): C[m][0..16) = rows [m0, m0 + rows) of a
+ * times block j of w, scaled; pad: pad_bytes(K) of scratch (wmat.c, its layout there) */
+void wblock8_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j,
+                  void *pad, float *C, int64_t ldc, int64_t *cols);
+/* wblock_gemm_pair (wmat.c) for int8 weights: both full blocks j1, j2 in one pass over the rows */
+void wblock8_gemm_pair(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j1,
+                       int64_t j2, float *C1, float *C2, int64_t ldc);
+
+/* ==== wmat.c: a packed weight of any kind ============================================== */
+
 /* expert e of a stacked packed matrix [E][N, K] */
 wmat wmat_expert(const wmat *w, int64_t e, int64_t N, int64_t K);
 /* the forms of activations a product with w needs (see rows_t) */
@@ -67,58 +189,11 @@ void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64
 void wblock_gemm_pair(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j1,
                       int64_t j2, void *pad, float *C1, float *C2, int64_t ldc);
 size_t pad_bytes(int64_t K);
-/* one row of activations for int8 weights: x rotated in place (hadamard_rotate, as the
- * weights' rows were), then quantized symmetrically, q = rne(x * 127 / amax) in [-127, 127],
- * Kq entries (zero padded), and its scale amax / 127 (0 for a zero row) into *scale */
-void quantize_row_s8(float *x, int64_t K, int8_t *q, int64_t Kq, float *scale);
 
-/* Rows of bf16 (stride ld, K columns) -> float32 rows of Kp columns (zero padded). */
-static inline void widen_row(const bf16 *x, int64_t K, float *out, int64_t Kp) {
-    int64_t k = 0;
-    for (; k + VL <= K; k += VL) vf_store(out + k, vf_load_bf16(x + k));
-    for (; k < K; k++) out[k] = bf16_to_f32(x[k]);
-    for (; k < Kp; k++) out[k] = 0.0f;
-}
+/* ==== kv_rows.c: the paged KV cache's row formats ======================================= */
 
-/* gemm.c: block j of packed W [N, K] as a full 16-column block (the narrow last one copied into
- * pad, Kp * 16 bf16), its real width in *cols; and C[m][0..16) = rows of A times one block (A
- * float32 at stride lda; A16 the same rows as bf16 at stride lda16, or NULL, for AMX and the
- * AVX512-BF16 tiles) */
-const bf16 *weight_block(const bf16 *w, int64_t N, int64_t Kp, int64_t j, bf16 *pad, int64_t *cols);
-void block_gemm(const float *A, int64_t lda, int64_t rows, const bf16 *B, int64_t Kp, float *C, int64_t ldc,
-                const bf16 *A16, int64_t lda16);
-/* gemm.c: rows per chunk so a chunk's float32 activations stay in L2 while weight blocks pass */
-int64_t chunk_rows(int64_t Kp);
-/* gemm.c: whether products of many rows go to AMX (cpu_kernels.enable sets it), and whether
- * the register tiles read the rows as bf16 (the AVX512-BF16 build) */
-int amx_enabled(void);
-/* gemm.c: tells AMX an outermost call begins (the tiles' configuration from earlier calls may
- * be gone; region_enter calls it) */
-void amx_new_call(void);
-int tiles_read_bf16(void);
-/* moe.c: silu(gate) * up, rounded as the reference's bf16 ops round */
-void swiglu_row(const float *gate, const float *up, float *out, int64_t n);
-
-/* gemm8.c: the integer products of int8 blocks, C[m][0..16) = the exact int32 sums of row m
- * of A times each column of a block (int8_blocks scales them). A: rows of signed bytes (stride
- * lda, Kq columns), multiplied by each of `count` blocks: B one packed 16-column block,
- * colsum its 16 column sums for kernels that multiply unsigned bytes, C its sums (stride
- * ldc). Blocks taken together share each load of the rows, and AMX streams two blocks'
- * weights at once. VNNI and AMX kernels live in libraries of their own (int8_vnni.c, amx.c)
- * set by cpu_kernels.enable. */
-typedef struct {
-    const int8_t *B;
-    const int32_t *colsum;
-    int32_t *C;
-} int8_job;
-typedef void (*int8_fn)(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const int8_job *jobs, int64_t count,
-                        int64_t ldc);
-void int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const int8_job *jobs, int64_t count,
-                int64_t ldc);
-
-/* The paged KV cache's row formats (cpu_kernels.KV_KINDS): bf16; int8, fp8 e4m3 or e5m2 with a
- * bf16 scale after each (slot, head) row's values. Strides in elements of
- * the cache's storage (bf16 or bytes). */
+/* cpu_kernels.KV_KINDS: bf16; int8, fp8 e4m3 or e5m2 with a bf16 scale after each (slot,
+ * head) row's values. Strides in elements of the cache's storage (bf16 or bytes). */
 enum { KV_BF16 = 0, KV_INT8 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };
 /* d values of one cache row -> float32 (an 8-bit row's scale at row + scale_at bytes): an
  * 8-bit row's values come back rotated (hadamard_rotate), as they were stored */
@@ -126,29 +201,34 @@ void kv_widen_row(const void *row, int kind, int64_t d, int64_t scale_at, float 
 /* d float32 values -> one cache row (8-bit: rotated first, in x, then quantized with the scale
  * written at row + d bytes) */
 void kv_store_row(float *x, int kind, int64_t d, void *row);
-/* x[0..n) times the normalized Hadamard matrix of each power-of-two block of n, largest first
- * (576 = 512 + 64), in place; its own inverse (hadamard.py, the same floats). 8-bit KV rows
- * and int8 weights and activations are held rotated: it spreads a row's few large values
- * over all of them, and 8-bit rounding loses less. */
-void hadamard_rotate(float *x, int64_t n);
 
+/* ==== the exported kernels (cpu.py binds them), one file each ========================== */
+
+/* linear.c */
 int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, const wmat *w, int64_t w_bs,
               int64_t N, const bf16 *bias, bf16 *y, int64_t y_bs, int64_t ldy, int64_t batch, int nthreads);
+/* moe.c; and its SwiGLU, silu(gate) * up, rounded as the reference's bf16 ops round */
 int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, const wmat *w2, int64_t E,
            int64_t I, const int64_t *ids, const float *weights, int64_t A, bf16 *out, int64_t ldo,
            int64_t *counts, int nthreads);
+void swiglu_row(const float *gate, const float *up, float *out, int64_t n);
+/* attention.c */
 int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_t G, int kv_kind,
                         const void *k_cache, int64_t k_slot, int64_t k_head, int64_t dk,
                         const void *v_cache, int64_t v_slot, int64_t v_head, int64_t dv, int64_t v_scale_at,
                         const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
                         int64_t block_size, float scale, bf16 *out, int64_t ldo, int nthreads);
+/* norm_rope.c */
 void ms_rmsnorm(const bf16 *x, int64_t ldx, bf16 *residual, int64_t ldr, const bf16 *w, float eps,
                 bf16 *out, int64_t ldo, int64_t T, int64_t D, int nthreads);
 void ms_rope_cache(bf16 *qkv, int64_t ld, int64_t T, int64_t H, int64_t G, int64_t d, const bf16 *cos,
                    const bf16 *sin, const int64_t *slots, int kv_kind, void *k_cache, void *v_cache,
                    int64_t cache_row, int nthreads);
+/* embed.c */
 int ms_embed_int8(const int8_t *table, int64_t ld, const float *scales, int64_t V, const int64_t *ids, int64_t T,
                   int64_t D, bf16 *out, int nthreads);
+/* greedy.c */
 void ms_greedy(const bf16 *x, int64_t ldx, int64_t rows, int64_t n, int64_t *out, int nthreads);
+/* layer.c: ms_decode_step, its layer_spec mirrored by cpu.py (declared there) */
 
 #endif

@@ -1,0 +1,30 @@
+/* The products of the libraries of their own that cpu_kernels.enable hands to this one where
+ * the CPU has them: AMX's bf16 and int8 tiles (amx.c) and VNNI's int8 products (int8_vnni.c).
+ * gemm.c's block_gemm and gemm8.c's int8_block read them; region.c tells AMX when an
+ * outermost call begins. This file calls no other. */
+#include "kernels.h"
+
+/* AMX (amx.c), set by cpu_kernels.enable where the CPU has it: C = A B for a block and a group
+ * of rows, A as bf16 (block_gemm: from AMX_MIN_ROWS rows when the inputs fill whole tiles). */
+amx_fn amx_block;
+static void (*amx_call_begins)(void); /* amx.c's ms_amx_new_call */
+
+void ms_set_amx(void *block, void *new_call) {
+    amx_block = (amx_fn)block;
+    amx_call_begins = (void (*)(void))new_call;
+}
+
+void amx_new_call(void) {
+    if (amx_call_begins) amx_call_begins();
+}
+
+int amx_enabled(void) { return amx_block != NULL; }
+
+/* int8 products: VNNI (int8_vnni.c) and AMX's int8 tiles (amx.c), or NULL (int8_block) */
+int8_fn int8_vnni, int8_amx;
+void ms_set_int8(void *vnni, void *amx) {
+    int8_vnni = (int8_fn)vnni;
+    int8_amx = (int8_fn)amx;
+}
+/* which integer product runs (for the start-up log line): 2 AMX, 1 VNNI, 0 vpmaddubsw */
+int ms_int8_path(void) { return int8_amx ? 2 : int8_vnni ? 1 : 0; }

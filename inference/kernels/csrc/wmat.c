@@ -1,0 +1,57 @@
+/* A packed weight of any kind (kernels.h wmat: bf16, int8 or fp8): the products of its blocks
+ * every kernel calls (wblock_gemm, wblock_gemm_pair), dispatched on the weight's kind to the
+ * bf16 products (gemm.c) or the 8-bit ones (gemm8.c), the scratch they need, the forms of
+ * activation rows they read, and one expert of a stacked weight. */
+#include "kernels.h"
+
+wmat wmat_expert(const wmat *w, int64_t e, int64_t N, int64_t K) {
+    wmat x = *w;
+    if (w->kind == W_BF16) {
+        x.data = (const bf16 *)w->data + e * N * even(K);
+        return x;
+    }
+    const int64_t groups = (K + w->group - 1) / w->group;
+    x.data = (const uint8_t *)w->data + e * N * quad(K);
+    x.scale = w->scale + e * groups * N;
+    x.colsum = w->colsum ? w->colsum + e * ((N + BLOCK - 1) / BLOCK) * BLOCK : NULL;
+    return x;
+}
+
+/* scratch per thread for wblock_gemm: a narrow 8-bit block, a dequantized bf16 block, the
+ * block's scales per group (fp8; gemm8.c's wblock8_gemm lays these out), a narrow bf16 block
+ * (weight_block) */
+size_t pad_bytes(int64_t K) {
+    const int64_t Kq = quad(K);
+    return round64((size_t)Kq * BLOCK) + round64((size_t)Kq * BLOCK * sizeof(bf16)) +
+           round64((size_t)(Kq / 4 + 1) * BLOCK * sizeof(float)) + round64((size_t)even(K) * BLOCK * sizeof(bf16));
+}
+
+int rows_need_b16(const wmat *w, int64_t K) {
+    (void)K;
+    return w->kind != W_INT8 && (tiles_read_bf16() || amx_enabled());
+}
+
+int rows_need_s8(const wmat *w) { return w->kind == W_INT8; }
+
+void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j,
+                 void *pad, float *C, int64_t ldc, int64_t *cols) {
+    if (w->kind == W_BF16) {
+        const int64_t Kp = even(K);
+        const bf16 *B = weight_block(w->data, N, Kp, j, pad, cols);
+        block_gemm(a->f32 ? a->f32 + m0 * a->ld32 : NULL, a->ld32, rows, B, Kp, C, ldc,
+                   a->b16 ? a->b16 + m0 * a->ld16 : NULL, a->ld16);
+        return;
+    }
+    wblock8_gemm(a, m0, rows, w, N, K, j, pad, C, ldc, cols);
+}
+
+void wblock_gemm_pair(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j1,
+                      int64_t j2, void *pad, float *C1, float *C2, int64_t ldc) {
+    if (w->kind != W_INT8) {
+        int64_t cols;
+        wblock_gemm(a, m0, rows, w, N, K, j1, pad, C1, ldc, &cols);
+        wblock_gemm(a, m0, rows, w, N, K, j2, pad, C2, ldc, &cols);
+        return;
+    }
+    wblock8_gemm_pair(a, m0, rows, w, N, K, j1, j2, C1, C2, ldc);
+}
