@@ -9,7 +9,7 @@ from service.settings import add_arguments, from_namespace
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from service.server import serve
+    from service.process import serve
 
     return serve(from_namespace(ns))
 

@@ -1,4 +1,4 @@
-"""Telemetry of the served model (SPEC section 8), built once at start-up (server.py).
+"""Telemetry of the served model (SPEC section 8), built once at start-up (state_builder.py).
 
 Engine steps become metrics and step spans linked to the live requests' spans. Each
 generation request gets a RequestTelemetry, owned by its service.generation.Generation: the

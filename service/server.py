@@ -1,5 +1,6 @@
-"""`moeserve serve`: the engine, the REST server (uvicorn + Litestar) and the gRPC server in
-one process and one event loop, with a graceful drain on SIGTERM/SIGINT.
+"""The server of `moeserve serve`: the engine, the REST server (uvicorn + Litestar) and the
+gRPC server in one process and one event loop, with a graceful drain on SIGTERM/SIGINT
+(service/process.py hands it the signals; state_builder.py builds what it serves).
 
 Shutdown order: stop admitting (/ready 503, new requests 503 on both APIs), let in-flight
 requests finish within `drain_timeout`, stop uvicorn and gRPC, stop the engine, exit 0.
@@ -15,67 +16,23 @@ starts a fresh one (vLLM's API server exits the same way).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import os
-import signal
 import socket
-from collections.abc import Iterator
-from pathlib import Path
 
-import uvicorn
-from prometheus_client import CollectorRegistry
-
-from inference import AsyncLLMEngine, InvalidParameterError, ModelLoadError
 from service.api_keys import KeyRing, KeysFileError
 from service.app import create_app
 from service.grpc_server import GrpcServer
-from service.inspector.recorder import InspectorRecorder
-from service.observability import Observability
+from service.rest_listener import SignalFreeUvicorn, bind_rest_socket, rest_server
 from service.settings import Settings
 from service.state import ServingState
-from service.tls import TlsConfigError, TlsFiles
-from telemetry.logging import capture_request_lines, configure_logging, get_logger
-from telemetry.metrics import ServiceMetrics
-from telemetry.tracing import configure_tracing, shutdown_tracing
+from service.state_builder import build_inspector, load_serving_state
+from service.tls import TlsFiles
+from telemetry.logging import get_logger
 
 log = get_logger("service.server")
 
 EXIT_ENGINE_DEAD = 3
 ENGINE_DEAD_EXIT_DELAY_S = 2.0  # probes and streams see the 503s / error events first
 ENGINE_WATCH_INTERVAL_S = 0.2
-
-
-class _Uvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling: `MoeServer` drains first, then stops it."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """Binds the REST socket here so that port 0 resolves to a known free port. TCP_NODELAY
-    on it (the accepted connections inherit it): uvicorn sets it only on sockets it binds
-    itself, and without it every response written in two pieces (headers, then body; each
-    SSE event) waited ~40 ms for the client's delayed ACK on a kept-alive connection."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(True)
-    return sock
-
-
-def model_path_and_name(settings: Settings) -> tuple[Path, str]:
-    """`demo`, a ready model name (`smollm2`) or a checkpoint folder -> (folder, served name)."""
-    from inference.checkpoints.model_zoo import READY_MODELS, resolve_model
-
-    path = resolve_model(settings.model, demo_preset=settings.demo_preset)
-    if settings.model == "demo" or settings.model in READY_MODELS:
-        return path, settings.served_model_name or settings.model
-    return path, settings.served_model_name or path.resolve().name
 
 
 class MoeServer:
@@ -86,7 +43,7 @@ class MoeServer:
         self.state: ServingState | None = None
         self.rest_port: int | None = None
         self.grpc_port: int | None = None
-        self._uvicorn: _Uvicorn | None = None
+        self._uvicorn: SignalFreeUvicorn | None = None
         self._grpc: GrpcServer | None = None
         self._sock: socket.socket | None = None
         self._shutdown: asyncio.Task | None = None
@@ -99,37 +56,10 @@ class MoeServer:
         # the files first: a bad one stops the server before the model loads
         self.tls = TlsFiles.from_settings(s)
         keys = KeyRing(s.api_key, s.api_keys_file)
-        path, name = await asyncio.to_thread(model_path_and_name, s)
-        # the engine core process logs like this one (same stdout, same format); for the
-        # inspector it also ships the lines it logs on requests' behalf with its steps
-        logging_init = capture_request_lines if inspector is not None else configure_logging
-        engine = await asyncio.to_thread(
-            AsyncLLMEngine.from_pretrained,
-            path,
-            s.device,
-            s.dtype,
-            functools.partial(logging_init, s.log_format),
-            **s.engine_limits(),
-        )
-        engine.start()
-        obs = build_observability(engine, s, name)
-        engine.add_stats_listener(obs.on_step)
-        if inspector is not None:
-            inspector.attach(engine)
-        self.state = ServingState(
-            engine, s, name, observability=obs, inspector=inspector, keys=keys
-        )
-        self._sock = _bind(s.host, s.port)
+        self.state = await load_serving_state(s, inspector, keys)
+        self._sock = bind_rest_socket(s.host, s.port)
         self.rest_port = self._sock.getsockname()[1]
-        config = uvicorn.Config(
-            create_app(self.state),
-            lifespan="on",
-            log_config=None,
-            access_log=False,
-            timeout_graceful_shutdown=5,
-            **(self.tls.uvicorn_options() if self.tls else {}),
-        )
-        self._uvicorn = _Uvicorn(config)
+        self._uvicorn = rest_server(create_app(self.state), self.tls)
         if s.grpc_port >= 0:
             credentials = self.tls.grpc_credentials() if self.tls else None
             self._grpc = await GrpcServer.start(self.state, s.host, s.grpc_port, credentials)
@@ -229,81 +159,3 @@ class MoeServer:
         if self._grpc is not None:
             server, self._grpc = self._grpc, None
             await server.stop(1.0)
-
-
-def build_inspector(settings: Settings) -> InspectorRecorder | None:
-    """The request inspector's recorder (service/inspector/), or None with --no-inspector."""
-    if settings.no_inspector:
-        return None
-    return InspectorRecorder(
-        settings.inspector_requests,
-        log_prompts=settings.log_prompts,
-        trace_url_template=settings.trace_url_template,
-    )
-
-
-def build_observability(engine: AsyncLLMEngine, settings: Settings, model: str) -> Observability:
-    """Tracing (the process's provider, from OTEL_* variables; configured on first use) and a
-    Prometheus registry shaped like the model: one `layer` per MoE layer (dense layers
-    route nothing), one `expert` per routed expert."""
-    if not settings.telemetry:
-        return Observability.disabled()
-    # Current HTTP semantic-convention names on the REST server span (read once, at the first
-    # app built), unless the operator chose otherwise.
-    os.environ.setdefault("OTEL_SEMCONV_STABILITY_OPT_IN", "http")
-    args = engine.args
-    metrics = ServiceMetrics(
-        CollectorRegistry(),
-        model,
-        args.num_moe_layers,
-        args.num_experts,
-        engine.max_waiting,
-        info={
-            "dtype": engine.dtype,
-            "device": engine.device,
-            "quantization": engine.quantization,
-            "kv_cache_dtype": engine.kv_cache_dtype,
-        },
-        weight_bytes=engine.weight_bytes,
-        kv_cache_bytes=engine.kv_cache_bytes,
-    )
-    tokenizer = engine.tokenizer
-    return Observability(
-        model,
-        metrics=metrics,
-        tracer_provider=configure_tracing(),
-        log_prompts=settings.log_prompts,
-        decode=tokenizer.decode,
-    )
-
-
-async def _serve(settings: Settings) -> int:
-    server = MoeServer(settings)
-    try:
-        await server.start()
-    except (
-        ModelLoadError,
-        InvalidParameterError,
-        KeysFileError,
-        TlsConfigError,
-        OSError,
-        RuntimeError,
-    ) as exc:
-        log.error("startup failed", error=str(exc))
-        if server.state is not None:
-            await server.state.engine.shutdown()
-        return 2
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, server.request_shutdown)
-    loop.add_signal_handler(signal.SIGHUP, server.reload_keys)
-    return await server.run()
-
-
-def serve(settings: Settings) -> int:
-    configure_logging(settings.log_format)  # once for the process: service, engine, libraries
-    try:
-        return asyncio.run(_serve(settings))
-    finally:
-        if not shutdown_tracing(timeout_s=5.0):  # flush spans; a dead collector cannot hold exit
-            log.warning("trace export did not finish before exit")

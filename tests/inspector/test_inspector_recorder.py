@@ -17,8 +17,8 @@ from service.inspector.log_ring import LogRing
 from service.inspector.recorder import InspectorRecorder
 from service.inspector.requests import MAX_HEAD_STEPS, MAX_TAIL_STEPS
 from service.observability import Observability, RequestTelemetry
-from service.server import build_inspector
 from service.settings import Settings
+from service.state_builder import build_inspector
 from service.validation import GenerationInput
 
 T0 = 1_800_000_000  # a Unix second

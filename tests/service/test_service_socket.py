@@ -10,11 +10,11 @@ import time
 
 import httpx
 
-from service.server import _bind
+from service.rest_listener import bind_rest_socket
 
 
 def test_the_listening_socket_has_tcp_nodelay():
-    sock = _bind("127.0.0.1", 0)
+    sock = bind_rest_socket("127.0.0.1", 0)
     try:
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
     finally:
