@@ -50,9 +50,9 @@ import torch
 from bench.engine_bench import hf_static_batches, make_prompts
 from inference import LLMEngine, SamplingParams
 from inference.checkpoints.demo_model import Preset, write_demo_model
+from inference.executor.kv_cache import kv_bytes_per_token
 from inference.kernels import cpu as cpu_kernels
 from inference.models.moe import MoE, SharedExpertMoE
-from inference.models.paged_cache import kv_bytes_per_token
 
 RESULT = Path(__file__).parent / "results" / "gpu_check.json"
 
@@ -140,12 +140,12 @@ def token_bytes(engine: LLMEngine, context_len: float) -> dict:
     """The bytes one decode token of a lone sequence reads at least: every weight it touches
     once (of each MoE layer's experts only its top_k, of the embedding one row) and its KV
     context."""
-    model, args = engine.model, engine.args
+    model, args = engine.executor.model, engine.args
     experts = {
         id(p): m.top_k / m.num_experts
         for m in model.modules()
         if isinstance(m, MoE)
-        for p in (m.w13, m.w2)
+        for p in (m.experts.w13, m.experts.w2)
     }
     weights = 0.0
     for name, p in model.named_parameters():
@@ -262,7 +262,7 @@ def step_breakdown(engine: LLMEngine, prompts: list[list[int]], steps: int, out_
         return times
 
     plain = timed_steps()
-    ranges = Ranges(engine.model)
+    ranges = Ranges(engine.executor.model)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     try:
         with profile(activities=activities) as prof:
@@ -456,7 +456,7 @@ def main() -> int:
         )
         state["engine"] = engine
         state["prompts"] = make_prompts(w.requests, w.prompt_len, w.shape.tokenizer_vocab)
-        parameters = sum(p.numel() for p in engine.model.parameters())
+        parameters = sum(p.numel() for p in engine.executor.model.parameters())
         return {"dir": str(model_dir), "parameters": parameters}
 
     def decode() -> dict:

@@ -16,8 +16,13 @@ import torch
 
 from inference.errors import InvalidParameterError
 
-QUANTIZATIONS = ("none", "int8", "fp8")  # weights (quant.py)
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")  # the paged cache (kv_cache.py)
+QUANTIZATIONS = ("none", "int8", "fp8")  # weights (quantization/qweight.py)
+KV_CACHE_DTYPES = (
+    "auto",
+    "int8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+)  # the paged cache (models/paged_cache.py)
 
 
 @dataclass(slots=True)

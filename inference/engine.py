@@ -12,7 +12,6 @@ from pathlib import Path
 
 import structlog
 
-from inference import offline
 from inference.block_manager import BlockManager
 from inference.config import EngineConfig, resolve_device, resolve_dtype
 from inference.errors import InvalidParameterError
@@ -26,6 +25,7 @@ from inference.executor.loader import (
 from inference.heap import keep_freed_memory
 from inference.input_processor import InputProcessor
 from inference.models.registry import family_of, model_args
+from inference.offline import generate_offline, warm_up
 from inference.outputs import RequestOutput, StepStats
 from inference.pending_grammars import PendingGrammars
 from inference.prompts import Prompt
@@ -81,7 +81,7 @@ class LLMEngine:
         )
         self._aborted: list = []  # FinishedSequence records, reported with the next step's stats
         if ex.compiles:
-            offline.warm_up(self)
+            warm_up(self)
 
     @classmethod
     def from_pretrained(
@@ -243,5 +243,5 @@ class LLMEngine:
     def generate(
         self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None
     ) -> list[RequestOutput]:
-        """Runs the prompts to completion (steps until they finish): offline.generate."""
-        return offline.generate(self, prompts, params or SamplingParams())
+        """Runs the prompts to completion (steps until they finish): offline.py."""
+        return generate_offline(self, prompts, params or SamplingParams())

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("inference.engine")
 
 
-def generate(
+def generate_offline(
     engine: LLMEngine, prompts: Prompt | list[Prompt], params: SamplingParams
 ) -> list[RequestOutput]:
     """The final output of each prompt (a text, a list of token ids, or a list of either), in
@@ -64,5 +64,5 @@ def warm_up(engine: LLMEngine) -> None:
     log.info("compiling decode steps")
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     for batch in (1, 3):
-        generate(engine, [[1] * 11] * batch, params)
+        generate_offline(engine, [[1] * 11] * batch, params)
     log.info("decode steps compiled", seconds=round(time.monotonic() - started, 1))

@@ -26,7 +26,7 @@ simpler path stays the default.
 
 Compiling: add_request waits up to `sync_compile_s` (20 ms) for a grammar, so a typical schema
 (1-2 ms) and its errors are settled there; a larger one finishes on the compiler thread while
-the steps go on (CompileJob, LLMEngine._poll_compiles).
+the steps go on (CompileJob, pending_grammars.py).
 
 Preemption needs nothing here: the scheduler keeps a preempted sequence's tokens and
 recomputes their KV, so its matcher (which has consumed exactly the output tokens) stays valid.

@@ -55,7 +55,7 @@ _LOGIT_STD = 2.0
 # template: the tools in the system turn (after the system message, if any), assistant
 # tool_calls as <tool_call> JSON blocks, tool results as <tool_response> blocks in one user
 # turn per run of tool messages. What the model answers is parsed by the "hermes" parser
-# (inference/tool_parsers.py). Chats without tools render as before.
+# (service/parsers/tool_calls/hermes.py). Chats without tools render as before.
 _TOOLS_PREAMBLE = (
     "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
     "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>"
@@ -174,8 +174,15 @@ def _common(p: Preset, ids: dict[str, int]) -> dict:
     )
 
 
-# --arch name -> the family's demo config (models/<family>.py), for every family that has one
-ARCHS: dict[str, Callable[[Preset, dict], PretrainedConfig]] = demo_configs()
+def _with_common(demo: Callable[[Preset, dict], PretrainedConfig]):
+    return lambda p, ids: demo(p, _common(p, ids))
+
+
+# --arch name -> (preset, special token ids) -> the family's demo config (models/<family>.py),
+# for every family that has one
+ARCHS: dict[str, Callable[[Preset, dict[str, int]], PretrainedConfig]] = {
+    name: _with_common(demo) for name, demo in demo_configs().items()
+}
 
 
 def _corpus() -> list[str]:
@@ -270,9 +277,7 @@ def write_demo_model(
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(p.tokenizer_vocab or p.vocab_size)
     eot, im_end = tok.token_to_id(ENDOFTEXT), tok.token_to_id(IM_END)
-    config = ARCHS[arch](
-        p, _common(p, {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot})
-    )
+    config = ARCHS[arch](p, {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot})
     config.initializer_range = 0.02
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)

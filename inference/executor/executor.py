@@ -171,13 +171,14 @@ class ModelExecutor:
         fused step, or the compiled model (config.compile, where no kernels run)."""
         greedy = cpu_backend.greedy if self.kernels else None
         sampler = Sampler(self.args.vocab_size, eos_token_ids, greedy)
+        compiled = self._compiled()
         return ModelRunner(
             self.model,
             self.kv_caches,
             self.config.block_size,
             sampler,
             self.device,
-            decode_forward=self.fused_step or self._compiled(),
+            decode_forward=compiled if self.fused_step is None else self.fused_step,
             block_tables=self.kernels,
             structured=structured,
         )

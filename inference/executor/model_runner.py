@@ -46,7 +46,7 @@ class ModelRunner:
         self.sampler, self.device = sampler, device
         self.structured = structured
         self.paged_kernel = block_tables
-        self.decode_model = decode_forward or model
+        self.decode_model = model if decode_forward is None else decode_forward
 
     def _slots(self, block_tables: list[list[int]], length: int) -> torch.Tensor:
         """[rows, length] cache slots of each row's first `length` positions (rows padded with

@@ -19,7 +19,7 @@ AVX-512 kernels without AMX.
 
 Weights the kernels read are prepacked once at load (`pack_weight`): a packed weight has one
 dimension more than its matrix ([K/2, N, 2] for [N, K]), so it can never be mistaken for a
-row-major one; layers.linear and moe.MoE route packed weights here. 8-bit weights
+row-major one; kernels/modules.py's modules hold them. 8-bit weights
 (quant.QWeight: int8, fp8) pack into input quads ([Kq/4, N, 4] bytes, `pack_qweight`), the
 layout VNNI and AMX's int8 tiles read. int8 products (W8A8) run on AMX int8 tiles, VNNI
 (csrc/int8_vnni.c, its own library where the CPU has AVX512-VNNI or AVX-VNNI) or
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.config import cache_root
-from inference.models.paged_cache import kv_kind, kv_width, rotates_alone
+from inference.models.paged_cache import kv_width, rotates_alone
 from inference.quantization.qweight import QWeight
 
 log = structlog.get_logger(__name__)
@@ -172,6 +172,13 @@ class WMat(ctypes.Structure):
 
 
 _W_KINDS = {"int8": 1, "fp8": 2}
+# the paged cache's row formats (models/paged_cache.py) as csrc/kernels.h numbers them (KV_*)
+_KV_KINDS = {torch.uint8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+
+
+def kv_kind(cache: torch.Tensor) -> int:
+    """The cache's row format as the kernels number it (0: the model's dtype)."""
+    return _KV_KINDS.get(cache.dtype, 0)
 
 
 def wmat(w: torch.Tensor | QWeight | None) -> WMat:
@@ -227,99 +234,40 @@ class LayerSpec(ctypes.Structure):
     )
 
 
+def _types(codes: str) -> list:
+    """ctypes argument types from one letter each, in a prototype's order (csrc/kernels.h):
+    p pointer, i int64_t, n int, f float, w const wmat *, s const LayerSpec *."""
+    table = {
+        "p": _P,
+        "i": _I64,
+        "n": _INT,
+        "f": _F32,
+        "w": ctypes.POINTER(WMat),
+        "s": ctypes.POINTER(LayerSpec),
+    }
+    return [table[c] for c in codes.split()]
+
+
+_SIGNATURES = {
+    "ms_linear": "p i i i i w i i p p i i i n",
+    "ms_moe": "p i i i w w i i p p i p i p n",
+    "ms_decode_attention": "p i i i i n p i i i p i i i i p i p i f p i n",
+    "ms_rmsnorm": "p i p i p f p i i i n",
+    "ms_rope_cache": "p i i i i i p p p n p p i n",
+    "ms_greedy": "p i i i p n",
+    "ms_embed_int8": "p i p i p i i p n",
+    "ms_set_amx": "p p",
+    "ms_set_int8": "p p",
+    "ms_decode_step": "s i p p i p p p p p p p i p i p f p p n",
+}
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    _W = ctypes.POINTER(WMat)
-    lib.ms_linear.argtypes = [
-        _P,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _W,
-        _I64,
-        _I64,
-        _P,
-        _P,
-        _I64,
-        _I64,
-        _I64,
-        _INT,
-    ]
-    lib.ms_moe.argtypes = [
-        _P,
-        _I64,
-        _I64,
-        _I64,
-        _W,
-        _W,
-        _I64,
-        _I64,
-        _P,
-        _P,
-        _I64,
-        _P,
-        _I64,
-        _P,
-        _INT,
-    ]
-    lib.ms_decode_attention.argtypes = [
-        _P,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _INT,
-        _P,
-        _I64,
-        _I64,
-        _I64,
-        _P,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _P,
-        _I64,
-        _P,
-        _I64,
-        _F32,
-        _P,
-        _I64,
-        _INT,
-    ]
-    lib.ms_rmsnorm.argtypes = [_P, _I64, _P, _I64, _P, _F32, _P, _I64, _I64, _I64, _INT]
-    lib.ms_rope_cache.argtypes = [
-        *[_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _INT, _P, _P, _I64, _INT]
-    ]
-    lib.ms_greedy.argtypes = [_P, _I64, _I64, _I64, _P, _INT]
-    lib.ms_embed_int8.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64, _P, _INT]
-    lib.ms_set_amx.argtypes = [_P, _P]
-    lib.ms_set_int8.argtypes = [_P, _P]
+    for name, codes in _SIGNATURES.items():
+        getattr(lib, name).argtypes = _types(codes)
     lib.ms_int8_path.restype = _INT
-    lib.ms_decode_step.argtypes = [
-        ctypes.POINTER(LayerSpec),
-        _I64,
-        _P,
-        _P,
-        _I64,
-        _P,
-        _P,
-        _P,
-        _P,
-        _P,
-        _P,
-        _P,
-        _I64,
-        _P,
-        _I64,
-        _P,
-        _F32,
-        _P,
-        _P,
-        _INT,
-    ]
-    lib.ms_rmsnorm.restype = lib.ms_rope_cache.restype = lib.ms_set_amx.restype = None
-    lib.ms_set_int8.restype = None
+    for name in ("ms_rmsnorm", "ms_rope_cache", "ms_set_amx", "ms_set_int8"):
+        getattr(lib, name).restype = None
     return lib
 
 
@@ -706,7 +654,7 @@ def decode_attention(
     v_dim: int | None = None,
 ) -> torch.Tensor:
     """Single-token queries q [B, H, dk] (unit last stride, rows at any stride) over their
-    paged contexts: caches [S, G, row] in any of the KV formats (kv_cache.py; MLA: one latent
+    paged contexts: caches [S, G, row] in any of the KV formats (models/paged_cache.py; MLA: one latent
     cache passed as both, `v_dim` its value width), block_tables [B, W] int32, context_lens
     [B] int32 -> [B, H, dv] bf16."""
     b, h, dk = q.shape

@@ -6,7 +6,7 @@ Expert weights are stacked per projection: w13 [E, 2I, D] (gate rows then up row
 A layer is a router (Router: which experts each token goes to, with which weights) and the
 experts (Experts: their stacked weights and the dispatch of tokens to them). Backends replace
 the Experts from outside: the CPU kernels run a whole layer in one call for any number of
-tokens (kernels/modules.py), 8-bit experts take quantization/modules.py's. In torch, four
+tokens (kernels/modules.py), 8-bit experts take executor/quantize.py's. In torch, four
 dispatch paths, same result:
 - gather (gpt-fast): each token gathers its A experts' weights and runs one batched matmul.
   No host sync and a fixed op count, so it suits small decode batches on a GPU; it copies

@@ -32,7 +32,6 @@ _STORAGE = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 _LIMIT = {torch.uint8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-_KIND = {torch.uint8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}  # csrc/kernels.h KV_*
 SCALE_BYTES = 2  # an 8-bit row's bf16 scale
 
 
@@ -48,11 +47,6 @@ def stores_8bit(storage: torch.dtype) -> bool:
 def row_width(width: int, storage: torch.dtype) -> int:
     """Elements of storage per (slot, head) row holding `width` values."""
     return width + SCALE_BYTES if storage in _LIMIT else width
-
-
-def kv_kind(cache: torch.Tensor) -> int:
-    """The cache's row format as the kernels number it (0: the model's dtype)."""
-    return _KIND.get(cache.dtype, 0)
 
 
 def kv_width(cache: torch.Tensor) -> int:

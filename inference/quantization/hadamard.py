@@ -2,9 +2,10 @@
 normalized Hadamard matrix of each power-of-two block of its width, largest first (576 =
 512 + 64), an orthogonal map that is its own inverse. A few large channels (keys' outliers,
 activations' outliers) become a share in every value, so 8-bit rounding, relative to a row's
-or a value's size, costs much less: the KV cache's rows (kv_cache.py) and int8 weights and
-activations (quant.py; QuaRot's observation, arXiv 2404.00456). csrc/gemm8.c
-hadamard_rotate is the same butterflies in the same order: both give the same floats."""
+or a value's size, costs much less: the KV cache's rows (models/paged_cache.py) and int8
+weights and activations (qweight.py; QuaRot's observation, arXiv 2404.00456).
+kernels/csrc/hadamard.c's hadamard_rotate is the same butterflies in the same order: both give
+the same floats."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The CPU kernel paths the tests force one by one (inference/cpu_kernels.py): each native
+"""The CPU kernel paths the tests force one by one (inference/kernels/cpu.py): each native
 build, best first, then the emulated ones (the AVX-512 source on SIMDe's portable
 intrinsics, AMX on amx_emulation.h's plain-C tiles) that any CPU with AVX2 runs. A path this
 CPU cannot run is skipped with the reason."""

@@ -42,7 +42,7 @@ def prompts(vocab: int, lengths) -> list[list[int]]:
 def model_logits(engine: LLMEngine, tokens: list[int], prefill: int) -> list[torch.Tensor]:
     """Our logits over `tokens`: the first `prefill` in one prefill chunk ([prefill, V]), then
     one decode step per token ([V] each) reading the paged cache through gathered slots."""
-    model, caches, dev = engine.model, engine.kv_caches, engine.device
+    model, caches, dev = engine.executor.model, engine.executor.kv_caches, engine.device
     with torch.inference_mode():
         meta = AttentionMetadata(
             torch.arange(prefill, device=dev), 0, None, None, [PrefillChunk(0, prefill, 0, None)]

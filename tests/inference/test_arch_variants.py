@@ -84,7 +84,7 @@ def test_variant_logits_match(variant_dir, name):
     ref = hf_model(path, DEVICE)
     g = torch.Generator().manual_seed(2)
     tokens = torch.randint(3, engine.args.vocab_size, (24,), generator=g).tolist()
-    model, caches = engine.model, engine.kv_caches
+    model, caches = engine.executor.model, engine.executor.kv_caches
 
     def at(*values):
         return torch.tensor(values, device=DEVICE)

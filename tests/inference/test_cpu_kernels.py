@@ -1,4 +1,4 @@
-"""The engine's bf16 CPU kernels (inference/cpu_kernels.py, csrc/): every path this CPU can
+"""The engine's bf16 CPU kernels (inference/kernels/cpu.py, csrc/): every path this CPU can
 run, top level first and then each fallback forced, against float32 arithmetic; the model's
 bf16 logits against transformers on each path; the compiled path; the choice of instruction
 set by the CPU's flags (never an instruction the CPU lacks).
@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from inference import LLMEngine, SamplingParams
 from inference.kernels import cpu as cpu_kernels
+from inference.kernels.modules import CpuLinear
 from inference.models.attention import AttentionMetadata, PrefillChunk
-from inference.models.layers import linear
 from inference.models.moe import select_experts
 from tests.inference.kernel_paths import PATHS, Path, forced
 from tests.inference.parity_checks import hf_model, prompts
@@ -231,9 +231,8 @@ def test_linear_matches_float32_arithmetic(path, m, n, k):
     exact = x.float() @ w.float().t()
     close_to_bf16(cpu_kernels.linear(x, packed), exact)
     close_to_bf16(cpu_kernels.linear(x, packed, b), exact + b.float())
-    assert torch.equal(
-        linear(x, packed, b), cpu_kernels.linear(x, packed, b)
-    )  # layers.linear routes here
+    module = CpuLinear(w, b)  # the module the CPU backend installs for a Linear
+    assert torch.equal(module(x), cpu_kernels.linear(x, packed, b))
 
 
 def test_linear_reads_strided_rows_and_per_head_weights(path):
@@ -413,8 +412,9 @@ def decode_logits_error(path_dir) -> float:
     )
     ref = hf_model(path_dir)
     tokens = prompts(engine.args.vocab_size, [24])[0]
-    model, caches, errors = engine.model, engine.kv_caches, []
+    model, caches, errors = engine.executor.model, engine.executor.kv_caches, []
     kernel = engine.runner.paged_kernel
+    forward = engine.runner.decode_model  # decode steps: the backend's fused step if any
     with torch.inference_mode():
         meta = AttentionMetadata(torch.arange(20), 0, None, None, [PrefillChunk(0, 20, 0, None)])
         model(torch.tensor(tokens[:20]), torch.arange(20), meta, caches)
@@ -434,7 +434,7 @@ def decode_logits_error(path_dir) -> float:
                 meta = AttentionMetadata(
                     torch.tensor([pos]), 1, torch.arange(pos + 1)[None], None, []
                 )
-            hidden, _ = model(torch.tensor([tokens[pos]]), torch.tensor([pos]), meta, caches)
+            hidden, _ = forward(torch.tensor([tokens[pos]]), torch.tensor([pos]), meta, caches)
             expected = ref(torch.tensor([tokens[: pos + 1]])).logits[0, -1]
             errors.append((model.logits(hidden)[0].float() - expected).abs().mean().item())
     return sum(errors) / len(errors)
@@ -494,8 +494,10 @@ def test_the_one_call_decode_step_computes_what_the_composed_layers_do(arch_dirs
     engine = LLMEngine.from_pretrained(
         arch_dirs(arch), device="cpu", dtype="bfloat16", kv_cache_tokens=512
     )
-    model, caches = engine.model, engine.kv_caches
-    assert (model.decode_step is None) == (arch == "deepseek_v2")  # MLA keeps the composed layers
+    model, caches = engine.executor.model, engine.executor.kv_caches
+    fused = engine.executor.fused_step
+    assert (fused is None) == (arch == "deepseek_v2")  # MLA keeps the composed layers
+    one_call_step = fused or model
     lengths, tables = [5, 20, 37], [[7, 1, 30], [2, 9, 4], [12, 3, 25]]
     seqs = prompts(engine.args.vocab_size, [n + 1 for n in lengths])
     with torch.inference_mode():
@@ -523,8 +525,7 @@ def test_the_one_call_decode_step_computes_what_the_composed_layers_do(arch_dirs
             meta,
             caches,
         )
-        one_call, counts = model(*step)
-        model.decode_step = None
+        one_call, counts = one_call_step(*step)
         composed, composed_counts = model(*step)
     assert torch.equal(counts, composed_counts)
     torch.testing.assert_close(one_call.float(), composed.float(), rtol=2**-6, atol=2**-6)
@@ -594,7 +595,7 @@ def test_compile_is_ignored_on_the_kernels(model_dirs, path):
         engine = LLMEngine.from_pretrained(
             model_dirs("mixtral"), device="cpu", dtype="bfloat16", kv_cache_tokens=64, compile=True
         )
-    assert engine.runner.decode_model is engine.model
+    assert engine.runner.decode_model is engine.executor.fused_step  # not a compiled model
     assert any(e["event"] == "not compiling: decode steps run on the CPU kernels" for e in logs)
 
 
@@ -604,7 +605,7 @@ def test_all_kernels_off_runs_atens_kernels_on_row_major_weights(model_dirs):
         engine = LLMEngine.from_pretrained(
             model_dirs("mixtral"), device="cpu", dtype="bfloat16", kv_cache_tokens=64
         )
-        assert engine.model.layers[0].attn.wqkv.weight.dim() == 2  # not packed
+        assert engine.executor.model.layers[0].attn.wqkv.weight.dim() == 2  # not packed
         assert not engine.runner.paged_kernel
         [out] = engine.generate(
             [[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from inference import LLMEngine
-from inference.config import SUPPORTED_ARCHITECTURES, ModelArgs
 from inference.errors import ModelLoadError
+from inference.executor.kv_cache import kv_bytes_per_token
 from inference.models.moe import select_experts
-from inference.models.paged_cache import kv_bytes_per_token
+from inference.models.registry import SUPPORTED_ARCHITECTURES, model_args
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -36,11 +36,11 @@ def test_allocated_cache_is_one_latent_tensor_per_layer(model_dirs):
         model_dirs("deepseek_v2"), device="cpu", dtype="float32", kv_cache_tokens=256
     )
     cfg = engine.args.hf_config
-    assert len(engine.kv_caches) == cfg.num_hidden_layers
-    for layer in engine.kv_caches:
+    assert len(engine.executor.kv_caches) == cfg.num_hidden_layers
+    for layer in engine.executor.kv_caches:
         [latent] = layer
         assert latent.shape == (256, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    total = sum(t.numel() * t.element_size() for layer in engine.kv_caches for t in layer)
+    total = sum(t.numel() * t.element_size() for layer in engine.executor.kv_caches for t in layer)
     assert total == 256 * kv_bytes_per_token(engine.args, torch.float32)
 
 
@@ -52,7 +52,7 @@ def test_standard_attention_cache_keeps_key_and_value(model_dirs):
     assert (
         kv_bytes_per_token(a, torch.float32) == 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4
     )
-    assert all(len(layer) == 2 for layer in engine.kv_caches)
+    assert all(len(layer) == 2 for layer in engine.executor.kv_caches)
 
 
 def test_group_limited_routing_picks_only_from_top_groups():
@@ -90,7 +90,7 @@ def test_architectures_and_unknown_ones(model_dirs):
     cfg = LLMEngine.from_pretrained(
         model_dirs("deepseek_v2"), device="cpu", dtype="float32", kv_cache_tokens=64
     ).args.hf_config
-    args = ModelArgs.from_hf_config(cfg)
+    args = model_args(cfg)
     assert (
         args.dense_layers == (0,)
         and args.shared_expert_intermediate_size == cfg.moe_intermediate_size
@@ -98,7 +98,7 @@ def test_architectures_and_unknown_ones(model_dirs):
     assert (args.num_groups, args.topk_group) == (2, 1) and not args.shared_expert_gated
     cfg.topk_method = "noaux_tc"
     with pytest.raises(ModelLoadError, match="noaux_tc"):
-        ModelArgs.from_hf_config(cfg)
+        model_args(cfg)
     cfg.architectures = ["GPT2LMHeadModel"]
     with pytest.raises(ModelLoadError, match="unsupported architecture 'GPT2LMHeadModel'"):
-        ModelArgs.from_hf_config(cfg)
+        model_args(cfg)

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference.executor import cpu_backend
 from inference.models.moe import (
     DISPATCH_PATHS,
     DenseMLP,
@@ -115,13 +116,13 @@ def reference(x, weights, ids, params: dict[str, torch.Tensor], shared: str) -> 
     """The layer in float64: sum over the chosen experts of weight * W2 (silu(g) * u), plus the
     shared MLP (times sigmoid(x . gate) for Qwen2-MoE's)."""
     prefix = "" if shared == "none" else "moe."
-    w13, w2 = params[f"{prefix}w13"], params[f"{prefix}w2"]
+    w13, w2 = params[f"{prefix}experts.w13"], params[f"{prefix}experts.w2"]
     gate, up = torch.einsum("td,tahd->tah", x, w13[ids]).chunk(2, dim=-1)
     out = torch.einsum("tai,tadi,ta->td", F.silu(gate) * up, w2[ids], weights)
     if shared != "none":
-        gate, up = (x @ params["shared.w13"].T).chunk(2, dim=-1)
-        mlp = (F.silu(gate) * up) @ params["shared.w2"].T
-        out += mlp * torch.sigmoid(x @ params["shared_gate"].T) if shared == "gated" else mlp
+        gate, up = (x @ params["shared.w13.weight"].T).chunk(2, dim=-1)
+        mlp = (F.silu(gate) * up) @ params["shared.w2.weight"].T
+        out += mlp * torch.sigmoid(x @ params["shared_gate.weight"].T) if shared == "gated" else mlp
     return out
 
 
@@ -140,9 +141,7 @@ def test_every_dispatch_path_computes_the_same_layer(path, dtype, tokens, top_k,
         weights, ids = routed(module).route(x)  # float32: the same in every module
         if kernels:
             with forced(path):
-                for part in module.modules():  # as MoETransformer.pack_for_cpu_kernels does
-                    if hasattr(part, "pack"):
-                        part.pack()
+                cpu_backend.install(module)  # the kernels' modules, as an engine's
                 out, counts = module(x)
         else:
             out, counts = module(x)

@@ -1,5 +1,5 @@
 """The 8-bit kernels (csrc/gemm8.c, int8_vnni.c, amx.c's int8 tiles): int8 weights (W8A8)
-against the exact integer arithmetic of quant.py's torch path, fp8 weights and 8-bit KV-cache
+against the exact integer arithmetic of quantization/qweight.py's torch path, fp8 weights and 8-bit KV-cache
 rows against float32 arithmetic, on every path this CPU can run (tests/inference/
 test_cpu_kernels.py's `path` fixture: native builds best first, then the emulated ones), with
 VNNI on and off (vpmaddubsw's sequence instead). Paths the CPU lacks are skipped with the
@@ -11,10 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference.config import ModelArgs
+from inference.executor import kv_cache as kv_alloc
+from inference.executor.quantize import QuantEmbedding
 from inference.kernels import cpu as cpu_kernels
+from inference.kernels.modules import CpuQuantEmbedding
 from inference.models import paged_cache as kv_cache
-from inference.models.layers import Embedding
+from inference.models.args import ModelArgs
 from inference.models.moe import grouped_dispatch, select_experts
 from inference.quantization import hadamard
 from inference.quantization import qweight as quant
@@ -109,19 +111,18 @@ def test_rotated_int8_products_lose_less_when_a_few_channels_carry_the_activatio
 def test_int8_embedding_rows_come_back_as_the_torch_lookup_gives_them(path, d):  # noqa: F811
     """The kernel's lookup (dequantize, rotate back, round to bf16) gives the floats of
     hadamard.rotate; an id outside the table fails as torch's lookup does."""
-    embed = Embedding(300, d).to(torch.bfloat16)
-    embed.weight.data.copy_(randn(300, d, seed=5))
-    embed.quantize()
+    table = quant.quantize_int8(randn(300, d, seed=5).bfloat16())
+    embed = CpuQuantEmbedding(QuantEmbedding(table, torch.bfloat16))
     ids = torch.tensor([[0, 299, 7, 7], [150, 3, 42, 1]])
     flat = ids.reshape(-1)
-    rows = embed.weight.data[flat].float() * embed.weight.scale[0][flat].unsqueeze(-1)
+    rows = table.data[flat].float() * table.scale[0][flat].unsqueeze(-1)
     expected = hadamard.rotate(rows).bfloat16().view(2, 4, d)
-    assert torch.equal(cpu_kernels.embed_int8(embed.weight, ids), expected)
+    assert torch.equal(cpu_kernels.embed_int8(table, ids), expected)
     assert torch.equal(embed(ids), expected)
     with pytest.raises(IndexError):
-        cpu_kernels.embed_int8(embed.weight, torch.tensor([300]))
+        cpu_kernels.embed_int8(table, torch.tensor([300]))
     with pytest.raises(IndexError):
-        cpu_kernels.embed_int8(embed.weight, torch.tensor([-1]))
+        cpu_kernels.embed_int8(table, torch.tensor([-1]))
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 300, 256), (4, 40, 130), (20, 64, 256), (50, 33, 512)])
@@ -168,7 +169,7 @@ def test_moe_on_8bit_experts_matches_the_torch_path(int8_path, fmt, t, d, i, e, 
     )
     assert counts.tolist() == torch.bincount(ids.flatten(), minlength=e).tolist()
     # the torch path sums the experts' weighted outputs in bf16: a rounding or two apart
-    ref = grouped_dispatch(x, weights, ids, counts, q13, q2).float()
+    ref = grouped_dispatch(x, weights, ids, counts, q13, q2, quant.linear).float()
     torch.testing.assert_close(out.float(), ref, rtol=2**-6, atol=float(ref.abs().max()) * 2**-6)
 
 
@@ -302,8 +303,8 @@ def test_an_8bit_cache_refuses_an_mla_latent_whose_values_cannot_rotate_alone(ra
     )
     cpu = torch.device("cpu")
     if ok:
-        allocated = kv_cache.allocate_kv_cache(args, 1, 16, torch.uint8, cpu)
+        allocated = kv_alloc.allocate_kv_cache(args, 1, 16, torch.uint8, cpu)
         assert allocated[0][0].shape == (16, 1, rank + rope + 2)
     else:
         with pytest.raises(ValueError, match="cannot hold this model's MLA latent"):
-            kv_cache.allocate_kv_cache(args, 1, 16, torch.uint8, cpu)
+            kv_alloc.allocate_kv_cache(args, 1, 16, torch.uint8, cpu)

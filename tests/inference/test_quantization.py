@@ -19,6 +19,7 @@ import torch
 
 from inference import LLMEngine, SamplingParams
 from inference.errors import InvalidParameterError, ModelLoadError
+from inference.executor import kv_cache as kv_alloc
 from inference.kernels import cpu as cpu_kernels
 from inference.models import paged_cache as kv_cache
 from inference.quantization.qweight import QWeight
@@ -72,17 +73,17 @@ def test_each_architecture_quantized_stays_close_to_bf16(arch_dirs, arch):  # no
 def test_8bit_weights_are_8bit_in_memory(model_dirs):
     path = model_dirs("mixtral")
     eng = engine(path, quantization="int8")
-    moe = eng.model.layers[0].mlp
-    assert isinstance(moe.w13, QWeight) and moe.w13.data.element_size() == 1
+    moe = eng.executor.model.layers[0].mlp
+    assert isinstance(moe.experts.w13, QWeight) and moe.experts.w13.data.element_size() == 1
     # in the kernels' layout where they run (MOESERVE_BF16_KERNELS=0: row-major, torch path)
-    assert moe.w13.packed == (cpu_kernels.ISA is not None)
-    assert isinstance(eng.model.layers[0].attn.wqkv.weight, QWeight)
-    assert not isinstance(moe.gate, QWeight)  # the router stays bf16
+    assert moe.experts.w13.packed == (cpu_kernels.ISA is not None)
+    assert isinstance(eng.executor.model.layers[0].attn.wqkv.weight, QWeight)
+    assert not isinstance(moe.gate.weight, QWeight)  # the router stays bf16
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_the_torch_path_computes_what_the_kernels_do(model_dirs, fmt):
-    """CPUs without our kernels (and CUDA) run quant.py's torch path: int8 W8A8 through
+    """CPUs without our kernels (and CUDA) run quantization/qweight.py's torch path: int8 W8A8 through
     torch._int_mm, fp8 weight-only."""
     path = model_dirs("qwen2_moe")
     batch = prompts(1000, [30])
@@ -166,13 +167,13 @@ def test_an_8bit_cache_holds_twice_the_tokens_in_the_same_bytes(model_dirs, fmt)
     plain = engine(path, kv_cache_tokens=None, kv_cache_bytes=budget)
     small = engine(path, kv_cache_tokens=None, kv_cache_bytes=budget, kv_cache_dtype=fmt)
     assert plain.kv_cache_bytes <= budget and small.kv_cache_bytes <= budget
-    assert small.kv_caches[0][0].element_size() == 1
+    assert small.executor.kv_caches[0][0].element_size() == 1
     d = plain.args.head_dim
     expected = 2 * d / (d + kv_cache.SCALE_BYTES)
     assert small.kv_cache_tokens / plain.kv_cache_tokens == pytest.approx(expected, rel=0.01)
     for width in (64, 128):
         args = dataclasses.replace(plain.args, head_dim=width)
-        ratio = kv_cache.kv_bytes_per_token(args, torch.bfloat16) / kv_cache.kv_bytes_per_token(
+        ratio = kv_alloc.kv_bytes_per_token(args, torch.bfloat16) / kv_alloc.kv_bytes_per_token(
             args, kv_cache.storage_dtype(fmt, torch.bfloat16)
         )
         assert ratio >= 1.9

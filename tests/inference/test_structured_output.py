@@ -537,9 +537,9 @@ def test_a_slow_compile_runs_off_the_step_path(engine):
         PROMPTS[0],
         SamplingParams(max_tokens=12, structured_outputs=StructuredOutputs(json=_big_schema())),
     )
-    assert time.perf_counter() - started < 0.5 and "big" in engine._compiling
+    assert time.perf_counter() - started < 0.5 and "big" in engine.pending_grammars.jobs
     progressed = 0
-    while "big" in engine._compiling:
+    while "big" in engine.pending_grammars.jobs:
         before = len(engine.requests["running"][0].token_ids)
         engine.step()
         progressed += len(engine.requests["running"][0].token_ids) - before
@@ -560,7 +560,7 @@ def test_a_slow_compile_runs_off_the_step_path(engine):
     try:
         bad = SamplingParams(structured_outputs=StructuredOutputs(json={"type": "nonsense"}))
         engine.add_request("late-bad", PROMPTS[0], bad)  # no error yet
-        engine.wait_for_compiles()
+        engine.pending_grammars.wait()
         [(rid, error)] = engine.take_rejected()
         assert rid == "late-bad" and error.param == "structured_outputs.json"
         assert "late-bad" not in engine.requests and engine.take_rejected() == []
@@ -584,7 +584,7 @@ def test_a_slow_compile_runs_off_the_step_path(engine):
         assert engine.abort("gone").finish_reason == "abort"
         _, stats = engine.step()
         assert [f.finish_reason for f in stats.finished] == ["abort"]
-        engine.wait_for_compiles()
+        engine.pending_grammars.wait()
         assert engine.take_rejected() == [] and not engine.has_unfinished
     finally:
         engine.structured.sync_compile_s = size
@@ -624,5 +624,5 @@ def test_engine_core_sends_late_grammar_errors_and_waits_for_compiles(engine):
         assert not thread.is_alive()
     finally:
         engine.structured.sync_compile_s = size
-        engine.on_compile_done = None
+        engine.pending_grammars.on_done = None
         conn.close()
