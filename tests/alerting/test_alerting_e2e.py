@@ -3,8 +3,9 @@ waiting queue) scraped every second by Debian's `prometheus` (exemplar storage o
 the shipped rule files with the targeted alert's `for:` shortened), which sends to
 Debian's `prometheus-alertmanager` (the shipped config, receiver pointed at the test
 webhook, short timers, fresh storage, no clustering), which delivers to the anomaly
-webhook. A phase of light traffic, then a flood of the same streaming requests that
-keeps the waiting queue full (and gets 429s): MoeserveWaitingQueueSaturated fires, and
+webhook. A phase of steady traffic that keeps the engine's running slots busy with an empty
+queue, then a flood of the same streaming requests that keeps the waiting queue full (and
+gets 429s): MoeserveWaitingQueueSaturated fires, and
 GET /incidents on the webhook shows an incident that ranks arrivals / queue time / TTFT first,
 names the queue as the cause, and
 scores the waiting-queue series as anomalous and carries trace ids the service exported as exemplars.
@@ -48,10 +49,15 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_YML = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 ALERT = "MoeserveWaitingQueueSaturated"
 SEVERITY = "critical"
-FOR = "4s"  # the shipped rule says 1m
+FOR = "3s"  # the shipped rule says 1m
 MODEL = "demo"
 MAX_WAITING, MAX_NUM_SEQS = 8, 2
-NORMAL_S = 18.0  # light traffic before the flood: the detector's reference stretch
+NORMAL_S = 18.0  # steady traffic before the flood: the detector's reference stretch
+# Steady clients, one per running slot, each back as soon as its request ends: the engine
+# generates as fast before the flood as during it, so what the flood moves is the queue (with
+# a single client a fast CPU's engine idled between its requests, and the flood's tokens/s
+# outranked the queue's series)
+STEADY_CLIENTS = MAX_NUM_SEQS
 FLOOD_CLIENTS = 14  # > MAX_WAITING + MAX_NUM_SEQS: the queue stays full, the rest get 429
 DETECTOR_THRESHOLD = WebhookSettings().threshold
 # What a full queue moves first: the queue itself, and the latencies that contain its wait
@@ -62,8 +68,13 @@ QUEUE_SERIES = (
     "ttft_p95_seconds",
     "e2e_p95_seconds",
 )
-# Same requests before and during the flood: only the concurrency turns pathological.
-REQUEST = {"model": MODEL, "max_tokens": 32, "ignore_eos": True, "stream": True}
+# Same requests before and during the flood: only the concurrency turns pathological. The
+# critical rule needs the queue at 8 of 8 at each evaluation for FOR, and each finished request
+# leaves it at 7 until its client's next one arrives: with 32 tokens a fast CPU (AMD EPYC,
+# tiny model) showed 8 in 75% of samples (the rule then waited past 60 s once in three
+# runs), with 64 in 87%; still short enough that queued flood requests reach their first token
+# well before the webhook's analysis.
+REQUEST = {"model": MODEL, "max_tokens": 64, "ignore_eos": True, "stream": True}
 TRACE_ID = re.compile(r'trace_id="([0-9a-f]{32})"')
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 
@@ -232,7 +243,6 @@ class Load:
                         self._count("ok" if r.status_code == 200 else "other")
                 except httpx.HTTPError:
                     self._count("other")
-                self.stop.wait(0.3)
 
     def _flooder(self, i: int) -> None:
         body = {**REQUEST, "prompt": f"flood {i}: tell me a story"}
@@ -258,7 +268,7 @@ class Load:
             self._threads.append(t)
 
     def start_light(self) -> None:
-        self._start(self._light, 1)
+        self._start(self._light, STEADY_CLIENTS)
 
     def start_flood(self) -> None:
         self.flood.set()

@@ -64,9 +64,9 @@ def test_the_wheel_folder_check_finds_what_would_stop_the_install(tmp_path):
 def test_the_floor_counts_each_weight_a_decode_token_reads_once(tmp_path):
     path = write_demo_model(tmp_path / "m", gpu_bench.TINY_QWEN2_MOE, arch="qwen2_moe")
     engine = LLMEngine.from_pretrained(path, device="cpu", dtype="float32", kv_cache_tokens=64)
-    shape, model = gpu_bench.TINY_QWEN2_MOE, engine.model
+    shape, model = gpu_bench.TINY_QWEN2_MOE, engine.executor.model
     floor = gpu_bench.token_bytes(engine, context_len=10)
-    experts = sum(layer.mlp.moe.w13.numel() + layer.mlp.moe.w2.numel() for layer in model.layers)
+    experts = sum(layer.mlp.moe.experts.w13.numel() + layer.mlp.moe.experts.w2.numel() for layer in model.layers)
     everything = sum(p.numel() for p in model.parameters())
     embedding = model.embed.weight.numel()
     expected = everything - experts - embedding + experts * shape.top_k / shape.num_experts
@@ -74,7 +74,7 @@ def test_the_floor_counts_each_weight_a_decode_token_reads_once(tmp_path):
     assert floor["weights"] == pytest.approx(4 * expected)  # float32
     per_token = shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * 4
     assert floor["kv_cache"] == 10 * per_token
-    assert model.layers[0].mlp.shared.w2.shape == (shape.hidden, shape.shared_ffn)
+    assert model.layers[0].mlp.shared.w2.weight.shape == (shape.hidden, shape.shared_ffn)
     assert engine.args.vocab_size == shape.vocab_size > len(engine.tokenizer)
 
 
