@@ -73,7 +73,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
-        self.runner = ex.runner(self.eos_token_ids, self.structured)
+        self.runner = ex.build_runner(self.eos_token_ids, self.structured)
         self.requests: dict[str, list[Sequence]] = {}
         self.pending_grammars = PendingGrammars(self.structured)
         self.inputs = InputProcessor(

@@ -50,8 +50,9 @@ class ModelExecutor:
             args.max_position_embeddings, config.max_model_len or args.max_position_embeddings
         )
         self.model, published_fp8 = self._load(path, family, max_positions, published)
-        self.kernels = device.type == "cpu" and dtype == torch.bfloat16
-        self.kernels = self.kernels and cpu.enable_once() is not None
+        # our CPU kernels run bf16 models on the CPU, where this CPU's flags allow a build
+        on_cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
+        self.kernels = on_cpu_bf16 and cpu.enable_once() is not None
         if quantization != "none":
             # an FP8 checkpoint served as fp8 keeps what it shipped in 16 bits (its lm_head);
             # so does a bf16 one quantized to fp8 here: e4m3's 3 mantissa bits on the lm_head
@@ -164,7 +165,7 @@ class ModelExecutor:
         caches = allocate_kv_cache(args, num_blocks, config.block_size, storage, self.device)
         return max_model_len, caches
 
-    def runner(
+    def build_runner(
         self, eos_token_ids: set[int], structured: StructuredOutputManager | None
     ) -> ModelRunner:
         """The model runner over this model and cache: decode-only steps take the backend's

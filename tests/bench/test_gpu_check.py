@@ -66,7 +66,10 @@ def test_the_floor_counts_each_weight_a_decode_token_reads_once(tmp_path):
     engine = LLMEngine.from_pretrained(path, device="cpu", dtype="float32", kv_cache_tokens=64)
     shape, model = gpu_bench.TINY_QWEN2_MOE, engine.executor.model
     floor = gpu_bench.token_bytes(engine, context_len=10)
-    experts = sum(layer.mlp.moe.experts.w13.numel() + layer.mlp.moe.experts.w2.numel() for layer in model.layers)
+    experts = sum(
+        layer.mlp.moe.experts.w13.numel() + layer.mlp.moe.experts.w2.numel()
+        for layer in model.layers
+    )
     everything = sum(p.numel() for p in model.parameters())
     embedding = model.embed.weight.numel()
     expected = everything - experts - embedding + experts * shape.top_k / shape.num_experts
