@@ -83,9 +83,11 @@ class ModelExecutor:
         with torch.device(self.device):
             model = family.model(self.args, max_positions, gather_limit(self.device.type))
         model.to(self.dtype)
-        model.rope.to(torch.float32)
+        for module in model.modules():  # what the reference keeps in float32 (rope tables...)
+            if getattr(module, "keep_in_fp32", False):
+                module.float()
         keep = self.quantization == "fp8"
-        published_fp8 = load_weights(model, path, self.args, family.weights, keep)
+        published_fp8 = load_weights(model, path, self.args, family, keep)
         return model.eval(), published_fp8
 
     def _install_backend(self) -> cpu_backend.FusedDecodeStep | None:

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from inference.errors import ModelLoadError
-from inference.models.args import ModelArgs
+from inference.models.args import Family, ModelArgs
 from inference.quantization import qweight as quant
 from inference.quantization.qweight import QWeight
 
@@ -76,6 +76,12 @@ def checkpoint_files(path: Path) -> list[Path]:
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors weights")
     return files
+
+
+def _layer_index(name: str) -> int:
+    """The decoder layer a checkpoint tensor belongs to (-1: none)."""
+    m = _LAYER_PREFIX.fullmatch(name)
+    return int(m.group(1)) if m else -1
 
 
 def _target(name: str, args: ModelArgs, weights) -> tuple[str, int | None, str | None] | None:
@@ -162,10 +168,12 @@ class _Fp8Parts:
 
 
 def load_weights(
-    model, path: Path, args: ModelArgs, weights, keep_fp8: bool = False
+    model, path: Path, args: ModelArgs, family: Family, keep_fp8: bool = False
 ) -> dict[str, QWeight]:
-    """Copies every checkpoint tensor into the model; raises on a missing, unknown-shaped or
-    absent weight. Parameters must already have their final dtype and device. FP8 tensors
+    """Copies every checkpoint tensor into the model, by the family's rules; raises on a
+    missing, unknown-shaped or absent weight. A family with multi-token-prediction layers
+    (Family.mtp_layers) loads past the checkpoint's layers after its last decoder layer: they
+    are not run (speculative decoding will). Parameters must already have their final dtype and device. FP8 tensors
     are dequantized into the parameters; with keep_fp8, also returned as they were published
     (parameter name -> QWeight, row-major) for engines serving fp8 weights."""
     params = dict(model.named_parameters())
@@ -179,9 +187,11 @@ def load_weights(
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                if name.endswith(_SCALE_SUFFIXES):
+                if name.endswith(_SCALE_SUFFIXES) or (
+                    family.mtp_layers and _layer_index(name) >= args.num_layers
+                ):
                     continue
-                tgt = _target(name, args, weights)
+                tgt = _target(name, args, family.weights)
                 if tgt is None:
                     if ".rotary_emb." in name:
                         continue

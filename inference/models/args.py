@@ -114,7 +114,9 @@ class Family:
     - weights: its checkpoint's per-layer tensor names -> our parameters, first match wins;
     - model: the nn.Module built as model(args, max_positions, gather_max_tokens);
     - demo: the --arch name of its random-weight demo checkpoint and the transformers config
-      it writes (demo(preset, common) -> PretrainedConfig; checkpoints/demo_model.py), if any.
+      it writes (demo(preset, common) -> PretrainedConfig; checkpoints/demo_model.py), if any;
+    - mtp_layers: its checkpoints may carry multi-token-prediction layers after the last
+      decoder layer (model.layers.N and up): loaded past, not run.
     """
 
     architecture: str
@@ -122,3 +124,4 @@ class Family:
     weights: tuple[WeightRule, ...]
     model: type[nn.Module]
     demo: tuple[str, Callable[[Any, dict], Any]] | None = None
+    mtp_layers: bool = False

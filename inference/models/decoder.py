@@ -66,28 +66,6 @@ class Attention(nn.Module):
         return self.wo(o.reshape(x.shape[0], h * self.head_dim))
 
 
-def feed_forward(args: ModelArgs, layer: int, gather_max_tokens: int) -> nn.Module:
-    """Layer `layer`'s MLP: dense, routed experts, or routed plus shared experts."""
-    if layer in args.dense_layers:
-        return DenseMLP(args.hidden_size, args.dense_intermediate_size, args.mlp_bias)
-    moe = MoE(
-        args.hidden_size,
-        args.moe_intermediate_size,
-        args.num_experts,
-        args.top_k,
-        args.norm_topk_prob,
-        gather_max_tokens,
-        args.num_groups,
-        args.topk_group,
-        args.routed_scaling_factor,
-        args.router_fp32,
-    )
-    if not args.shared_expert_intermediate_size:
-        return moe
-    shared = DenseMLP(args.hidden_size, args.shared_expert_intermediate_size)
-    return SharedExpertMoE(moe, shared, args.shared_expert_gated)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, gather_max_tokens: int) -> None:
         super().__init__()
@@ -95,7 +73,32 @@ class DecoderLayer(nn.Module):
         self.attn = MLAttention(args) if args.kv_lora_rank else Attention(args)
         self.post_attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.is_moe = layer not in args.dense_layers
-        self.mlp = feed_forward(args, layer, gather_max_tokens)
+        self.mlp = self.feed_forward(args, layer, gather_max_tokens)
+
+    def feed_forward(self, args: ModelArgs, layer: int, gather_max_tokens: int) -> nn.Module:
+        """Layer `layer`'s MLP: dense, routed experts, or routed plus shared experts."""
+        if layer in args.dense_layers:
+            return DenseMLP(args.hidden_size, args.dense_intermediate_size, args.mlp_bias)
+        moe = self.routed_experts(args, gather_max_tokens)
+        if not args.shared_expert_intermediate_size:
+            return moe
+        shared = DenseMLP(args.hidden_size, args.shared_expert_intermediate_size)
+        return SharedExpertMoE(moe, shared, args.shared_expert_gated)
+
+    def routed_experts(self, args: ModelArgs, gather_max_tokens: int) -> MoE:
+        """The router and experts of a MoE layer (a family with its own routing overrides it)."""
+        return MoE(
+            args.hidden_size,
+            args.moe_intermediate_size,
+            args.num_experts,
+            args.top_k,
+            args.norm_topk_prob,
+            gather_max_tokens,
+            args.num_groups,
+            args.topk_group,
+            args.routed_scaling_factor,
+            args.router_fp32,
+        )
 
     def forward(self, x, residual, cos, sin, meta, cache: tuple[torch.Tensor, ...]):
         """x: the previous layer's output, residual: the running sum before it (None in the
@@ -113,12 +116,14 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
+    layer_class = DecoderLayer  # a family whose layers differ subclasses both
+
     def __init__(self, args: ModelArgs, max_positions: int, gather_max_tokens: int = 0) -> None:
         super().__init__()
         self.args = args
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(args, i, gather_max_tokens) for i in range(args.num_layers)
+            self.layer_class(args, i, gather_max_tokens) for i in range(args.num_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)

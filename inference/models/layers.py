@@ -45,6 +45,8 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position, from transformers' own rope initialisers so scaled
     variants (linear, dynamic-free yarn, llama3) match the reference."""
 
+    keep_in_fp32 = True  # the executor keeps it float32 whatever the model's dtype
+
     def __init__(self, args: ModelArgs, max_positions: int) -> None:
         super().__init__()
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -41,6 +41,27 @@ VARIANTS = {
             },
         },
     ),
+    # noaux_tc routing (its correction bias drawn at random below, as every bias), YaRN, a
+    # low-rank query, 4 groups of 2 experts choosing 2
+    "deepseek_v3_yarn_groups": (
+        "deepseek_v3",
+        {
+            "n_routed_experts": 8,
+            "n_group": 4,
+            "topk_group": 2,
+            "max_position_embeddings": 2048,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 512,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+            },
+        },
+    ),
     "olmoe_clip_qkv": ("olmoe", {"clip_qkv": 0.5}),
     "qwen3_moe_bias_dense": ("qwen3_moe", {"attention_bias": True, "mlp_only_layers": [0]}),
 }
@@ -67,6 +88,9 @@ def variant_dir(model_dirs, tmp_path_factory):
                     for pname, p in model.named_parameters():
                         if "norm" in pname or pname.endswith("bias"):
                             p.add_(torch.randn_like(p) * 0.1)
+                    for pname, b in model.named_buffers():  # noaux_tc's correction bias
+                        if pname.endswith("e_score_correction_bias"):
+                            b.add_(torch.rand_like(b) * 0.5)  # large enough to move choices
                     lm_head = model.get_output_embeddings().weight
                     torch.nn.init.normal_(lm_head, std=2.0 / config.hidden_size**0.5)
             model.save_pretrained(out)

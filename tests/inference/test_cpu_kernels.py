@@ -476,7 +476,7 @@ def aten_error(arch_dirs, arch) -> float:
 
 
 @pytest.mark.parametrize(
-    "arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "llama"]
+    "arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "llama"]
 )
 def test_bf16_logits_on_each_path_are_as_close_to_transformers_as_atens(arch_dirs, path, arch):
     ours = decode_logits_error(arch_dirs(arch))
@@ -486,7 +486,7 @@ def test_bf16_logits_on_each_path_are_as_close_to_transformers_as_atens(arch_dir
 
 
 @pytest.mark.parametrize(
-    "arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "llama"]
+    "arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "llama"]
 )
 def test_the_one_call_decode_step_computes_what_the_composed_layers_do(arch_dirs, path, arch):
     """A decode step of three sequences (contexts of 5, 20 and 37 tokens in scattered cache
@@ -496,7 +496,8 @@ def test_the_one_call_decode_step_computes_what_the_composed_layers_do(arch_dirs
     )
     model, caches = engine.executor.model, engine.executor.kv_caches
     fused = engine.executor.fused_step
-    assert (fused is None) == (arch == "deepseek_v2")  # MLA keeps the composed layers
+    # MLA keeps the composed layers
+    assert (fused is None) == arch.startswith("deepseek")
     one_call_step = fused or model
     lengths, tables = [5, 20, 37], [[7, 1, 30], [2, 9, 4], [12, 3, 25]]
     seqs = prompts(engine.args.vocab_size, [n + 1 for n in lengths])

@@ -85,6 +85,7 @@ def test_architectures_and_unknown_ones(model_dirs):
         "Qwen3MoeForCausalLM",
         "OlmoeForCausalLM",
         "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
         "LlamaForCausalLM",
     }
     cfg = LLMEngine.from_pretrained(

@@ -19,7 +19,7 @@ from tests.inference.parity_checks import (
     prompts,
 )
 
-ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2"]
+ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
