@@ -20,6 +20,7 @@ from inference.models.decoder import (
     Decoder,
     DecoderLayer,
 )
+from inference.models.deepseek_v2 import SHARED_EXPERT_WEIGHTS, deepseek_fields, demo_shape
 from inference.models.mla import MLA_WEIGHTS
 from inference.models.moe import MoE, Router
 
@@ -97,62 +98,29 @@ def fields(cfg) -> dict:
         )
     if not 1 <= topk_group <= n_group:
         raise ModelLoadError(f"DeepseekV3ForCausalLM: topk_group {topk_group} not in [1, n_group]")
-    bias = bool(getattr(cfg, "attention_bias", False))
-    return {
-        "num_kv_heads": cfg.num_attention_heads,
-        "head_dim": cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
-        "num_experts": cfg.n_routed_experts,
-        "moe_intermediate_size": cfg.moe_intermediate_size,
-        "norm_topk_prob": bool(cfg.norm_topk_prob),
-        "qkv_bias": bias,
-        "o_bias": bias,
-        "shared_expert_intermediate_size": (cfg.n_shared_experts or 0) * cfg.moe_intermediate_size,
-        "shared_expert_gated": False,
-        "dense_intermediate_size": cfg.intermediate_size,
+    return deepseek_fields(cfg) | {
         "dense_layers": tuple(range(min(cfg.first_k_dense_replace or 0, cfg.num_hidden_layers))),
         "topk_method": "noaux_tc",
         "num_groups": n_group,
         "topk_group": topk_group,
-        "routed_scaling_factor": float(cfg.routed_scaling_factor),
-        "router_fp32": True,
-        "q_lora_rank": cfg.q_lora_rank or 0,
-        "kv_lora_rank": cfg.kv_lora_rank,
-        "qk_rope_head_dim": cfg.qk_rope_head_dim,
-        "v_head_dim": cfg.v_head_dim,
     }
 
 
 WEIGHTS = (
     NORM_WEIGHTS
     + MLA_WEIGHTS
-    + rules(
-        (r"mlp\.gate\.e_score_correction_bias", "{moe}gate.e_score_correction_bias", None),
-        (r"mlp\.shared_experts\.gate_proj\.weight", "mlp.shared.w13.weight", "gate"),
-        (r"mlp\.shared_experts\.up_proj\.weight", "mlp.shared.w13.weight", "up"),
-        (r"mlp\.shared_experts\.down_proj\.weight", "mlp.shared.w2.weight", None),
-    )
+    + rules((r"mlp\.gate\.e_score_correction_bias", "{moe}gate.e_score_correction_bias", None))
+    + SHARED_EXPERT_WEIGHTS
     + EXPERT_WEIGHTS
     + DENSE_MLP_WEIGHTS
 )
 
 
 def demo_config(p, common: dict) -> DeepseekV3Config:
-    """V3's layout at the preset's size: layer 0 dense, MLA with a compressed KV of hidden/2
-    and a low-rank query, one shared expert, noaux_tc routing over 2 groups choosing 1."""
+    """V3's layout at the preset's size: a low-rank query, noaux_tc routing."""
     return DeepseekV3Config(
-        **(common | {"num_key_value_heads": p.num_heads}),
-        intermediate_size=p.ffn * p.top_k,
-        moe_intermediate_size=p.ffn,
-        n_routed_experts=p.num_experts,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
+        **demo_shape(p, common),
         q_lora_rank=p.hidden // 2,
-        kv_lora_rank=p.hidden // 2,
-        qk_nope_head_dim=p.head_dim,
-        qk_rope_head_dim=p.head_dim // 2,
-        v_head_dim=p.head_dim,
-        n_group=2,
-        topk_group=1,
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
     )

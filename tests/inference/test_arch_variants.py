@@ -18,6 +18,17 @@ from inference.checkpoints.demo_model import ARCHS, PRESETS
 from inference.models.attention import AttentionMetadata, PrefillChunk
 from tests.inference.parity_checks import DEVICE, hf_model
 
+# DeepSeek's YaRN (factor 4 over 512 positions, mscale on every dim)
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 512,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
 VARIANTS = {
     "deepseek_v2_yarn_qlora": (
         "deepseek_v2",
@@ -29,16 +40,7 @@ VARIANTS = {
             "routed_scaling_factor": 2.5,
             "attention_bias": True,
             "max_position_embeddings": 2048,
-            "rope_parameters": {
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 512,
-                "beta_fast": 32,
-                "beta_slow": 1,
-                "mscale": 1.0,
-                "mscale_all_dim": 0.8,
-            },
+            "rope_parameters": YARN,
         },
     ),
     # noaux_tc routing (its correction bias drawn at random below, as every bias), YaRN, a
@@ -50,16 +52,7 @@ VARIANTS = {
             "n_group": 4,
             "topk_group": 2,
             "max_position_embeddings": 2048,
-            "rope_parameters": {
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 512,
-                "beta_fast": 32,
-                "beta_slow": 1,
-                "mscale": 1.0,
-                "mscale_all_dim": 0.8,
-            },
+            "rope_parameters": YARN,
         },
     ),
     "olmoe_clip_qkv": ("olmoe", {"clip_qkv": 0.5}),
