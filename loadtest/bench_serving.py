@@ -133,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra request header (repeatable)",
     )
     t.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    t.add_argument(
+        "--fresh-connections",
+        action="store_true",
+        help="a connection per request, as independent users open them, instead of one "
+        "keep-alive pool",
+    )
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", choices=["random", "file"], default="random")
     w.add_argument("--dataset-path", help="prompts for --dataset file (.jsonl or text)")
@@ -296,7 +302,9 @@ class Client:
             # (uvicorn: 5 s, httpx's own default too): a request sent on a connection the
             # server is closing at that moment fails with ReadError before it reaches it
             limits=httpx.Limits(
-                max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0
+                max_connections=None,
+                max_keepalive_connections=0 if args.fresh_connections else None,
+                keepalive_expiry=2.0,
             ),
         )
         self.model: str = args.model or ""
