@@ -125,11 +125,15 @@ class LLMEngine:
                 seq.times.grammar_cache_hit = job.cache_hit
             self.scheduler.add(seq)
 
+    def _poll_grammars(self) -> None:
+        """Requests whose grammar compiled join the scheduler; those it failed for leave."""
+        for request_id in self.pending_grammars.poll(self._admit):
+            self.requests.pop(request_id, None)
+
     def take_rejected(self) -> list[tuple[str, InvalidParameterError]]:
         """Requests whose grammar failed after add_request had returned (it compiled past
         sync_compile_s): (request_id, error) each, once. They produce no output."""
-        for request_id in self.pending_grammars.poll(self._admit):
-            self.requests.pop(request_id, None)
+        self._poll_grammars()
         return self.pending_grammars.take_rejected()
 
     @property
@@ -167,9 +171,7 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> tuple[list[RequestOutput], StepStats]:
         started, started_ns = time.monotonic(), time.time_ns()
-        if self.pending_grammars:
-            for request_id in self.pending_grammars.poll(self._admit):
-                self.requests.pop(request_id, None)
+        self._poll_grammars()
         sched = self.scheduler.schedule()
         result = self.runner.run(sched) if sched.scheduled else None
         finished, self._aborted = self._aborted, []

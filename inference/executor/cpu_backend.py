@@ -12,6 +12,7 @@ from torch import nn
 
 from inference.executor.module_swap import swap_modules
 from inference.executor.quantize import QuantEmbedding, QuantExperts, QuantLinear
+from inference.executor.sampler import top_tokens
 from inference.kernels import cpu
 from inference.kernels.modules import (
     CpuAbsorbedAttention,
@@ -156,4 +157,4 @@ def greedy(logits: torch.Tensor) -> list[int]:
     scalar: 3.5 ms over [32, 32000], longer than some decode steps)."""
     if cpu.applies(logits) and logits.dim() == 2:
         return cpu.greedy(logits)
-    return logits.max(dim=-1).indices.tolist()
+    return top_tokens(logits)

@@ -19,12 +19,13 @@ from inference.executor import cpu_backend
 from inference.executor.kv_cache import allocate_kv_cache, kv_bytes_per_token, num_cache_blocks
 from inference.executor.loader import load_weights
 from inference.executor.model_runner import ModelRunner
-from inference.executor.quantize import quantize_model, weight_bytes
+from inference.executor.quantize import quantize_model
 from inference.executor.sampler import Sampler
 from inference.kernels import cpu
 from inference.models.args import Family, ModelArgs
 from inference.models.moe import gather_limit
 from inference.models.paged_cache import storage_dtype
+from inference.quantization.qweight import QWeight
 from inference.structured import StructuredOutputManager
 
 log = structlog.get_logger("inference.engine")
@@ -51,8 +52,8 @@ class ModelExecutor:
         )
         self.model, published_fp8 = self._load(path, family, max_positions, published)
         # our CPU kernels run bf16 models on the CPU, where this CPU's flags allow a build
-        on_cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
-        self.kernels = on_cpu_bf16 and cpu.enable_once() is not None
+        cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
+        self.kernels = cpu_bf16 and cpu.enable_once() is not None
         if quantization != "none":
             # an FP8 checkpoint served as fp8 keeps what it shipped in 16 bits (its lm_head);
             # so does a bf16 one quantized to fp8 here: e4m3's 3 mantissa bits on the lm_head
@@ -65,9 +66,18 @@ class ModelExecutor:
                 only_published=published == "fp8" and quantization == "fp8",
             )
             self._note_quantized_path()
-        self.fused_step = self._install_backend()
+        self.fused_step = self._install_backend() if cpu_bf16 else None
         self.weight_bytes = weight_bytes(self.model)
-        self.max_model_len, self.kv_caches = self._allocate_kv_cache(max_positions)
+        self._size_kv_cache(max_positions)
+        log.info(
+            "model ready",
+            quantization=quantization,
+            kv_cache_dtype=config.kv_cache_dtype,
+            weight_bytes=self.weight_bytes,
+        )
+        self.kv_caches = allocate_kv_cache(
+            args, self.num_blocks, config.block_size, self.kv_storage, device
+        )
 
     def _load(self, path: Path, family: Family, max_positions: int, published: str):
         """The family's model with the checkpoint's weights, and its fp8 weights as published
@@ -91,10 +101,8 @@ class ModelExecutor:
         return model.eval(), published_fp8
 
     def _install_backend(self) -> cpu_backend.FusedDecodeStep | None:
-        """Our CPU kernels in a bf16 model on the CPU (the start-up `CPU kernels` line names the
-        path of each layer kind); torch's modules elsewhere."""
-        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
-            return None
+        """Our CPU kernels in a bf16 model on the CPU, where this CPU runs them (the start-up
+        `CPU kernels` line names the path of each layer kind, ATen's included)."""
         fused = cpu_backend.install(self.model) if self.kernels else None
         log.info("CPU kernels", isa=cpu.ISA or "none", amx=cpu.AMX, **cpu.paths())
         return fused
@@ -124,11 +132,11 @@ class ModelExecutor:
                 dtype=str(self.dtype).removeprefix("torch."),
             )
 
-    def _allocate_kv_cache(self, max_positions: int) -> tuple[int, list]:
-        """Sizes the paged cache (config: tokens, bytes, or GPU memory) and allocates it;
-        returns the longest sequence the model and the cache allow, and the caches."""
+    def _size_kv_cache(self, max_positions: int) -> None:
+        """Sizes the paged cache (config: tokens, bytes, or GPU memory): its blocks, tokens,
+        bytes and storage dtype, and the longest sequence the model and the cache allow."""
         config, args = self.config, self.args
-        storage = storage_dtype(config.kv_cache_dtype, self.dtype)
+        self.kv_storage = storage = storage_dtype(config.kv_cache_dtype, self.dtype)
         num_blocks = num_cache_blocks(
             args,
             storage,
@@ -140,7 +148,7 @@ class ModelExecutor:
         )
         self.num_blocks = num_blocks
         self.kv_cache_tokens = cache_tokens = num_blocks * config.block_size
-        max_model_len = min(max_positions, cache_tokens)
+        self.max_model_len = max_model_len = min(max_positions, cache_tokens)
         if config.max_model_len and config.max_model_len > max_model_len:
             raise InvalidParameterError(
                 "max_model_len",
@@ -158,14 +166,6 @@ class ModelExecutor:
             bytes_per_token=per_token,
             kv_cache_dtype=config.kv_cache_dtype,
         )
-        log.info(
-            "model ready",
-            quantization=self.quantization,
-            kv_cache_dtype=config.kv_cache_dtype,
-            weight_bytes=self.weight_bytes,
-        )
-        caches = allocate_kv_cache(args, num_blocks, config.block_size, storage, self.device)
-        return max_model_len, caches
 
     def build_runner(
         self, eos_token_ids: set[int], structured: StructuredOutputManager | None
@@ -182,7 +182,7 @@ class ModelExecutor:
             sampler,
             self.device,
             decode_forward=compiled if self.fused_step is None else self.fused_step,
-            block_tables=self.kernels,
+            paged_kernel=self.kernels,
             structured=structured,
         )
 
@@ -212,3 +212,15 @@ class ModelExecutor:
         # time at this size. dynamic=True: one graph for one sequence (0/1 specialisation)
         # and one for every larger batch and context length.
         return torch.compile(self.model, dynamic=True)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights held: parameters, 8-bit weights and packed extras."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        for value in module.__dict__.values():
+            if isinstance(value, QWeight):
+                total += value.nbytes
+            elif isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total

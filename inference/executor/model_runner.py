@@ -27,7 +27,7 @@ class RunnerOutput:
 class ModelRunner:
     """Scheduled sequences -> tensors -> forward -> sample: the only code that builds a step's
     device tensors. `forward`: the model, or for decode-only steps `decode_forward` (a
-    backend's fused step or the compiled model). `block_tables`: decode rows attend through
+    backend's fused step or the compiled model). `paged_kernel`: decode rows attend through
     a backend that reads the paged cache in place (kernels/modules.py), so the step carries
     block tables instead of gathered slots."""
 
@@ -39,13 +39,13 @@ class ModelRunner:
         sampler: Sampler,
         device: torch.device,
         decode_forward=None,
-        block_tables: bool = False,
+        paged_kernel: bool = False,
         structured: StructuredOutputManager | None = None,
     ) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.sampler, self.device = sampler, device
         self.structured = structured
-        self.paged_kernel = block_tables
+        self.paged_kernel = paged_kernel
         self.decode_model = model if decode_forward is None else decode_forward
 
     def _slots(self, block_tables: list[list[int]], length: int) -> torch.Tensor:

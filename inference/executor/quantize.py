@@ -92,15 +92,3 @@ def quantize_model(
         return None
 
     swap_modules(model, replace)
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of weights held: parameters, 8-bit weights and packed extras."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    for module in model.modules():
-        for value in module.__dict__.values():
-            if isinstance(value, QWeight):
-                total += value.nbytes
-            elif isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
-    return total

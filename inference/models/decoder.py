@@ -67,6 +67,8 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    moe_class = MoE  # a family with routing of its own subclasses MoE (taking its arguments)
+
     def __init__(self, args: ModelArgs, layer: int, gather_max_tokens: int) -> None:
         super().__init__()
         self.input_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -85,9 +87,10 @@ class DecoderLayer(nn.Module):
         shared = DenseMLP(args.hidden_size, args.shared_expert_intermediate_size)
         return SharedExpertMoE(moe, shared, args.shared_expert_gated)
 
-    def routed_experts(self, args: ModelArgs, gather_max_tokens: int) -> MoE:
-        """The router and experts of a MoE layer (a family with its own routing overrides it)."""
-        return MoE(
+    @classmethod
+    def routed_experts(cls, args: ModelArgs, gather_max_tokens: int) -> MoE:
+        """The router and experts of a MoE layer, of the layer's moe_class."""
+        return cls.moe_class(
             args.hidden_size,
             args.moe_intermediate_size,
             args.num_experts,

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import DeepseekV3Config
 
 from inference.errors import ModelLoadError
-from inference.models.args import Family, ModelArgs, rules
+from inference.models.args import Family, rules
 from inference.models.decoder import (
     DENSE_MLP_WEIGHTS,
     EXPERT_WEIGHTS,
@@ -38,20 +38,11 @@ class CorrectedRouter(Router):
 
 
 class NoAuxMoE(MoE):
-    def __init__(self, args: ModelArgs, gather_max_tokens: int) -> None:
-        super().__init__(
-            args.hidden_size,
-            args.moe_intermediate_size,
-            args.num_experts,
-            args.top_k,
-            args.norm_topk_prob,
-            gather_max_tokens,
-            args.num_groups,
-            args.topk_group,
-            args.routed_scaling_factor,
-            router_fp32=True,
-        )
-        self.gate = CorrectedRouter(args.hidden_size, args.num_experts)
+    """MoE's arguments; its gate carries the correction bias and routes in float32."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, *args, **kw):
+        super().__init__(hidden_size, intermediate_size, num_experts, *args, **kw)
+        self.gate = CorrectedRouter(hidden_size, num_experts)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> top-A weights [T, A] (float32) and expert ids [T, A]."""
@@ -71,8 +62,7 @@ class NoAuxMoE(MoE):
 
 
 class DeepseekV3Layer(DecoderLayer):
-    def routed_experts(self, args: ModelArgs, gather_max_tokens: int) -> MoE:
-        return NoAuxMoE(args, gather_max_tokens)
+    moe_class = NoAuxMoE
 
 
 class DeepseekV3(Decoder):

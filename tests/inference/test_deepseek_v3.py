@@ -16,7 +16,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 
 from inference import LLMEngine, ModelLoadError, SamplingParams
 from inference.models.args import ModelArgs, common_fields
-from inference.models.deepseek_v3 import NoAuxMoE, fields
+from inference.models.deepseek_v3 import DeepseekV3Layer, fields
 
 
 def config(**overrides) -> DeepseekV3Config:
@@ -50,7 +50,7 @@ def test_noaux_routing_chooses_and_weighs_as_the_reference_router(norm_topk_prob
     whose bias moves the choice."""
     cfg = config(norm_topk_prob=norm_topk_prob)
     args = ModelArgs(**(common_fields(cfg) | fields(cfg)))
-    ours, ref = NoAuxMoE(args, 0), DeepseekV3TopkRouter(cfg)
+    ours, ref = DeepseekV3Layer.routed_experts(args, 0), DeepseekV3TopkRouter(cfg)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         ref.weight.copy_(torch.randn(16, 32, generator=g))
