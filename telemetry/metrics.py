@@ -6,7 +6,8 @@ known label set so each metric is exported from start-up. The engine's `StepStat
 to `observe_request` (latency histograms with trace-id exemplars, tokens, outcome), and
 requests that never reached the engine to `count_request`/`count_rejected`. Label values
 are all bounded: api and status/finish_reason are normalised to fixed sets, layer/expert
-come from the model's shape, `key` (an API key's name) from the service's keys file.
+come from the model's shape (experts bucketed past a series limit: telemetry.expert_load),
+`key` (an API key's name) from the service's keys file.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from typing import Any, NamedTuple
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
-from telemetry.metric_collectors import ExpertLoadCollector, SpanExportCollector
+from telemetry.expert_load import (
+    EXPERT_SERIES_LIMIT,
+    WINDOW_TOKENS_PER_EXPERT,
+    ExpertLoadCollector,
+)
+from telemetry.metric_collectors import SpanExportCollector
 
 __all__ = [
     "APIS",
@@ -77,8 +83,6 @@ GRAMMAR_COMPILE_BUCKETS = (
     0.00001, 0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
-
-IMBALANCE_WINDOW_STEPS = 64
 
 _GRPC_CLIENT_ERRORS = frozenset({
     "CANCELLED", "INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED",
@@ -149,7 +153,8 @@ class ServiceMetrics:
         num_experts: int,
         max_waiting: int,
         *,
-        imbalance_window_steps: int = IMBALANCE_WINDOW_STEPS,
+        expert_window_tokens: int = WINDOW_TOKENS_PER_EXPERT,
+        expert_series_limit: int = EXPERT_SERIES_LIMIT,
         span_export: Any = None,
         info: dict[str, str] | None = None,
         weight_bytes: int = 0,
@@ -157,7 +162,10 @@ class ServiceMetrics:
     ) -> None:
         """`span_export`: the `SpanExportStats` the trace-export counters read (default: the
         process's, telemetry.tracing.SPAN_EXPORT). `info`: what moeserve_model_info labels
-        (dtype, device, quantization, kv_cache_dtype); the byte counts: what is resident."""
+        (dtype, device, quantization, kv_cache_dtype); the byte counts: what is resident.
+        `expert_window_tokens`: routed tokens per expert the per-layer load gauges cover;
+        `expert_series_limit`: most moeserve_moe_expert_tokens_total series (past it,
+        experts share series: telemetry.expert_load)."""
         if span_export is None:
             from telemetry.tracing import SPAN_EXPORT as span_export
         self.registry = registry
@@ -170,8 +178,15 @@ class ServiceMetrics:
         self._add_engine_instruments(max_waiting)
         self._add_structured_output_instruments()
         self._add_model_instruments(info or {}, weight_bytes, kv_cache_bytes)
-        # moeserve_moe_expert_tokens_total and moeserve_moe_expert_imbalance.
-        self.experts = ExpertLoadCollector(model, num_layers, num_experts, imbalance_window_steps)
+        # moeserve_moe_expert_tokens_total, moeserve_moe_expert_imbalance and the other
+        # per-layer expert-load gauges.
+        self.experts = ExpertLoadCollector(
+            model,
+            num_layers,
+            num_experts,
+            window_tokens_per_expert=expert_window_tokens,
+            series_limit=expert_series_limit,
+        )
         registry.register(self.experts)
         # moeserve_trace_spans_exported_total and moeserve_trace_spans_dropped_total{reason}.
         registry.register(SpanExportCollector(model, span_export))

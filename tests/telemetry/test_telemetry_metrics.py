@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 import time
 from types import SimpleNamespace
 
@@ -301,9 +302,10 @@ def test_observe_step_gauges_and_experts(metrics, registry):
     assert _value(families, imbalance, imbalance, layer="1") == pytest.approx(1.0)
 
 
-def test_imbalance_is_a_sliding_window(registry):
+def test_imbalance_window_is_counted_in_routed_tokens(registry):
+    # a window of 4 routed tokens per expert: 8 tokens for 2 experts
     m = ServiceMetrics(
-        registry, "m", num_layers=1, num_experts=2, max_waiting=8, imbalance_window_steps=4
+        registry, "m", num_layers=1, num_experts=2, max_waiting=8, expert_window_tokens=4
     )
 
     def imbalance():
@@ -314,18 +316,19 @@ def test_imbalance_is_a_sliding_window(registry):
     assert imbalance() == 0.0  # nothing routed yet
     m.observe_step(_step([[4, 0]]))
     assert imbalance() == pytest.approx(2.0)  # all on one expert: num_experts
-    for _ in range(3):
+    m.observe_step(_step([[1, 1]]))  # 2 tokens decay the window by exp(-2/8)
+    kept = 4 * math.exp(-2 / 8)
+    assert imbalance() == pytest.approx((kept + 1) / ((kept + 2) / 2))
+    for _ in range(40):  # 80 balanced tokens: the [4, 0] step has decayed away
         m.observe_step(_step([[1, 1]]))
-    assert imbalance() == pytest.approx(7 / 5)  # window [4,0]+3x[1,1] = [7,3]
-    m.observe_step(_step([[1, 1]]))  # the [4, 0] step leaves the window
-    assert imbalance() == pytest.approx(1.0)
+    assert imbalance() == pytest.approx(1.0, abs=1e-3)
     m.observe_step(_step(None))  # steps without router stats leave the window alone
-    assert imbalance() == pytest.approx(1.0)
+    assert imbalance() == pytest.approx(1.0, abs=1e-3)
     m.observe_step(_step([[5, 1, 9], [7, 7]]))  # extra layers/experts are ignored
     counter = registry.get_sample_value(
         "moeserve_moe_expert_tokens_total", {"model": "m", "layer": "0", "expert": "0"}
     )
-    assert counter == 4 + 4 + 5
+    assert counter == 4 + 41 + 5
 
 
 def test_fresh_registries_do_not_clash():
