@@ -79,7 +79,7 @@ class ChoiceToolCalls:
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.calls: list[ToolCall] = []
-        self._native = ToolCallStream(plan.parser) if plan.choice == "auto" else None
+        self._native = ToolCallStream(plan.parser, plan.tools) if plan.choice == "auto" else None
         self._forced_text: list[str] = []
         self._named_id = new_call_id(plan.parser) if plan.choice == "function" else None
 

@@ -21,12 +21,15 @@ class NoMatch(Exception):
 
 
 class Source:
-    __slots__ = ("final", "pos", "text")
+    __slots__ = ("final", "pos", "schemas", "text")
 
-    def __init__(self, text: str, final: bool) -> None:
+    def __init__(self, text: str, final: bool, schemas: dict[str, dict] | None = None) -> None:
         self.text = text
         self.pos = 0
         self.final = final
+        # The request's tools' parameter schemas by function name: syntaxes that write
+        # argument values as plain text (GLM-4.5, MiniMax-M2) type them by these.
+        self.schemas = schemas or {}
 
 
 def _more(src: Source) -> Parse[bool]:
@@ -97,3 +100,16 @@ def bare_name(src: Source) -> Parse[str]:
     if src.pos == start:
         raise NoMatch
     return src.text[start : src.pos]
+
+
+def text_until(src: Source, end: str) -> Parse[str]:
+    """The text from the cursor up to `end`, which is consumed; NoMatch if the text ends
+    first. Each wait searches only the new text (and the start of `end` it may complete)."""
+    start = search = src.pos
+    while (found := src.text.find(end, search)) < 0:
+        if src.final:
+            raise NoMatch
+        search = max(start, len(src.text) - len(end) + 1)
+        yield
+    src.pos = found + len(end)
+    return src.text[start:found]

@@ -7,9 +7,10 @@ from collections.abc import Generator
 
 from service.parsers.tool_calls.calls import ToolCall, ToolCallDelta
 from service.parsers.tool_calls.cursor import NoMatch, Source
+from service.parsers.tool_calls.family import UnitCall
 from service.parsers.tool_calls.ids import new_id
-from service.parsers.tool_calls.json_calls import Call
 from service.parsers.tool_calls.registry import family_named
+from service.parsers.tool_calls.typed_values import parameter_schemas
 
 
 def _held_suffix(text: str, markers: tuple[str, ...]) -> int:
@@ -30,11 +31,13 @@ class ToolCallStream:
 
     Each returns the content to send now and the tool-call deltas to send now. Text that
     may still turn out to be (part of) a call is held back until that is settled; `calls`
-    holds the complete calls so far, with the ids their deltas carried.
+    holds the complete calls so far, with the ids their deltas carried. `tools` (the request's,
+    OpenAI's form) type the argument values of syntaxes that write them as plain text.
     """
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: str, tools: list[dict] | None = None) -> None:
         self._family = family_named(parser)
+        self._schemas = parameter_schemas(tools)
         self.calls: list[ToolCall] = []
         self._pending = ""  # text not yet sent as content: a possible start of a marker
         self._ws = ""  # whitespace held while the current segment has nothing else
@@ -119,7 +122,7 @@ class ToolCallStream:
         return False
 
     def _start(self, text: str, marker: str | None) -> None:
-        self._src = Source(text, self._done)
+        self._src = Source(text, self._done, self._schemas)
         self._marker = marker
         parse = self._family.unit if marker is not None else self._family.more
         self._unit = parse(self._src)
@@ -134,17 +137,20 @@ class ToolCallStream:
             text, self._ws, self._in_text = self._ws + text, "", True
         content.append(text)
 
-    def _take(self, calls: list[Call], deltas: list[ToolCallDelta]) -> None:
+    def _take(self, calls: list[UnitCall], deltas: list[ToolCallDelta]) -> None:
         self._ws, self._in_text, self._after_call = "", False, True
-        for name, arguments in calls:
-            call = ToolCall(new_id(self._family.short_ids), name, arguments)
+        for name, arguments, *own_id in calls:
+            call_id = own_id[0] if own_id else new_id(self._family.short_ids)
+            call = ToolCall(call_id, name, arguments)
             deltas.append(ToolCallDelta(len(self.calls), call.id, name, arguments))
             self.calls.append(call)
 
 
-def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(
+    parser: str, text: str, tools: list[dict] | None = None
+) -> tuple[str | None, list[ToolCall]]:
     """(the content outside the calls, None if there is none; the calls) of a whole text."""
-    stream = ToolCallStream(parser)
+    stream = ToolCallStream(parser, tools)
     content, _ = stream.feed(text)
     rest, _ = stream.finish()
     return (content + rest) or None, stream.calls
