@@ -73,6 +73,7 @@ class Layout:
         self.panels: list[dict[str, Any]] = []
         self.x = self.y = self.row_h = 0
         self.next_id = 1
+        self._into = self.panels  # a collapsed row's own list once one is opened
 
     def add(self, panel: dict[str, Any], w: int, h: int) -> dict[str, Any]:
         if self.x + w > 24:
@@ -81,14 +82,20 @@ class Layout:
         self.next_id += 1
         self.x += w
         self.row_h = max(self.row_h, h)
-        self.panels.append(panel)
+        self._into.append(panel)
         return panel
 
-    def row(self, title: str) -> None:
+    def row(self, title: str, *, collapsed: bool = False) -> None:
+        """A row; the panels added after a collapsed one are kept inside it (Grafana
+        queries them only when the row is opened), so it must be the last row."""
+        if self._into is not self.panels:
+            raise ValueError("a collapsed row must be the dashboard's last row")
         if self.x:
             self.x, self.y, self.row_h = 0, self.y + self.row_h, 0
-        self.add({"type": "row", "title": title, "collapsed": False, "panels": []}, 24, 1)
+        row = self.add({"type": "row", "title": title, "collapsed": collapsed, "panels": []}, 24, 1)
         self.x, self.y, self.row_h = 0, self.y + 1, 0
+        if collapsed:
+            self._into = row["panels"]
 
 
 def prom(

@@ -1,5 +1,7 @@
 """The moeserve / MoE experts dashboard: routing of tokens to experts, load per layer and
-expert, imbalance over time.
+expert, imbalance over time. Laid out for 8 to 384 experts x ~60 layers: per-layer rows
+(heatmap of imbalance, hot-experts table) come first; the per-layer expert heatmaps are a
+drill-down in the last, collapsed row.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dashboard_builders import (
     timeseries,
     with_ref_ids,
 )
+from expert_layer_panels import expert_load_heatmap, hot_experts_table, imbalance_by_layer_heatmap
 
 EXPERT_TOKENS = f'moeserve_moe_expert_tokens_total{{{SEL},layer=~"$layer"}}'
 EXPERT_IMBALANCE = f'moeserve_moe_expert_imbalance{{{SEL},layer=~"$layer"}}'
@@ -32,13 +35,17 @@ def moe_experts() -> dict[str, Any]:
     g = Layout()
     g.row("Summary")
     for panel in summary_stats():
-        g.add(panel, 8, 4)
+        g.add(panel, 6, 4)
+    g.row("Per layer (exact over every expert)")
+    g.add(imbalance_by_layer_heatmap(), 12, 10)
+    g.add(hot_experts_table(), 12, 10)
     g.row("Expert load")
     g.add(expert_share_table(), 24, 10)
-    g.add(expert_load_heatmap(), 12, 8)
     g.row("Imbalance and tokens per expert")
     for panel in imbalance_and_token_panels():
         g.add(panel, 12, 8)
+    g.row("Drill-down: expert load over time per selected layer", collapsed=True)
+    g.add(expert_load_heatmap(), 12, 8)
 
     variables = [
         *common_variables(),
@@ -59,7 +66,7 @@ def moe_experts() -> dict[str, Any]:
 
 
 def summary_stats() -> list[dict[str, Any]]:
-    """Worst imbalance, routed tokens, the hottest expert's share."""
+    """Worst imbalance, routed tokens, the least uniform layer, experts per series."""
     return [
         stat(
             "Max imbalance",
@@ -80,16 +87,23 @@ def summary_stats() -> list[dict[str, Any]]:
             decimals=1,
         ),
         stat(
-            "Hottest expert share",
-            "Largest share of a layer's routed tokens that one expert "
-            "received over the dashboard's time range.",
-            prom(
-                f"max(sum by (layer, expert) (increase({EXPERT_TOKENS}[$__range])) / on (layer) group_left "
-                f"sum by (layer) (increase({EXPERT_TOKENS}[$__range])))"
-            ),
-            "percentunit",
-            [("green", None), ("orange", 0.5), ("red", 0.8)],
-            decimals=1,
+            "Lowest load entropy",
+            "Lowest normalised entropy of a selected layer's expert load (1 = uniform, "
+            "towards 0 = a few experts take the layer's tokens).",
+            prom(f'min(moeserve_moe_expert_load_entropy{{{SEL},layer=~"$layer"}})'),
+            "none",
+            [("red", None), ("orange", 0.5), ("green", 0.8)],
+            decimals=3,
+        ),
+        stat(
+            "Experts per series",
+            "Experts counted under one expert label of moeserve_moe_expert_tokens_total: 1 "
+            "on models whose layers x experts fit the exporter's series limit (2048), more "
+            "on larger ones (DeepSeek-V3: ranges of 8). The per-layer gauges stay exact.",
+            prom(f"max(moeserve_moe_expert_bucket_size{{{SEL}}})"),
+            "none",
+            [("blue", None)],
+            decimals=0,
         ),
     ]
 
@@ -99,9 +113,9 @@ def expert_share_table() -> dict[str, Any]:
     return {
         "type": "table",
         "title": "Expert-load share: layer x expert",
-        "description": "Share of each layer's routed tokens that each expert received over the "
-        "time range (a row sums to 1; 1/num_experts everywhere is perfectly "
-        "balanced). Cells are coloured by share.",
+        "description": "Share of each layer's routed tokens that each expert (or range of "
+        "experts, past the series limit) received over the time range (a row sums to 1; "
+        "equal shares everywhere is perfectly balanced). Cells are coloured by share.",
         "datasource": PROM,
         "targets": with_ref_ids(
             [
@@ -164,72 +178,14 @@ def expert_share_table() -> dict[str, Any]:
     }
 
 
-def expert_load_heatmap() -> dict[str, Any]:
-    """Tokens per expert over time, one heatmap per layer."""
-    return {
-        "type": "heatmap",
-        "title": "Expert load over time: layer $layer",
-        "description": "Tokens per second routed to each expert of this layer (one row per "
-        "expert). A bright row that stays bright is a hot expert.",
-        "datasource": PROM,
-        "repeat": "layer",
-        "repeatDirection": "h",
-        "maxPerRow": 4,
-        "targets": with_ref_ids(
-            [
-                prom(
-                    f'sum by (expert) (rate(moeserve_moe_expert_tokens_total{{{SEL},layer=~"$layer"}}[{RATE}]))',
-                    "{{expert}}",
-                )
-            ]
-        ),
-        "fieldConfig": {
-            "defaults": {
-                "custom": {
-                    "hideFrom": {"legend": False, "tooltip": False, "viz": False},
-                    "scaleDistribution": {"type": "linear"},
-                },
-                "links": [],
-            },
-            "overrides": [],
-        },
-        "options": {
-            "calculate": False,
-            "cellGap": 1,
-            "color": {
-                "mode": "scheme",
-                "scheme": "Oranges",
-                "fill": "dark-orange",
-                "scale": "exponential",
-                "exponent": 0.5,
-                "steps": 64,
-                "reverse": False,
-            },
-            "yAxis": {
-                "axisPlacement": "left",
-                "reverse": False,
-                "unit": "none",
-                "axisLabel": "expert",
-            },
-            "rowsFrame": {"layout": "auto"},
-            "cellValues": {"unit": "short"},
-            "legend": {"show": True},
-            "tooltip": {"mode": "single", "yHistogram": False, "showColorScale": False},
-            "exemplars": {"color": "rgba(255,0,255,0.7)"},
-            "filterValues": {"le": 1e-9},
-        },
-        "links": DRILL_DOWN,
-    }
-
-
 def imbalance_and_token_panels() -> list[dict[str, Any]]:
     """Imbalance over time, and routed tokens per expert and per layer."""
     return [
         timeseries(
             "Imbalance over time (max/mean expert load)",
-            "Per layer: load of the busiest expert / mean expert load over the last "
-            "engine steps (1 = balanced, num_experts = one expert takes everything; "
-            "0 = nothing routed). The alert fires above 3 for 15 minutes.",
+            "Per layer: load of the busiest expert / mean expert load over about the last "
+            "64 routed tokens per expert (1 = balanced, num_experts = one expert takes "
+            "everything; 0 = nothing routed). The alert fires above 3 for 15 minutes.",
             [prom(f"max by (layer) ({EXPERT_IMBALANCE})", "layer {{layer}}")],
             "x",
             links=DRILL_DOWN,
@@ -237,11 +193,12 @@ def imbalance_and_token_panels() -> list[dict[str, Any]]:
         ),
         tokens_per_expert_bars(),
         timeseries(
-            "Tokens per expert per second",
-            "Routed tokens per second for each (layer, expert).",
+            "Busiest experts: tokens per second",
+            "Routed tokens per second of the 16 busiest (layer, expert) series of the "
+            "selected layers (every series of a 256-expert model would be thousands of lines).",
             [
                 prom(
-                    f"sum by (layer, expert) (rate({EXPERT_TOKENS}[{RATE}]))",
+                    f"topk(16, sum by (layer, expert) (rate({EXPERT_TOKENS}[{RATE}])))",
                     "L{{layer}} E{{expert}}",
                 )
             ],
@@ -261,8 +218,8 @@ def tokens_per_expert_bars() -> dict[str, Any]:
     return {
         "type": "bargauge",
         "title": "Tokens per expert (time range)",
-        "description": "Tokens routed to each expert over the time range, summed over the "
-        "selected layers.",
+        "description": "Tokens routed to each expert (or range of experts) over the time "
+        "range, summed over the selected layers: select one layer for its own experts.",
         "datasource": PROM,
         "targets": with_ref_ids(
             [

@@ -231,6 +231,16 @@ CANNED = {
     "deepseek": "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
     'get_weather\n```json\n{"city": "Paris", "days": 2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
     "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}',
+    "deepseek_v31": "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+    '{"city": "Paris", "days": 2}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "kimi_k2": "Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+    '<|tool_call_argument_begin|>{"city": "Paris", "days": 2}<|tool_call_end|>'
+    "<|tool_calls_section_end|>",
+    "glm45": "Sure.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>"
+    "\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>",
+    # days is 2, not "2", only by the tool's schema: the request's tools reach the parser
+    "minimax_m2": 'Sure.<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">'
+    'Paris</parameter>\n<parameter name="days">2</parameter>\n</invoke>\n</minimax:tool_call>',
 }
 
 

@@ -47,6 +47,41 @@ def deepseek(name: str, args: str) -> str:
     return f"{DS_CALL}function{DS_SEP}{name}\n```json\n{args}\n```{DS_END}"
 
 
+def v31(name: str, args: str) -> str:
+    return f"{DS_CALL}{name}{DS_SEP}{args}{DS_END}"
+
+
+KIMI_SEC, KIMI_SEC_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL, KIMI_ARGS, KIMI_END = (
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+)
+
+
+def kimi(call_id: str, args: str) -> str:
+    return f"{KIMI_CALL}{call_id}{KIMI_ARGS}{args}{KIMI_END}"
+
+
+def glm(name: str, *pairs: tuple[str, str]) -> str:
+    """A call as the GLM-4.5 chat template writes one."""
+    args = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in pairs)
+    return f"<tool_call>{name}\n{args}</tool_call>"
+
+
+MM_OPEN, MM_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+
+
+def invoke(name: str, *pairs: tuple[str, str]) -> str:
+    """One call as the MiniMax-M2 chat template writes it inside its block."""
+    params = "".join(f'<parameter name="{k}">{v}</parameter>\n' for k, v in pairs)
+    return f'<invoke name="{name}">\n{params}</invoke>\n'
+
+
+def minimax(*invokes: str) -> str:
+    return f"{MM_OPEN}\n{''.join(invokes)}{MM_CLOSE}"
+
+
 # (parser, model text, expected content, expected [(name, arguments)])
 CASES = [
     # hermes: Qwen2/Qwen3 and the demo model
@@ -237,6 +272,184 @@ CASES = [
         "\nand then some text",
         [("f", "{}")],
     ),
+    # deepseek_v31: DeepSeek-V3.1's NAME<sep>{...} calls
+    (
+        "deepseek_v31",
+        DS_CALLS + v31("get_weather", WEATHER) + DS_CALLS_END,
+        None,
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "deepseek_v31",
+        "Let me check.\n\n"
+        + DS_CALLS
+        + v31("a", "{}")
+        + v31("search", NESTED)
+        + DS_CALLS_END
+        + "\n",
+        "Let me check.\n\n",
+        [("a", "{}"), ("search", NESTED)],
+    ),
+    (  # cut by max_tokens before the closing markers: the call stands
+        "deepseek_v31",
+        f'{DS_CALLS}{DS_CALL}f{DS_SEP}{{"a": 1}}',
+        None,
+        [("f", '{"a": 1}')],
+    ),
+    (  # cut inside the second call: the first stands, the rest is content
+        "deepseek_v31",
+        DS_CALLS + v31("a", "{}") + f'{DS_CALL}b{DS_SEP}{{"x": ',
+        f'{DS_CALL}b{DS_SEP}{{"x": ',
+        [("a", "{}")],
+    ),
+    ("deepseek_v31", DS_CALLS + deepseek("f", "{}") + DS_CALLS_END, "same", []),  # V3's form
+    ("deepseek_v31", DS_CALLS + v31("f", "[1]") + DS_CALLS_END, "same", []),
+    ("deepseek_v31", "Done." + DS_CALLS, "same", []),
+    # kimi_k2: Kimi-K2's sections, the model's own ids
+    (
+        "kimi_k2",
+        KIMI_SEC + kimi("functions.get_weather:0", WEATHER) + KIMI_SEC_END,
+        None,
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "kimi_k2",
+        "I'll check both."
+        + KIMI_SEC
+        + kimi("functions.get_weather:0", WEATHER)
+        + kimi("functions.search:1", NESTED)
+        + KIMI_SEC_END,
+        "I'll check both.",
+        [("get_weather", WEATHER), ("search", NESTED)],
+    ),
+    (  # the singular section markers, an id without the functions. prefix, spaces
+        "kimi_k2",
+        (
+            f'<|tool_call_section_begin|> {KIMI_CALL} f:0 {KIMI_ARGS} {{"a": 1}} {KIMI_END}'
+            "<|tool_call_section_end|>"
+        ),
+        None,
+        [("f", '{"a": 1}')],
+    ),
+    (
+        "kimi_k2",
+        KIMI_SEC + kimi("functions.a:0", "{}") + KIMI_CALL + "functions.b:1" + KIMI_ARGS + '{"x"',
+        KIMI_CALL + "functions.b:1" + KIMI_ARGS + '{"x"',
+        [("a", "{}")],
+    ),
+    ("kimi_k2", KIMI_SEC + kimi("functions.get_weather", "{}") + KIMI_SEC_END, "same", []),
+    ("kimi_k2", KIMI_SEC + kimi("functions.f:0", '{"a": }') + KIMI_SEC_END, "same", []),
+    ("kimi_k2", KIMI_SEC + kimi("functions.f:0", '"{}"') + KIMI_SEC_END, "same", []),
+    # glm45: GLM-4.5's <arg_key>/<arg_value> calls (without tools: values read as JSON or
+    # Python literals where they are, else strings)
+    (
+        "glm45",
+        glm("get_weather", ("city", "Paris"), ("unit", "celsius")),
+        None,
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "glm45",
+        "Let me look.\n" + glm("a") + "\n" + glm("search", ("query", 'a } b "q" </tool_call>')),
+        "Let me look.\n",
+        [("a", "{}"), ("search", '{"query": "a } b \\"q\\" </tool_call>"}')],
+    ),
+    (
+        "glm45",
+        glm(
+            "f",
+            ("days", "5"),
+            ("flags", '{"a": [1, true]}'),
+            ("ok", "True"),
+            ("none", "None"),
+            ("q", "'single'"),
+            ("nan", "NaN"),
+            ("huge", "1e999"),
+            ("text", " two words "),
+        ),
+        None,
+        [
+            (
+                "f",
+                (
+                    '{"days": 5, "flags": {"a": [1, true]}, "ok": true, "none": null, '
+                    '"q": "single", "nan": "NaN", "huge": "1e999", "text": "two words"}'
+                ),
+            )
+        ],
+    ),
+    ("glm45", "<tool_call>now</tool_call>", None, [("now", "{}")]),
+    (  # name and arguments on one line, as GLM-4.5-Air is seen writing them
+        "glm45",
+        "<tool_call>ls <arg_key>dirPath</arg_key> <arg_value>backend</arg_value> </tool_call>",
+        None,
+        [("ls", '{"dirPath": "backend"}')],
+    ),
+    (  # cut by max_tokens after a whole argument: the call stands
+        "glm45",
+        "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_",
+        None,
+        [("f", '{"a": 1}')],
+    ),
+    ("glm45", "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1", "same", []),
+    ("glm45", "<tool_call>get_weather", "same", []),  # may be cut mid-name
+    ("glm45", hermes("f", "{}"), "same", []),
+    (
+        "glm45",
+        "<tool_call>f\n<arg_key>a</arg_key>junk<arg_value>1</arg_value></tool_call>",
+        "same",
+        [],
+    ),
+    (
+        "glm45",
+        "<tool_call>bad name\n</tool_call>" + glm("f", ("x", "[1, 2]")),
+        "<tool_call>bad name\n</tool_call>",
+        [("f", '{"x": [1, 2]}')],
+    ),
+    # minimax_m2: MiniMax-M2's <invoke> calls (without tools: values are strings)
+    (
+        "minimax_m2",
+        minimax(invoke("get_weather", ("city", "Paris"), ("days", "5"))),
+        None,
+        [("get_weather", '{"city": "Paris", "days": "5"}')],
+    ),
+    (
+        "minimax_m2",
+        "Checking both.\n"
+        + minimax(invoke("a"), invoke("search", ("q", 'x } "y" <b>')))
+        + "\nDone.",
+        "Checking both.\n\nDone.",
+        [("a", "{}"), ("search", '{"q": "x } \\"y\\" <b>"}')],
+    ),
+    (  # single-quoted and bare names; null; a multi-line value loses its edge newlines
+        "minimax_m2",
+        (
+            f"{MM_OPEN}<invoke name='run'><parameter name=code>\ndef f():\n    return 1\n"
+            f'</parameter><parameter name="x">null</parameter></invoke>{MM_CLOSE}'
+        ),
+        None,
+        [("run", '{"code": "def f():\\n    return 1", "x": null}')],
+    ),
+    (  # cut by max_tokens after a whole call: it stands
+        "minimax_m2",
+        MM_OPEN + "\n" + invoke("f", ("a", "1")),
+        None,
+        [("f", '{"a": "1"}')],
+    ),
+    (  # cut inside the second call: the first stands, the rest is content
+        "minimax_m2",
+        MM_OPEN + invoke("a") + '<invoke name="b">\n<parameter name="x">1',
+        '\n<invoke name="b">\n<parameter name="x">1',
+        [("a", "{}")],
+    ),
+    ("minimax_m2", f"{MM_OPEN}\n{MM_CLOSE}", "same", []),
+    (
+        "minimax_m2",
+        f'{MM_OPEN}<invoke name="f"><parameter name="a">1</invoke>{MM_CLOSE}',
+        "same",
+        [],
+    ),
+    ("minimax_m2", f'{MM_OPEN}<invoke name="two words"></invoke>{MM_CLOSE}', "same", []),
 ]
 
 
@@ -250,8 +463,10 @@ def _chunkings(text: str, seed: int):
         yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
 
 
-def stream(parser: str, chunks: list[str]) -> tuple[str, list[ToolCallDelta], list[ToolCall]]:
-    s = ToolCallStream(parser)
+def stream(
+    parser: str, chunks: list[str], tools: list[dict] | None = None
+) -> tuple[str, list[ToolCallDelta], list[ToolCall]]:
+    s = ToolCallStream(parser, tools)
     content, deltas = "", []
     for chunk in chunks:
         c, d = s.feed(chunk)
@@ -295,6 +510,117 @@ def test_streamed_over_chunkings(parser, text, content, expected):
         assert got == (whole_content or ""), (i, chunks)
         assert names_args(calls) == names_args(whole_calls), (i, chunks)
         check_deltas(deltas, calls)
+
+
+# A tool whose schema types GLM-4.5's and MiniMax-M2's text values.
+TYPED_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "temp": {"type": "number"},
+                    "hourly": {"type": "boolean"},
+                    "opts": {"type": "object"},
+                    "tags": {"type": "array", "items": {"type": "string"}},
+                    "unit": {"enum": ["c", "f"]},
+                    "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+                },
+            },
+        },
+    }
+]
+
+# (parser, model text, expected arguments of its one call to get_weather), under TYPED_TOOLS
+TYPED_CASES = [
+    (  # a string keeps its text as written, spaces and digits included; others are JSON
+        "glm45",
+        glm(
+            "get_weather",
+            ("city", " Paris "),
+            ("days", "5"),
+            ("hourly", "true"),
+            ("opts", '{"a": 1}'),
+            ("tags", "['x', 'y']"),
+        ),
+        {"city": " Paris ", "days": 5, "hourly": True, "opts": {"a": 1}, "tags": ["x", "y"]},
+    ),
+    ("glm45", glm("get_weather", ("city", "5"), ("extra", "2.5")), {"city": "5", "extra": 2.5}),
+    (
+        "minimax_m2",
+        minimax(
+            invoke(
+                "get_weather",
+                ("city", " Paris "),
+                ("days", "5"),
+                ("temp", "21.5"),
+                ("hourly", "yes"),
+                ("opts", '{"a": [1]}'),
+                ("tags", '["x"]'),
+                ("unit", "c"),
+                ("limit", "7"),
+            )
+        ),
+        {
+            "city": "Paris",
+            "days": 5,
+            "temp": 21.5,
+            "hourly": True,
+            "opts": {"a": [1]},
+            "tags": ["x"],
+            "unit": "c",
+            "limit": 7,
+        },
+    ),
+    (  # what does not read as its type falls back to JSON, then to the text
+        "minimax_m2",
+        minimax(
+            invoke(
+                "get_weather",
+                ("days", "many"),
+                ("temp", "20"),
+                ("hourly", "maybe"),
+                ("opts", "NaN"),
+                ("limit", "null"),
+                ("extra", "5"),
+                ("city", "null"),  # vLLM's reading: null is null whatever the type
+            )
+        ),
+        {
+            "days": "many",
+            "temp": 20,
+            "hourly": "maybe",
+            "opts": "NaN",
+            "limit": None,
+            "extra": "5",
+            "city": None,
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize(("parser", "text", "arguments"), TYPED_CASES)
+def test_values_typed_by_the_tools_schema(parser, text, arguments):
+    content, [call] = parse_tool_calls(parser, text, TYPED_TOOLS)
+    assert content is None and call.name == "get_weather"
+    assert json.loads(call.arguments) == arguments
+    for i, chunks in enumerate(_chunkings(text, seed=len(text))):
+        got, deltas, calls = stream(parser, chunks, TYPED_TOOLS)
+        assert (got, names_args(calls)) == ("", [("get_weather", call.arguments)]), (i, chunks)
+        check_deltas(deltas, calls)
+
+
+def test_kimi_calls_keep_the_models_ids():
+    text = KIMI_SEC + kimi("functions.get_weather:0", WEATHER) + kimi("search:1", "{}")
+    _, calls = parse_tool_calls("kimi_k2", text)
+    assert [c.id for c in calls] == ["functions.get_weather:0", "search:1"]
+    _, deltas, streamed = stream("kimi_k2", list(text))
+    assert [d.id for d in deltas] == ["functions.get_weather:0", "search:1"]
+    assert streamed == calls
 
 
 def test_nothing_that_may_be_a_call_is_sent_early():
@@ -383,6 +709,52 @@ _PIECES = {
         f'{{"name": "s", "parameters": {NESTED}}}',
         '<tool_call>[{"name": "f", "arguments": {}}]</tool_call>',
     ],
+    "deepseek_v31": [
+        DS_CALLS,
+        DS_CALLS_END,
+        DS_CALL,
+        DS_END,
+        DS_SEP,
+        "get_weather",
+        "<｜tool▁",
+        v31("f", NESTED),
+        DS_CALLS + v31("g", "{}"),
+    ],
+    "kimi_k2": [
+        KIMI_SEC,
+        KIMI_SEC_END,
+        "<|tool_call_section_begin|>",
+        KIMI_CALL,
+        KIMI_ARGS,
+        KIMI_END,
+        "functions.f:0",
+        "<|tool_",
+        kimi("functions.s:1", NESTED),
+        KIMI_SEC + kimi("g:0", "{}"),
+    ],
+    "glm45": [
+        "<tool_call>",
+        "</tool_call>",
+        "<arg_key>",
+        "</arg_key>",
+        "<arg_value>",
+        "</arg_value>",
+        "get_weather",
+        "<tool",
+        glm("get_weather", ("city", " Paris "), ("days", "5"), ("hourly", "true")),
+        glm("f", ("x", "[1, 'a']"), ("y", NESTED)),
+    ],
+    "minimax_m2": [
+        MM_OPEN,
+        MM_CLOSE,
+        '<invoke name="f">',
+        "</invoke>",
+        "<parameter name=",
+        "</parameter>",
+        "<minimax:",
+        MM_OPEN + invoke("get_weather", ("days", "5"), ("temp", "21.5"), ("unit", "c")),
+        invoke("g", ("opts", NESTED), ("limit", "null")),
+    ],
 }
 
 
@@ -400,12 +772,12 @@ def test_any_chunking_gives_the_whole_text_parse(parser):
     def check(case):
         text, cuts = case
         chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-        whole_content, whole_calls = parse_tool_calls(parser, text)
-        got, deltas, calls = stream(parser, chunks)
+        whole_content, whole_calls = parse_tool_calls(parser, text, TYPED_TOOLS)
+        got, deltas, calls = stream(parser, chunks, TYPED_TOOLS)
         assert got == (whole_content or "")
         assert names_args(calls) == names_args(whole_calls)
         check_deltas(deltas, calls)
-        if not whole_calls and parser in ("hermes", "deepseek"):
+        if not whole_calls and parser not in ("mistral", "llama3_json"):
             assert whole_content == (text or None)  # no call: the text is untouched
 
     check()
@@ -565,6 +937,25 @@ SMOLLM2_TEMPLATE = (  # SmolLM2-135M-Instruct's, as its GGUF file carries it
     "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+DEEPSEEK_V31_TEMPLATE = (  # the assistant tool calls of DeepSeek-V3.1's template
+    "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name'] + "
+    "'<｜tool▁sep｜>' + tool['function']['arguments'] + '<｜tool▁call▁end｜>'}}"
+)
+KIMI_K2_TEMPLATE = (
+    "{{render_content(message)}}<|tool_calls_section_begin|>{%- for tool_call in "
+    "message['tool_calls'] -%}<|tool_call_begin|>{{ tool_call['id'] }}"
+    "<|tool_call_argument_begin|>{{ tool_call['function']['arguments'] }}<|tool_call_end|>"
+    "{%- endfor -%}<|tool_calls_section_end|>"
+)
+GLM45_TEMPLATE = (
+    "{{ '\\n<tool_call>' + tc.name }}{% for k, v in _args.items() %}\n<arg_key>{{ k }}"
+    "</arg_key>\n<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}"
+    "</arg_value>{% endfor %}\n</tool_call>"
+)
+MINIMAX_M2_TEMPLATE = (
+    "{{- '<minimax:tool_call>' + '\\n' }}{%- for tool_call in message.tool_calls -%}"
+    "{{- '<invoke name=\"' + tool_call.name + '\">' }}"
+)
 OLMOE_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'user' %}"
     "{{ '<|user|>\n' + message['content'] + '\n' }}{% endif %}{% endfor %}"
@@ -585,6 +976,14 @@ OLMOE_TEMPLATE = (
         ("DeepseekV2ForCausalLM", DEEPSEEK_TEMPLATE, "deepseek"),
         ("DeepseekV2ForCausalLM", None, "deepseek"),
         ("DeepseekV3ForCausalLM", DEEPSEEK_TEMPLATE, "deepseek"),
+        ("DeepseekV3ForCausalLM", DEEPSEEK_V31_TEMPLATE, "deepseek_v31"),
+        ("DeepseekV3ForCausalLM", KIMI_K2_TEMPLATE, "kimi_k2"),
+        ("DeepseekV3ForCausalLM", None, "deepseek"),
+        ("Glm4MoeForCausalLM", GLM45_TEMPLATE, "glm45"),
+        ("Glm4MoeForCausalLM", None, "glm45"),
+        ("Glm4MoeForCausalLM", QWEN_TEMPLATE, "hermes"),  # a ChatML template (the demo's)
+        ("MiniMaxM2ForCausalLM", MINIMAX_M2_TEMPLATE, "minimax_m2"),
+        ("MiniMaxM2ForCausalLM", None, "minimax_m2"),
         ("LlamaForCausalLM", LLAMA31_TEMPLATE, "llama3_json"),
         ("LlamaForCausalLM", SMOLLM2_TEMPLATE, "llama3_json"),
         ("LlamaForCausalLM", None, "llama3_json"),

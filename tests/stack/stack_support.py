@@ -81,7 +81,9 @@ def all_prometheus_exprs() -> list[str]:
     return [t["expr"] for d in dashboards().values() for _, t in prometheus_targets(d)]
 
 
-_VAR = re.compile(r"\$\{(\w+)(?::(\w+))?\}|\$(\w+)")
+# Names start with a letter: "$1" in label_replace is Prometheus's, and Grafana leaves a
+# name no variable has as it is.
+_VAR = re.compile(r"\$\{([A-Za-z_]\w*)(?::(\w+))?\}|\$([A-Za-z_]\w*)")
 
 
 def substitute(query: str, variables: dict[str, str]) -> str:

@@ -531,6 +531,33 @@ def test_moe_panels():
     assert "sum by (expert)" in exprs_of(panel(d, "Tokens per expert (time range)"))
 
 
+def test_moe_panels_stay_readable_at_hundreds_of_experts():
+    """256-384 experts x ~60 layers: the first rows have one row per layer (exact
+    per-layer gauges), the per-layer expert heatmaps wait in the last, collapsed row, and
+    no range query draws a line per (layer, expert)."""
+    d = by_title("moeserve / MoE experts")
+    rows = [p for p in d["panels"] if p["type"] == "row"]
+    drill = rows[-1]
+    assert drill["collapsed"] and d["panels"][-1] is drill
+    assert [p["title"] for p in drill["panels"]] == ["Expert load over time: layer $layer"]
+    by_layer = panel(d, "Imbalance by layer")
+    assert by_layer["type"] == "heatmap" and "max by (layer)" in exprs_of(by_layer)
+    hot = panel(d, "Hot experts per layer")
+    for metric in (
+        "moeserve_moe_expert_imbalance",
+        "moeserve_moe_expert_load_entropy",
+        "moeserve_moe_hot_expert",
+        "moeserve_moe_hot_expert_load_ratio",
+    ):
+        assert re.search(rf"\b{metric}\{{", exprs_of(hot)), metric
+    assert all(t["instant"] and t["format"] == "table" for t in hot["targets"])
+    for p in iter_panels(d):
+        for t in p.get("targets", []):
+            keeps_both = re.search(r"by \((?:layer, expert|expert, layer)\)", t.get("expr", ""))
+            if keeps_both and not t["instant"]:
+                assert t["expr"].startswith("topk("), (p["title"], t["expr"])
+
+
 @pytest.mark.parametrize("name", sorted(DASHBOARDS))
 def test_drill_down_links(name):
     """Panels link to the trace view (Tempo) and the log view (Loki) in Explore, and the

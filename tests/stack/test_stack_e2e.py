@@ -73,6 +73,7 @@ STATE_GAUGES = {
     "moeserve_num_requests_running",
     "moeserve_num_requests_waiting",
     "moeserve_kv_cache_usage_ratio",
+    "moeserve_moe_hot_expert",  # an expert id: 0 is expert 0
 }
 
 

@@ -8,7 +8,8 @@ gives the same content and the same calls.
 
 Families (`PARSERS`, one module each; `parser_for` picks one from a checkpoint): "hermes"
 (hermes.py), "mistral" (mistral.py), "deepseek" (deepseek.py), "llama3_json"
-(llama3_json.py).
+(llama3_json.py), "deepseek_v31" (deepseek_v31.py), "kimi_k2" (kimi_k2.py), "glm45"
+(glm45.py), "minimax_m2" (minimax_m2.py).
 
 Rules common to all families:
   - a call is a JSON object with a non-empty string "name" and an object of arguments
@@ -20,11 +21,16 @@ Rules common to all families:
   - text that starts like a call but does not parse stays content, byte for byte; parsing
     starts again right after the marker, so a later well-formed call is still found.
   - a missing closing marker at the very end of the text (the output stopped there) is
-    accepted once the arguments object is complete.
+    accepted once the arguments object is complete (for GLM-4.5 and MiniMax-M2, whose
+    arguments are tags, once an argument is).
   - content is the text outside the calls, verbatim, except that whitespace-only stretches
     between, before or after calls are dropped; text with no call comes back unchanged.
   - ids are "call_" + 24 random letters and digits (as OpenAI's), except for Mistral, whose
-    chat templates and mistral-common require 9 letters and digits (as vLLM's mistral parser).
+    chat templates and mistral-common require 9 letters and digits (as vLLM's mistral parser),
+    and Kimi-K2, whose calls carry the model's own `functions.NAME:IDX` (as vLLM's kimi_k2).
+  - GLM-4.5 and MiniMax-M2 write argument values as text: `ToolCallStream(parser, tools)`
+    types them by the request's tools' JSON schemas, each family by vLLM's rule for it
+    (typed_values.py); their arguments are the resulting object's JSON text.
 
 The markers of Mistral (`[TOOL_CALLS]`, `[ARGS]`, `[CALL_ID]`) and Llama (`<|python_tag|>`)
 are special tokens: the text given here must be decoded with them kept.

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from service.parsers.tool_calls.deepseek import DEEPSEEK
+from service.parsers.tool_calls.deepseek_v31 import DEEPSEEK_V31
 from service.parsers.tool_calls.family import Family
+from service.parsers.tool_calls.glm45 import GLM45
 from service.parsers.tool_calls.hermes import HERMES
+from service.parsers.tool_calls.kimi_k2 import KIMI_K2
 from service.parsers.tool_calls.llama3_json import LLAMA3_JSON
+from service.parsers.tool_calls.minimax_m2 import MINIMAX_M2
 from service.parsers.tool_calls.mistral import MISTRAL
 
 FAMILIES: dict[str, Family] = {
@@ -13,6 +17,10 @@ FAMILIES: dict[str, Family] = {
     "mistral": MISTRAL,
     "deepseek": DEEPSEEK,
     "llama3_json": LLAMA3_JSON,
+    "deepseek_v31": DEEPSEEK_V31,
+    "kimi_k2": KIMI_K2,
+    "glm45": GLM45,
+    "minimax_m2": MINIMAX_M2,
 }
 PARSERS: tuple[str, ...] = tuple(FAMILIES)
 
