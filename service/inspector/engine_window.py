@@ -1,16 +1,18 @@
 """The engine's last minutes in one-second buckets: step time, tokens and batch size for the
 sparklines, routed tokens per MoE layer and expert for the heatmap.
 
-Each step adds to the current bucket (the expert counts with C-level map() per layer, as
-telemetry.metrics.ExpertLoadCollector does); summing and filling the gaps happen when the
-page asks, every couple of seconds, not per step.
+Each step adds to the current bucket (the [layers, experts] counts as one numpy add, as
+telemetry.expert_load does: 58 x 256 cells for DeepSeek-V3, no Python loop over them);
+summing and filling the gaps happen when the page asks, every couple of seconds, not per
+step.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from operator import add
 from typing import Any
+
+import numpy as np
 
 SERIES_S = 120  # seconds of sparkline
 HEATMAP_S = 60  # seconds of expert load in the heatmap
@@ -23,7 +25,7 @@ class _Second:
         self.second = second
         self.steps = self.batch = self.generated = self.prefill = 0
         self.busy_s = 0.0
-        self.experts: list[list[int]] | None = None
+        self.experts: np.ndarray | None = None  # [MoE layer, expert] routed tokens
 
 
 class EngineWindow:
@@ -48,12 +50,17 @@ class EngineWindow:
         b.generated += stats.num_generated_tokens
         b.prefill += stats.num_prefill_tokens
         counts = stats.expert_tokens  # [MoE layer][expert], the model's shape
-        if counts and len(counts) == self.num_layers:
+        if counts is None or not len(counts):
+            return
+        try:
+            counts = np.asarray(counts, dtype=np.int64)
+        except ValueError:  # ragged rows: not the model's shape
+            return
+        if counts.shape == (self.num_layers, self.num_experts):
             if b.experts is None:
-                b.experts = [list(layer) for layer in counts]
+                b.experts = counts.copy()
             else:
-                for row, new in zip(b.experts, counts):
-                    row[:] = map(add, row, new)
+                b.experts += counts
 
     def series(self, now_s: float) -> dict[str, Any]:
         """The last `seconds` seconds up to `now_s` (Unix), one point per second."""
@@ -69,15 +76,18 @@ class EngineWindow:
             "batch_size": [_per_step(b, b and b.batch) for b in points],
         }
 
-    def expert_tokens(self, now_s: float, window_s: int = HEATMAP_S) -> list[list[int]]:
-        """[layer][expert] tokens routed in the last `window_s` seconds (zeros when idle)."""
+    def expert_counts(self, now_s: float, window_s: int = HEATMAP_S) -> np.ndarray:
+        """[layer, expert] tokens routed in the last `window_s` seconds (zeros when idle)."""
         since = int(now_s) - window_s + 1
-        total = [[0] * self.num_experts for _ in range(self.num_layers)]
-        for b in self._buckets:
+        total = np.zeros((self.num_layers, self.num_experts), np.int64)
+        for b in list(self._buckets):
             if b.second >= since and b.experts is not None:
-                for row, new in zip(total, b.experts):
-                    row[:] = map(add, row, new)
+                total += b.experts
         return total
+
+    def expert_tokens(self, now_s: float, window_s: int = HEATMAP_S) -> list[list[int]]:
+        """expert_counts as [layer][expert] lists."""
+        return self.expert_counts(now_s, window_s).tolist()
 
 
 def _per_step(bucket: _Second | None, value: float | None) -> float | None:

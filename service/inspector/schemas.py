@@ -94,9 +94,25 @@ class InspectorSeries(_Body, kw_only=True):
     batch_size: list[float | None]  # mean sequences per step
 
 
+class InspectorHotExpert(_Body, kw_only=True):
+    expert: int
+    tokens: int  # routed to it in the window
+
+
+class InspectorExpertLayer(_Body, kw_only=True):
+    """One MoE layer's load in the window: what stays readable at 256+ experts."""
+
+    layer: int  # the MoE layer's index (the `layer` label of the expert metrics)
+    tokens: int  # routed in this layer (each token counts top_k times)
+    imbalance: float  # busiest expert / mean expert load (0: nothing routed)
+    top: list[InspectorHotExpert]  # the busiest experts, busiest first (none idle)
+
+
 class InspectorExperts(_Body, kw_only=True):
     window_s: int
-    tokens: list[list[int]]  # [MoE layer][expert] tokens routed in the window
+    num_experts: int  # routed experts per MoE layer
+    tokens: list[list[int]]  # [MoE layer][expert] tokens routed in the window: every expert
+    layers: list[InspectorExpertLayer]
 
 
 class InspectorEngine(_Body, kw_only=True):

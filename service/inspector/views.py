@@ -11,12 +11,12 @@ import msgspec
 
 from inference import AsyncLLMEngine
 from service.inspector.engine_window import HEATMAP_S
+from service.inspector.expert_view import experts_view
 from service.inspector.recorder import InspectorRecorder
 from service.inspector.requests import RequestRecord, StepRecord
 from service.inspector.schemas import (
     Filter,
     InspectorEngine,
-    InspectorExperts,
     InspectorPeer,
     InspectorPhase,
     InspectorRequest,
@@ -177,7 +177,5 @@ def engine_view(
         kv_blocks_used=engine.kv_blocks_used,
         steps=recorder.steps,
         series=InspectorSeries(**window.series(now)),
-        experts=InspectorExperts(window_s=HEATMAP_S, tokens=window.expert_tokens(now))
-        if window.num_layers
-        else None,
+        experts=experts_view(window.expert_counts(now), HEATMAP_S) if window.num_layers else None,
     )

@@ -210,6 +210,15 @@ def test_engine_view_has_series_and_the_expert_heatmap(http, server):
     assert len(tokens) == args.num_layers and {len(row) for row in tokens} == {args.num_experts}
     # every token of a step goes to top_k experts in each MoE layer
     assert all(sum(row) == sum(tokens[0]) for row in tokens) and sum(tokens[0]) > 0
+    experts = e["experts"]
+    assert experts["num_experts"] == args.num_experts
+    assert [layer["layer"] for layer in experts["layers"]] == list(range(args.num_layers))
+    for layer, row in zip(experts["layers"], tokens, strict=True):
+        assert layer["tokens"] == sum(row)
+        assert layer["imbalance"] == pytest.approx(max(row) * len(row) / sum(row), abs=1e-3)
+        top = layer["top"]
+        assert [h["tokens"] for h in top] == sorted((t for t in row if t), reverse=True)
+        assert all(row[h["expert"]] == h["tokens"] for h in top)
 
 
 def test_unknown_id_is_a_404_envelope(http):

@@ -169,10 +169,13 @@ def test_the_page_shows_each_request_and_what_happened_to_it(tiny_model_dir, tmp
                 assert "browser-rest" in logs.first.inner_text()
                 assert "null" not in page.locator("#detail-facts").inner_text()
 
-                cells = page.locator("#heatmap rect.cell")
-                assert cells.count() == 2 * 4  # tiny model: 2 MoE layers x 4 experts
-                loads = [int(cells.nth(i).get_attribute("data-tokens")) for i in range(8)]
-                assert sum(loads) > 0
+                heatmap = page.locator("#heatmap")  # tiny model: 2 MoE layers x 4 experts
+                assert heatmap.get_attribute("data-layers") == "2"
+                assert heatmap.get_attribute("data-experts") == "4"
+                layers = page.locator("#expert-layers tbody tr")
+                sync_api.expect(layers).to_have_count(2)
+                loads = [int(layers.nth(i).locator("td").nth(1).inner_text()) for i in range(2)]
+                assert loads[0] > 0 and loads[0] == loads[1]  # every token visits both layers
                 _save_screenshot(page, tmp_path)
 
                 page.locator('tr[data-request-id="browser-abort"]').click()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from opentelemetry.trace import INVALID_SPAN
 from structlog.testing import capture_logs
@@ -13,6 +14,7 @@ from structlog.testing import capture_logs
 from inference import InvalidParameterError, SamplingParams
 from inference.outputs import StepStats
 from service.inspector.engine_window import EngineWindow
+from service.inspector.expert_view import experts_view
 from service.inspector.log_ring import LogRing
 from service.inspector.recorder import InspectorRecorder
 from service.inspector.requests import MAX_HEAD_STEPS, MAX_TAIL_STEPS
@@ -110,6 +112,34 @@ def test_engine_window_series_fill_gaps_and_the_heatmap_keeps_a_minute():
     assert series["tokens_per_s"][-101] == 1  # 100 s ago is still on the sparkline
     assert window.expert_tokens(T0 + 0.5) == [[3, 3, 5], [5, 8, 7]]  # not the one 100 s ago
     assert EngineWindow(2, 3).expert_tokens(T0) == [[0, 0, 0], [0, 0, 0]]  # idle: zeros
+
+
+def test_expert_view_of_a_deepseek_v3_shaped_window():
+    """58 MoE layers x 256 experts: per layer the 8 busiest experts and max/mean, every
+    expert's count in the grid; an idle layer lists none."""
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 50, size=(58, 256))
+    counts[7] = 0
+    counts[3, 200] = 10_000
+    window = EngineWindow(num_layers=58, num_experts=256)
+    window.observe(_step(0, ["x"], second=T0, experts=counts.tolist()))
+    window.observe(_step(1, ["x"], second=T0, experts=counts))  # arrays are taken too
+    view = experts_view(window.expert_counts(T0), 60)
+    assert view.num_experts == 256 and np.array_equal(view.tokens, 2 * counts)
+    assert len(view.layers) == 58
+    for layer in view.layers:
+        row = 2 * counts[layer.layer]
+        assert layer.tokens == row.sum()
+        got = [h.tokens for h in layer.top]
+        assert got == sorted(row[row > 0].tolist(), reverse=True)[:8]
+        assert all(row[h.expert] == h.tokens for h in layer.top)
+    assert view.layers[3].top[0].expert == 200
+    assert view.layers[3].imbalance == pytest.approx(
+        2 * 10_000 * 256 / (2 * counts[3].sum()), abs=1e-3
+    )
+    assert view.layers[7].top == [] and view.layers[7].imbalance == 0.0
+    window.observe(_step(2, ["x"], second=T0, experts=[[1, 2]]))  # not the model's shape
+    assert np.array_equal(window.expert_counts(T0), 2 * counts)
 
 
 def test_slow_threshold_is_the_p95_of_e2e():

@@ -5,7 +5,7 @@
 const REFRESH_MS = 2000;
 const PAGE_ROWS = 200; // rows asked for each refresh: the newest (the API has them all)
 const SVG_NS = "http://www.w3.org/2000/svg";
-const state = { filter: "all", selected: null, key: sessionStorage.getItem("moeserve-key") || "" };
+const state = { filter: "all", selected: null, key: sessionStorage.getItem("moeserve-key") || "", layer: null, heat: null };
 
 function $(id) { return document.getElementById(id); }
 
@@ -62,32 +62,96 @@ function sparkline(svg, values, format, label) {
   $(label).textContent = last === null ? "idle" : format(last);
 }
 
+// The expert grid is one canvas (58 x 256 cells for DeepSeek-V3 would be 15k SVG nodes,
+// redrawn every refresh); a cell's colour is its load / the layer's mean, so a hot expert
+// stands out in any layer at any expert count. Hovering names the cell; the table beside
+// it has a line per layer with its busiest experts.
+const HEAT = { width: 960, height: 440, left: 34, top: 14, darkAt: 4 };
+
 function heatmap(experts) {
-  const svg = $("heatmap");
-  svg.replaceChildren();
+  const canvas = $("heatmap");
   $("heatmap-empty").hidden = Boolean(experts);
-  if (!experts) { svg.setAttribute("width", 0); svg.setAttribute("height", 0); return; }
+  $("expert-view").hidden = !experts;
+  state.heat = null;
+  if (!experts) { canvas.width = 0; canvas.height = 0; return; }
   const rows = experts.tokens;
-  const numExperts = rows.length ? rows[0].length : 0;
-  const cell = Math.max(8, Math.min(28, Math.floor(720 / Math.max(1, numExperts))));
-  const left = 34, top = 14, height = 16;
-  const max = Math.max(1, ...rows.flat());
-  svg.setAttribute("width", left + numExperts * cell + 4);
-  svg.setAttribute("height", top + rows.length * height + 4);
-  for (let e = 0; e < numExperts; e += Math.max(1, Math.ceil(numExperts / 16))) {
-    svg.append(el("svg:text", { x: left + e * cell + 2, y: 10, text: e }));
-  }
+  const numExperts = experts.num_experts, numLayers = rows.length;
+  const cw = Math.max(2, Math.min(28, Math.floor(HEAT.width / Math.max(1, numExperts))));
+  const ch = Math.max(4, Math.min(16, Math.floor(HEAT.height / Math.max(1, numLayers))));
+  canvas.width = HEAT.left + numExperts * cw + 4;
+  canvas.height = HEAT.top + numLayers * ch + 4;
+  canvas.dataset.layers = numLayers;
+  canvas.dataset.experts = numExperts;
+  const ctx = canvas.getContext("2d");
+  ctx.font = "10px system-ui, sans-serif";
+  ctx.fillStyle = "#6b7385";
+  const expertTick = Math.max(1, Math.ceil(numExperts / 16));
+  for (let e = 0; e < numExperts; e += expertTick) ctx.fillText(String(e), HEAT.left + e * cw + 1, 10);
+  const layerTick = Math.max(1, Math.ceil(12 / ch));
+  const gapX = cw > 3 ? 1 : 0, gapY = ch > 5 ? 1 : 0;
   rows.forEach((row, layer) => {
-    svg.append(el("svg:text", { x: 0, y: top + layer * height + 12, text: "L" + layer }));
+    if (layer % layerTick === 0) { ctx.fillStyle = "#6b7385"; ctx.fillText("L" + layer, 0, HEAT.top + layer * ch + Math.min(ch, 11)); }
+    const mean = row.reduce((a, b) => a + b, 0) / numExperts;
     row.forEach((tokens, expert) => {
-      const share = tokens / max;
-      const light = (97 - share * 62).toFixed(0);
-      svg.append(el("svg:rect", {
-        class: "cell", x: left + expert * cell, y: top + layer * height, width: cell, height,
-        fill: `hsl(212, 70%, ${light}%)`, "data-layer": layer, "data-expert": expert, "data-tokens": tokens,
-      }, el("svg:title", { text: `layer ${layer}, expert ${expert}: ${tokens} tokens` })));
+      const ratio = mean ? tokens / mean : 0;
+      ctx.fillStyle = `hsl(212, 70%, ${(97 - Math.min(1, ratio / HEAT.darkAt) * 62).toFixed(0)}%)`;
+      ctx.fillRect(HEAT.left + expert * cw, HEAT.top + layer * ch, cw - gapX, ch - gapY);
     });
   });
+  if (state.layer !== null && state.layer < numLayers) {
+    ctx.strokeStyle = "#d1345b";
+    ctx.strokeRect(HEAT.left - 0.5, HEAT.top + state.layer * ch - 0.5, numExperts * cw, ch);
+  }
+  state.heat = { rows, cw, ch, numExperts };
+  expertLayers(experts);
+}
+
+function cellAt(event) {
+  const heat = state.heat;
+  if (!heat) return null;
+  const box = $("heatmap").getBoundingClientRect();
+  const expert = Math.floor((event.clientX - box.left - HEAT.left) / heat.cw);
+  const layer = Math.floor((event.clientY - box.top - HEAT.top) / heat.ch);
+  if (expert < 0 || expert >= heat.numExperts || layer < 0 || layer >= heat.rows.length) return null;
+  return { layer, expert, tokens: heat.rows[layer][expert] };
+}
+
+function showCell(event) {
+  const cell = cellAt(event);
+  const readout = $("heatmap-readout");
+  if (!cell) { readout.textContent = "hover a cell"; return; }
+  const row = state.heat.rows[cell.layer];
+  const mean = row.reduce((a, b) => a + b, 0) / state.heat.numExperts;
+  const ratio = mean ? ` (${(cell.tokens / mean).toFixed(2)}x the layer's mean)` : "";
+  readout.textContent = `layer ${cell.layer}, expert ${cell.expert}: ${cell.tokens} tokens${ratio}`;
+  readout.dataset.layer = cell.layer;
+  readout.dataset.expert = cell.expert;
+}
+
+// Below this many tokens per expert max/mean is mostly sampling noise (a balanced router
+// over 256 experts reads 4x with 2 tokens each): shown muted, never flagged.
+const STEADY_TOKENS_PER_EXPERT = 16;
+
+function expertLayers(experts) {
+  const rows = experts.layers.map((l) => {
+    const steady = l.tokens >= STEADY_TOKENS_PER_EXPERT * experts.num_experts;
+    const classes = [steady ? (l.imbalance > 3 ? "imbalanced" : "") : "sparse", l.layer === state.layer ? "selected" : ""];
+    return el("tr", {
+      "data-layer": l.layer, class: classes.join(" ").trim() || null,
+      on: { click: () => { state.layer = state.layer === l.layer ? null : l.layer; heatmap(experts); } },
+    },
+    el("td", { class: "num", text: "L" + l.layer }),
+    el("td", { class: "num", text: l.tokens }),
+    el("td", {
+      class: "num", text: l.tokens ? l.imbalance.toFixed(2) + "x" : "–",
+      title: steady ? null : `under ${STEADY_TOKENS_PER_EXPERT} tokens per expert: mostly sampling noise`,
+    }),
+  el("td", { class: "mono" }, ...l.top.map((h) => el("span", {
+    class: "hot-expert", "data-expert": h.expert, "data-tokens": h.tokens,
+    text: `e${h.expert} ${((100 * h.tokens) / l.tokens).toFixed(1)}%`,
+  }))));
+  });
+  document.querySelector("#expert-layers tbody").replaceChildren(...rows);
 }
 
 function renderEngine(engine) {
@@ -286,6 +350,7 @@ document.addEventListener("DOMContentLoaded", () => {
     refresh();
   });
   $("close-detail").addEventListener("click", () => { $("detail").hidden = true; select(null); });
+  $("heatmap").addEventListener("mousemove", showCell);
   refresh();
   setInterval(() => { if (!document.hidden) refresh(); }, REFRESH_MS);
 });
