@@ -107,6 +107,8 @@ def layer_spec(layer: nn.Module) -> cpu.LayerSpec | None:
     moe, shared = (mlp.moe, mlp.shared) if isinstance(mlp, SharedExpertMoE) else (mlp, None)
     if not isinstance(attn.wqkv, CpuLinear) or not isinstance(attn.attn, CpuPagedAttention):
         return None
+    if attn.rotary_dim != attn.head_dim:  # partial rotary: the composed layers rotate it
+        return None
     if layer.is_moe and (
         type(moe) is not MoE
         or moe.num_groups > 1

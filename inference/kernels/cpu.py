@@ -253,7 +253,7 @@ _SIGNATURES = {
     "ms_moe": "p i i i w w i i p p i p i p n",
     "ms_decode_attention": "p i i i i n p i i i p i i i i p i p i f p i n",
     "ms_rmsnorm": "p i p i p f p i i i n",
-    "ms_rope_cache": "p i i i i i p p p n p p i n",
+    "ms_rope_cache": "p i i i i i i p p p n p p i n",
     "ms_greedy": "p i i i p n",
     "ms_embed_int8": "p i p i p i i p n",
     "ms_set_amx": "p p",
@@ -737,9 +737,13 @@ def rope_and_cache(
     v_cache: torch.Tensor,
 ) -> None:
     """qkv [T, H + 2G, d] (contiguous): rotates the query and key heads in place (cos/sin
-    [T, d] bf16) and writes the keys and values to the cache rows `slots` [T] int64, in the
-    caches' format (8-bit formats quantized as they are written)."""
+    [T, rd] bf16, contiguous: the first rd <= d dims of each head rotate, the rest pass, as
+    in partial rotary) and writes the keys and values to the cache rows `slots` [T] int64, in
+    the caches' format (8-bit formats quantized as they are written)."""
     t, _, d = qkv.shape
+    rd = cos.shape[-1]
+    if rd > d or rd % 2 or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError(f"rope tables of width {rd} for heads of {d}: even, <= d, contiguous")
     _lib.ms_rope_cache(
         qkv.data_ptr(),
         qkv.stride(0),
@@ -747,6 +751,7 @@ def rope_and_cache(
         num_heads,
         num_kv_heads,
         d,
+        rd,
         cos.data_ptr(),
         sin.data_ptr(),
         None if slots is None else slots.data_ptr(),

@@ -13,6 +13,8 @@ from typing import Any
 
 from torch import nn
 
+from inference.errors import ModelLoadError
+
 
 @dataclass(slots=True)
 class ModelArgs:
@@ -50,12 +52,16 @@ class ModelArgs:
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # partial rotary (GLM-4.5, MiniMax-M2): only the first rotary_dim dims of each q/k head
+    # rotate (rotate-half within them), the rest pass; 0: the whole head
+    rotary_dim: int = 0
     tie_word_embeddings: bool = False
     hf_config: object = field(default=None, repr=False)  # for rope initialisation
 
     @property
     def rope_dim(self) -> int:
-        return self.qk_rope_head_dim or self.head_dim
+        """The width of each head that rotates (the rope tables' width)."""
+        return self.qk_rope_head_dim or self.rotary_dim or self.head_dim
 
     @property
     def num_moe_layers(self) -> int:
@@ -87,6 +93,43 @@ def common_fields(cfg) -> dict:
         "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
         "hf_config": cfg,
     }
+
+
+# rope scalings whose tables transformers' initialisers give once for every position; the
+# others ("dynamic", "longrope", ...) change with the sequence's length: not served
+SERVED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+
+
+def refuse_unserved(cfg, served: dict[str, Any]) -> None:
+    """Raises ModelLoadError naming the first config field (of `served`, where the config has
+    it) whose value is not the one we serve."""
+    for name, value in served.items():
+        got = getattr(cfg, name, value)
+        if got != value:
+            raise ModelLoadError(
+                f"{cfg.architectures[0]}: {name} {got!r} is not supported ({value!r})"
+            )
+
+
+def rotary_fields(cfg, head_dim: int) -> dict:
+    """Partial rotary from the config's rope_parameters (transformers moves partial_rotary_factor
+    and MiniMax's rotary_dim there): the rotating width, as transformers' rope computes it. A
+    rope scaling we do not serve is refused, naming the field."""
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in SERVED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"{cfg.architectures[0]}: rope_parameters.rope_type {rope_type!r} is not supported "
+            f"({', '.join(SERVED_ROPE_TYPES)})"
+        )
+    rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    if rotary <= 0 or rotary > head_dim or rotary % 2:
+        raise ModelLoadError(
+            f"{cfg.architectures[0]}: rope_parameters.partial_rotary_factor "
+            f"{rope.get('partial_rotary_factor')!r} gives a rotary width of {rotary} of "
+            f"{head_dim}: it must be even and in (0, head_dim]"
+        )
+    return {"rotary_dim": rotary if rotary < head_dim else 0}
 
 
 @dataclass(frozen=True, slots=True)

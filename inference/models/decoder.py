@@ -1,6 +1,6 @@
 """The decoder the current families share (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2 and
-dense Llama; each family's file says how its config and checkpoint map onto it) over a
-flattened batch of tokens.
+V3, GLM-4.5, MiniMax-M2 and dense Llama; each family's file says how its config and checkpoint
+map onto it) over a flattened batch of tokens.
 
 Nothing but the model: no sampling, no scheduling, no backend. forward(input_ids [T],
 positions [T], attention metadata, kv caches) -> hidden states [T, D] and router counts
@@ -26,6 +26,7 @@ class Attention(nn.Module):
         super().__init__()
         h, g, d = args.num_heads, args.num_kv_heads, args.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, g, d
+        self.rotary_dim = args.rope_dim  # < d: partial rotary (the rope tables' width)
         self.wqkv = Linear(args.hidden_size, (h + 2 * g) * d, bias=args.qkv_bias)  # q, k, v fused
         self.wo = Linear(h * d, args.hidden_size, bias=args.o_bias)
         self.scale = d**-0.5

@@ -1,6 +1,6 @@
 """Layers the model files share, in plain torch: linear projections, RMSNorm and rotary position
-embeddings (the rotate-half layout of most checkpoints and the interleaved-pairs layout of
-DeepSeek's MLA). Backends replace them from outside (executor/cpu_backend.py)."""
+embeddings (the rotate-half layout of most checkpoints, over the whole head or its first
+part, and the interleaved-pairs layout of DeepSeek's MLA). Backends replace them from outside (executor/cpu_backend.py)."""
 
 from __future__ import annotations
 
@@ -78,7 +78,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d]; rotate-half convention of the Hugging Face checkpoints."""
+    """x [T, heads, d]; rotate-half convention of the Hugging Face checkpoints. Tables narrower
+    than the head (partial rotary: GLM-4.5, MiniMax-M2) rotate its first cos.shape[-1] dims
+    and pass the rest, as transformers' apply_rotary_pos_emb does."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 

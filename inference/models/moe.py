@@ -212,6 +212,18 @@ class Router(Linear):
         return linear(x, self.weight)
 
 
+class CorrectedRouter(Router):
+    """The gate, with the per-expert bias that steers the choice of experts (and not their
+    weights): DeepSeek's auxiliary-loss-free load balancing, which GLM-4.5 and MiniMax-M2
+    route by too. Both stay float32 in every model dtype, as the references keep them."""
+
+    keep_in_fp32 = True
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__(hidden_size, num_experts, fp32=True)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
+
+
 class Experts(nn.Module):
     """E SwiGLU experts, stacked: w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I].
     forward(x [T, D], router weights and ids [T, A]) -> the weighted sum of each token's
@@ -305,3 +317,32 @@ class SharedExpertMoE(nn.Module):
         if self.shared_gate is None:
             return routed + self.shared(x), counts
         return routed + torch.sigmoid(self.shared_gate(x)) * self.shared(x), counts
+
+
+class NoAuxMoE(MoE):
+    """noaux_tc routing (DeepSeek-V3, GLM-4.5, MiniMax-M2), MoE's arguments: sigmoid scores;
+    experts chosen on the scores plus the gate's correction bias, within the best topk_group
+    of num_groups groups (a group scores as the sum of its two best; one group: all experts);
+    weights from the unbiased scores, optionally renormalised, times routed_scaling_factor.
+    Routed in float32."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, *args, **kw):
+        super().__init__(hidden_size, intermediate_size, num_experts, *args, **kw)
+        self.gate = CorrectedRouter(hidden_size, num_experts)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> top-A weights [T, A] (float32) and expert ids [T, A]."""
+        scores = self.gate(x).sigmoid()  # [T, E], float32
+        choice = scores + self.gate.e_score_correction_bias
+        if self.num_groups > 1:
+            t, e = choice.shape
+            groups = choice.view(t, self.num_groups, e // self.num_groups)
+            group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
+            best = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            choice = groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, e)
+        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids

@@ -9,14 +9,26 @@ from inference.errors import ModelLoadError
 from inference.models.args import Family, ModelArgs, common_fields
 from inference.models.deepseek_v2 import DEEPSEEK_V2
 from inference.models.deepseek_v3 import DEEPSEEK_V3
+from inference.models.glm4_moe import GLM4_MOE
 from inference.models.llama import LLAMA
+from inference.models.minimax_m2 import MINIMAX_M2
 from inference.models.mixtral import MIXTRAL
 from inference.models.olmoe import OLMOE
 from inference.models.qwen_moe import QWEN2_MOE, QWEN3_MOE
 
 FAMILIES: dict[str, Family] = {
     f.architecture: f
-    for f in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, DEEPSEEK_V2, DEEPSEEK_V3, LLAMA)
+    for f in (
+        MIXTRAL,
+        QWEN2_MOE,
+        QWEN3_MOE,
+        OLMOE,
+        DEEPSEEK_V2,
+        DEEPSEEK_V3,
+        GLM4_MOE,
+        MINIMAX_M2,
+        LLAMA,
+    )
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 

@@ -2,7 +2,9 @@
 DeepSeek-V2 with a low-rank query, YaRN rope scaling (mscale != mscale_all_dim, so both the
 cos/sin attention factor and the softmax mscale matter), greedy routing, a routed scaling
 factor and attention biases; OLMoE with clip_qkv; Qwen3-MoE with attention biases and dense
-(mlp_only) layers. Norm weights and biases are randomised so they are really exercised.
+(mlp_only) layers; GLM-4.5 and MiniMax-M2 with partial rotary under YaRN, GLM's routing in
+groups. Norm weights and biases (noaux_tc's correction bias too) are randomised so they are
+really exercised.
 On MOESERVE_TEST_DEVICE (parity_checks.DEVICE)."""
 
 from __future__ import annotations
@@ -53,6 +55,29 @@ VARIANTS = {
             "topk_group": 2,
             "max_position_embeddings": 2048,
             "rope_parameters": YARN,
+        },
+    ),
+    # noaux_tc routing in 4 groups of 2 choosing 2, unnormalised, no q/k norms, YaRN over
+    # half of each head (partial rotary under a scaled rope)
+    "glm4_moe_yarn_groups_no_qk_norm": (
+        "glm4_moe",
+        {
+            "n_routed_experts": 8,
+            "n_group": 4,
+            "topk_group": 2,
+            "norm_topk_prob": False,
+            "use_qk_norm": False,
+            "max_position_embeddings": 2048,
+            "rope_parameters": YARN | {"partial_rotary_factor": 0.5},
+        },
+    ),
+    # a quarter of each head rotating, under YaRN
+    "minimax_m2_yarn_quarter_rotary": (
+        "minimax_m2",
+        {
+            "rotary_dim": 4,
+            "max_position_embeddings": 2048,
+            "rope_parameters": YARN | {"partial_rotary_factor": 0.25},
         },
     ),
     "olmoe_clip_qkv": ("olmoe", {"clip_qkv": 0.5}),

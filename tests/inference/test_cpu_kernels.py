@@ -401,6 +401,37 @@ def test_rope_and_cache_write_match_the_reference_ops_bit_for_bit(path):
     assert torch.equal(kc[slots], expected[:, h:]) and torch.equal(vc[slots], qkv[:, h + g :])
 
 
+@pytest.mark.parametrize("rotary", [32, 16, 6])
+def test_partial_rotary_rotates_the_first_dims_of_each_head_as_torch_does(path, rotary):
+    """GLM-4.5's and MiniMax-M2's partial rotary: tables of `rotary` < d columns rotate each
+    head's first `rotary` dims (rotate-half within them; 6: shorter than a vector) and leave
+    the rest as they were, bit for bit as the torch path and transformers compute."""
+    from transformers.models.glm4_moe.modeling_glm4_moe import apply_rotary_pos_emb
+
+    from inference.models.layers import apply_rope
+
+    t, h, g, d = 19, 4, 2, 64  # 19 rows: the threaded loop too
+    qkv = randn(t, h + 2 * g, d, seed=rotary)
+    cos, sin = randn(t, 1, rotary, seed=1), randn(t, 1, rotary, seed=2)
+    slots = torch.randperm(32, generator=torch.Generator().manual_seed(0))[:t]
+    kc, vc = (torch.zeros(32, g, d, dtype=torch.bfloat16) for _ in range(2))
+    expected = apply_rope(qkv[:, : h + g], cos, sin)
+    # transformers' own (heads before tokens): q and k alike
+    heads_first = qkv[:, : h + g].transpose(0, 1)[None]
+    reference, _ = apply_rotary_pos_emb(heads_first, heads_first, cos[:, 0][None], sin[:, 0][None])
+    assert torch.equal(expected, reference[0].transpose(0, 1))
+    assert torch.equal(expected[..., rotary:], qkv[:, : h + g, rotary:])  # the rest passes
+    ours = qkv.clone()
+    cpu_kernels.rope_and_cache(ours, cos, sin, h, g, slots, kc, vc)
+    assert torch.equal(ours[:, : h + g], expected)
+    assert torch.equal(ours[:, h + g :], qkv[:, h + g :])
+    assert torch.equal(kc[slots], expected[:, h:]) and torch.equal(vc[slots], qkv[:, h + g :])
+    with pytest.raises(ValueError, match="width"):
+        cpu_kernels.rope_and_cache(
+            ours, randn(t, 1, d + 2), randn(t, 1, d + 2), h, g, slots, kc, vc
+        )
+
+
 # ---- the model on each path, against transformers --------------------------------------
 
 
@@ -462,6 +493,20 @@ def arch_dirs(model_dirs, tmp_path_factory):
     return get
 
 
+ARCHS = [
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+    "minimax_m2",
+    "llama",
+]
+# the families whose layers the one-call decode step does not cover (MLA; noaux_tc routing
+# and partial rotary): they keep the composed layers, on the kernels
+COMPOSED = {"deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2"}
 ATEN_ERRORS: dict[str, float] = {}
 
 
@@ -475,9 +520,7 @@ def aten_error(arch_dirs, arch) -> float:
     return ATEN_ERRORS[arch]
 
 
-@pytest.mark.parametrize(
-    "arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "llama"]
-)
+@pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_logits_on_each_path_are_as_close_to_transformers_as_atens(arch_dirs, path, arch):
     ours = decode_logits_error(arch_dirs(arch))
     aten = aten_error(arch_dirs, arch)
@@ -485,9 +528,7 @@ def test_bf16_logits_on_each_path_are_as_close_to_transformers_as_atens(arch_dir
     assert ours <= 1.25 * aten, (ours, aten)
 
 
-@pytest.mark.parametrize(
-    "arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "llama"]
-)
+@pytest.mark.parametrize("arch", ARCHS)
 def test_the_one_call_decode_step_computes_what_the_composed_layers_do(arch_dirs, path, arch):
     """A decode step of three sequences (contexts of 5, 20 and 37 tokens in scattered cache
     blocks) in one kernel call and through the layers composed op by op."""
@@ -496,8 +537,7 @@ def test_the_one_call_decode_step_computes_what_the_composed_layers_do(arch_dirs
     )
     model, caches = engine.executor.model, engine.executor.kv_caches
     fused = engine.executor.fused_step
-    # MLA keeps the composed layers
-    assert (fused is None) == arch.startswith("deepseek")
+    assert (fused is None) == (arch in COMPOSED)
     one_call_step = fused or model
     lengths, tables = [5, 20, 37], [[7, 1, 30], [2, 9, 4], [12, 3, 25]]
     seqs = prompts(engine.args.vocab_size, [n + 1 for n in lengths])

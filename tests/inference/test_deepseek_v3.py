@@ -5,18 +5,15 @@ kernel and quantization tests, as every family's."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-from inference import LLMEngine, ModelLoadError, SamplingParams
+from inference import ModelLoadError
 from inference.models.args import ModelArgs, common_fields
 from inference.models.deepseek_v3 import DeepseekV3Layer, fields
+from tests.inference.mtp_checkpoints import check_mtp_layers_load_and_are_not_run
 
 
 def config(**overrides) -> DeepseekV3Config:
@@ -75,30 +72,7 @@ def test_the_mtp_layer_of_a_checkpoint_loads_and_is_not_run(model_dirs, tmp_path
     """A published checkpoint carries layer num_hidden_layers (the next-token-prediction
     module: enorm, hnorm, eh_proj, a decoder layer, shared_head): it loads without error and
     changes nothing the engine computes."""
-    src = model_dirs("deepseek_v3")
-    with_mtp = tmp_path / "with-mtp"
-    shutil.copytree(src, with_mtp)
-    cfg = json.loads((src / "config.json").read_text())
-    n, d = cfg["num_hidden_layers"], cfg["hidden_size"]
-    tensors = load_file(with_mtp / "model.safetensors")
-    for name, t in list(tensors.items()):  # a copy of the last layer as the MTP block
-        if name.startswith(f"model.layers.{n - 1}."):
-            tensors[name.replace(f"layers.{n - 1}.", f"layers.{n}.")] = t.clone()
-    tensors |= {
-        f"model.layers.{n}.enorm.weight": torch.ones(d),
-        f"model.layers.{n}.hnorm.weight": torch.ones(d),
-        f"model.layers.{n}.eh_proj.weight": torch.zeros(d, 2 * d),
-        f"model.layers.{n}.shared_head.norm.weight": torch.ones(d),
-        f"model.layers.{n}.shared_head.head.weight": torch.zeros(cfg["vocab_size"], d),
-    }
-    save_file(tensors, with_mtp / "model.safetensors", metadata={"format": "pt"})
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    outputs = []
-    for path in (src, with_mtp):
-        engine = LLMEngine.from_pretrained(path, device="cpu", dtype="float32", kv_cache_tokens=64)
-        outputs.append(engine.generate([[5, 6, 7, 8, 9]], params)[0].token_ids)
-        assert engine.args.num_layers == n
-    assert outputs[0] == outputs[1]
+    check_mtp_layers_load_and_are_not_run(model_dirs("deepseek_v3"), tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,16 @@ from tests.inference.parity_checks import (
     prompts,
 )
 
-ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3"]
+ARCHS = [
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+    "minimax_m2",
+]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

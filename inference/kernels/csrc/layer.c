@@ -103,7 +103,7 @@ static int decode_layer(const layer_spec *L, const bf16 *x, bf16 *residual, int 
             qkv[i] = v > L->clip_qkv ? f32_to_bf16(L->clip_qkv) : v < -L->clip_qkv ? f32_to_bf16(-L->clip_qkv) : qkv[i];
         }
     const int64_t row = L->kv_row;
-    ms_rope_cache(qkv, W, T, H, G, d, cos, sin, slots, (int)L->kv_kind, k_cache, v_cache, row, nthreads);
+    ms_rope_cache(qkv, W, T, H, G, d, d, cos, sin, slots, (int)L->kv_kind, k_cache, v_cache, row, nthreads);
     if (ms_decode_attention(qkv, W, T, H, G, (int)L->kv_kind, k_cache, G * row, row, d, v_cache, G * row, row, d, d,
                             block_tables, bt_stride, context_lens, block_size, L->scale, att, H * d, nthreads))
         goto done;

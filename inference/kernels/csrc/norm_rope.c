@@ -39,15 +39,16 @@ void ms_rmsnorm(const bf16 *x, int64_t ldx, bf16 *residual, int64_t ldr, const b
 /* Rotary embedding (rotate-half layout) of the H query and G key heads of qkv [T, (H + 2G) d]
  * in place, then the keys and values written to the cache rows slots[t] (k_cache/v_cache
  * [S, G, row] in format kv_kind: row = d elements, or d + 2 bytes for int8 with its scale).
- * cos/sin [T, d] bf16 (each frequency twice, as the checkpoints' tables). Each product and
- * the sum rounded as the reference's bf16 ops round. */
-void ms_rope_cache(bf16 *qkv, int64_t ld, int64_t T, int64_t H, int64_t G, int64_t d, const bf16 *cos,
-                   const bf16 *sin, const int64_t *slots, int kv_kind, void *k_cache, void *v_cache,
-                   int64_t cache_row, int nthreads) {
-    const int64_t half = d / 2;
+ * Only the first rd dims of each head rotate (rd < d: partial rotary, GLM-4.5 and MiniMax-M2;
+ * the rest pass unchanged); cos/sin [T, rd] bf16 (each frequency twice, as the checkpoints'
+ * tables). Each product and the sum rounded as the reference's bf16 ops round. */
+void ms_rope_cache(bf16 *qkv, int64_t ld, int64_t T, int64_t H, int64_t G, int64_t d, int64_t rd,
+                   const bf16 *cos, const bf16 *sin, const int64_t *slots, int kv_kind, void *k_cache,
+                   void *v_cache, int64_t cache_row, int nthreads) {
+    const int64_t half = rd / 2;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 16)
     for (int64_t t = 0; t < T; t++) {
-        const bf16 *ct = cos + t * d, *st = sin + t * d;
+        const bf16 *ct = cos + t * rd, *st = sin + t * rd;
         for (int64_t head = 0; head < H + G; head++) {
             bf16 *x = qkv + t * ld + head * d;
             int64_t i = 0;
