@@ -55,7 +55,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(dtype, self.device, getattr(hf_config, "dtype", None))
         self.tokenizer = load_tokenizer(path)
         published = checkpoint_quantization(hf_config)
-        self.quantization = config.quantization or published
+        # an fp8 checkpoint is served as fp8; mxfp4 experts are dequantized at load
+        self.quantization = config.quantization or ("fp8" if published == "fp8" else "none")
         self.kv_cache_dtype = config.kv_cache_dtype
         self.executor = ex = ModelExecutor(
             path, family_of(hf_config), args, self.device, self.dtype, config, self.quantization,

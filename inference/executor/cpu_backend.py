@@ -34,13 +34,13 @@ def _replacement(name: str, module: nn.Module, parent: nn.Module) -> nn.Module |
     if kind in (Linear, QuantLinear) or (kind is Router and not module.fp32):
         return CpuLinear(module.weight, module.bias)
     if kind in (Experts, QuantExperts):
-        return CpuExperts(module.w13, module.w2)
+        return CpuExperts(module)
     if kind is RMSNorm:
         norm = CpuRMSNorm(module.weight.shape[0], module.eps)
         norm.weight = module.weight
         return norm
     if kind is PagedAttention:
-        return CpuPagedAttention(module.num_heads, module.num_kv_heads, module.scale)
+        return CpuPagedAttention(module)
     if kind is AbsorbedAttention and isinstance(parent, MLAttention):
         return CpuAbsorbedAttention(module, parent.wkv_b.weight)  # read before it is packed
     if kind is QuantEmbedding:
@@ -100,7 +100,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def layer_spec(layer: nn.Module) -> cpu.LayerSpec | None:
     """A decoder layer as the fused decode step reads it, once its modules are the kernels';
     None for layers it does not cover (another layer shape, MLA, group-limited or float32
-    routing)."""
+    routing, sliding windows or sinks)."""
     if type(layer) is not DecoderLayer or type(layer.attn) is not Attention:
         return None
     attn, mlp = layer.attn, layer.mlp
@@ -109,9 +109,13 @@ def layer_spec(layer: nn.Module) -> cpu.LayerSpec | None:
         return None
     if attn.rotary_dim != attn.head_dim:  # partial rotary: the composed layers rotate it
         return None
+    if attn.attn.window or attn.attn.sinks is not None:
+        return None
     if layer.is_moe and (
         type(moe) is not MoE
         or moe.num_groups > 1
+        or moe.gate.bias is not None
+        or moe.experts.glu is not None
         or not isinstance(moe.gate, CpuLinear)
         or not isinstance(moe.experts, CpuExperts)
     ):

@@ -29,11 +29,15 @@ _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale")
 
 
 def load_hf_config(path: Path):
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json: not a Hugging Face checkpoint folder")
-    return AutoConfig.from_pretrained(path)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (StrictDataclassError, KeyError, ValueError) as exc:  # transformers validates fields
+        raise ModelLoadError(f"{path}/config.json: {exc}") from exc
 
 
 def load_tokenizer(path: Path):
@@ -84,11 +88,12 @@ def _layer_index(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def _target(name: str, args: ModelArgs, weights) -> tuple[str, int | None, str | None] | None:
-    """A checkpoint tensor -> (our parameter, expert index or None, part or None), by the
-    family's WeightRules (models/args.py); None for a name no rule knows."""
+def _target(name: str, args: ModelArgs, weights) -> tuple[str, int | None, str | None, object]:
+    """A checkpoint tensor -> (our parameter, expert index or None, part or None, the rule's
+    convert or None), by the family's WeightRules (models/args.py); None for a name no rule
+    knows."""
     if name in _TOP_LEVEL:
-        return _TOP_LEVEL[name], None, None
+        return _TOP_LEVEL[name], None, None, None
     m = _LAYER_PREFIX.fullmatch(name)
     if not m:
         return None
@@ -101,7 +106,7 @@ def _target(name: str, args: ModelArgs, weights) -> tuple[str, int | None, str |
             expert = int(groups[0]) if groups and groups[0].isdigit() else None
             target = rule.target.format(*groups, moe=moe_prefix)
             part = None if rule.part is None else rule.part.format(*groups)
-            return f"layers.{layer}.{target}", expert, part
+            return f"layers.{layer}.{target}", expert, part, rule.convert
     return None
 
 
@@ -125,15 +130,16 @@ def checkpoint_quantization(hf_config) -> str:
         return "none"
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = qc.get("quant_method")
-    if method == "fp8":
-        return "fp8"
+    if method in ("fp8", "mxfp4"):  # mxfp4: gpt-oss's experts, dequantized at load
+        return method
     if method == "compressed-tensors":
         weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
         if weights and all(w.get("type") == "float" and w.get("num_bits") == 8 for w in weights):
             return "fp8"
     raise ModelLoadError(
         f"checkpoint quantized with {method!r} ({qc.get('format') or ''}); supported: plain "
-        "bf16/float16/float32 checkpoints and FP8 ones (fp8, compressed-tensors float8)"
+        "bf16/float16/float32 checkpoints, FP8 ones (fp8, compressed-tensors float8) and "
+        "gpt-oss's mxfp4"
     )
 
 
@@ -191,14 +197,17 @@ def load_weights(
                     family.mtp_layers and _layer_index(name) >= args.num_layers
                 ):
                     continue
-                tgt = _target(name, args, family.weights)
+                mxfp4 = name.endswith(_MXFP4_BLOCKS)
+                if name.endswith(_MXFP4_SCALES) and _blocks_of(name) in located:
+                    continue  # read with its blocks
+                tgt = _target(name.removesuffix(_MXFP4_BLOCKS), args, family.weights)
                 if tgt is None:
                     if ".rotary_emb." in name:
                         continue
                     raise ModelLoadError(
                         f"{file.name}: unexpected weight {name!r} for {args.architecture}"
                     )
-                pname, expert, part = tgt
+                pname, expert, part, convert = tgt
                 if pname not in params:
                     raise ModelLoadError(
                         f"{file.name}: weight {name!r} has no place in this model "
@@ -208,7 +217,9 @@ def load_weights(
                 dest = param[expert] if expert is not None else param
                 rows = _rows(pname, part, dest, args)
                 dest = dest[rows]
-                tensor = f.get_tensor(name)
+                tensor = _mxfp4_weight(name, f, located) if mxfp4 else f.get_tensor(name)
+                if convert is not None:
+                    tensor = convert(tensor)
                 if tuple(tensor.shape) != tuple(dest.shape):
                     raise ModelLoadError(
                         f"weight {name!r} has shape {tuple(tensor.shape)}, "
@@ -235,6 +246,41 @@ def load_weights(
         )
     kept = {name: parts.qweight() for name, parts in fp8.items()}
     return {name: w for name, w in kept.items() if w is not None}
+
+
+# gpt-oss's MXFP4 tensors: NAME_blocks [..., N, K/32, 16] (two e2m1 values a byte, the low
+# nibble first) and NAME_scales [..., N, K/32] (e8m0: a power of two, biased by 127)
+_MXFP4_BLOCKS, _MXFP4_SCALES = "_blocks", "_scales"
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _blocks_of(scales_name: str) -> str:
+    return scales_name.removesuffix(_MXFP4_SCALES) + _MXFP4_BLOCKS
+
+
+def _mxfp4_weight(name: str, f, located: dict[str, Path]) -> torch.Tensor:
+    """An MXFP4 checkpoint tensor dequantized (bfloat16) in the layout its unquantized
+    checkpoints store: [..., K, N] (transformers' convert_moe_packed_tensors)."""
+    scales_name = name.removesuffix(_MXFP4_BLOCKS) + _MXFP4_SCALES
+    if scales_name not in located:
+        raise ModelLoadError(f"MXFP4 weight {name!r} has no {scales_name!r} beside it")
+    blocks = f.get_tensor(name)
+    with safe_open(located[scales_name], framework="pt") as g:
+        scales = g.get_tensor(scales_name)
+    if blocks.dtype != torch.uint8 or blocks.shape[-1] != 16:
+        raise ModelLoadError(
+            f"{name}: MXFP4 blocks must be uint8 [..., K/32, 16], got {blocks.dtype} "
+            f"{tuple(blocks.shape)}"
+        )
+    if scales.dtype != torch.uint8 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        raise ModelLoadError(
+            f"{scales_name}: MXFP4 scales must be uint8 of shape {tuple(blocks.shape[:-1])} "
+            f"(one per block of 32 in {name}), got {scales.dtype} {tuple(scales.shape)}"
+        )
+    lut = torch.tensor(_E2M1, dtype=torch.float32)
+    values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)
+    values = torch.ldexp(values.flatten(-2), scales.to(torch.int32).sub(127).unsqueeze(-1))
+    return values.flatten(-2).to(torch.bfloat16).transpose(-1, -2).contiguous()
 
 
 def _fp8_scales(

@@ -12,7 +12,7 @@ from torch import nn
 
 from inference.executor.module_swap import swap_modules
 from inference.models.layers import Linear
-from inference.models.moe import Experts, grouped_dispatch
+from inference.models.moe import Experts, grouped_dispatch, swiglu
 from inference.quantization import qweight as quant
 from inference.quantization.hadamard import rotate_by_products
 from inference.quantization.qweight import QWeight
@@ -31,16 +31,21 @@ class QuantLinear(nn.Module):
 
 
 class QuantExperts(nn.Module):
-    """Stacked experts of 8-bit weights: one expert at a time (grouped dispatch)."""
+    """Stacked experts of 8-bit weights: one expert at a time (grouped dispatch); the plain
+    experts' biases and activation (gpt-oss's) kept as they were."""
 
-    def __init__(self, w13: QWeight, w2: QWeight) -> None:
+    def __init__(self, w13: QWeight, w2: QWeight, plain: Experts) -> None:
         super().__init__()
         self.w13, self.w2 = w13, w2
+        self.b13, self.b2, self.glu = plain.b13, plain.b2, plain.glu
         self.num_experts = w13.scale.shape[0]
 
     def forward(self, x, weights, ids) -> tuple[torch.Tensor, torch.Tensor]:
         counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
-        out = grouped_dispatch(x, weights, ids, counts, self.w13, self.w2, quant.linear)
+        glu = self.glu or swiglu
+        out = grouped_dispatch(
+            x, weights, ids, counts, self.w13, self.w2, quant.linear, self.b13, self.b2, glu
+        )
         return out, counts
 
 
@@ -86,7 +91,7 @@ def quantize_model(
             return None if w is None else QuantLinear(w, module.bias)
         if isinstance(module, Experts):
             w13, w2 = weight(f"{name}.w13", module.w13), weight(f"{name}.w2", module.w2)
-            return None if w13 is None or w2 is None else QuantExperts(w13, w2)
+            return None if w13 is None or w2 is None else QuantExperts(w13, w2, module)
         if isinstance(module, nn.Embedding) and fmt == "int8":
             return QuantEmbedding(quant.quantize_int8(module.weight.data), module.weight.dtype)
         return None

@@ -171,6 +171,13 @@ class WMat(ctypes.Structure):
     _fields_ = [("data", _P), ("scale", _P), ("colsum", _P), ("group", _I64), ("kind", _I64)]
 
 
+class MoeGlu(ctypes.Structure):
+    """gpt-oss's experts as ms_moe takes them (csrc/kernels.h moe_glu): float32 biases of both
+    projections (NULL: none) and the clamped SwiGLU's alpha and limit (alpha 0: plain)."""
+
+    _fields_ = [("b13", _P), ("b2", _P), ("alpha", _F32), ("limit", _F32)]
+
+
 _W_KINDS = {"int8": 1, "fp8": 2}
 # the paged cache's row formats (models/paged_cache.py) as csrc/kernels.h numbers them (KV_*)
 _KV_KINDS = {torch.uint8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
@@ -250,8 +257,8 @@ def _types(codes: str) -> list:
 
 _SIGNATURES = {
     "ms_linear": "p i i i i w i i p p i i i n",
-    "ms_moe": "p i i i w w i i p p i p i p n",
-    "ms_decode_attention": "p i i i i n p i i i p i i i i p i p i f p i n",
+    "ms_moe": "p i i i w w i i p p i p p i p n",
+    "ms_decode_attention": "p i i i i n p i i i p i i i i p i p i f p i p i n",
     "ms_rmsnorm": "p i p i p f p i i i n",
     "ms_rope_cache": "p i i i i i i p p p n p p i n",
     "ms_greedy": "p i i i p n",
@@ -603,11 +610,12 @@ def moe(
     w2: torch.Tensor | QWeight,
     ids: torch.Tensor,
     weights: torch.Tensor,
+    glu: MoeGlu | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The routed experts of tokens x [T, D] in one call: packed w13 [E, D/2, 2I, 2] (gate
     columns then up), w2 [E, I/2, D, 2] (or packed 8-bit QWeights of the same matrices),
     expert ids and router weights [T, A] -> the MoE output [T, D] bf16 and the tokens per
-    expert [E]."""
+    expert [E]. `glu`: gpt-oss's biases and clamped SwiGLU (its tensors outlive the call)."""
     t, d = x.shape
     if isinstance(w13, QWeight):
         e, i = w13.scale.shape[0], w13.scale.shape[-1] // 2
@@ -633,6 +641,7 @@ def moe(
             ids.data_ptr(),
             weights.data_ptr(),
             ids.shape[1],
+            None if glu is None else ctypes.byref(glu),
             out.data_ptr(),
             d,
             counts.data_ptr(),
@@ -652,11 +661,14 @@ def decode_attention(
     block_size: int,
     scale: float,
     v_dim: int | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Single-token queries q [B, H, dk] (unit last stride, rows at any stride) over their
     paged contexts: caches [S, G, row] in any of the KV formats (models/paged_cache.py; MLA: one latent
     cache passed as both, `v_dim` its value width), block_tables [B, W] int32, context_lens
-    [B] int32 -> [B, H, dv] bf16."""
+    [B] int32 -> [B, H, dv] bf16. `sinks` [H] float32: gpt-oss's per-head sink logits;
+    `window` > 0: only each context's last `window` positions are attended."""
     b, h, dk = q.shape
     g = k_cache.shape[1]
     dv = v_dim or kv_width(v_cache)
@@ -690,6 +702,8 @@ def decode_attention(
             context_lens.data_ptr(),
             block_size,
             scale,
+            None if sinks is None else sinks.data_ptr(),
+            window,
             out.data_ptr(),
             h * dv,
             _threads(),

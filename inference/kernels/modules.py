@@ -51,22 +51,45 @@ class CpuRMSNorm(RMSNorm):
 
 class CpuExperts(nn.Module):
     """Stacked experts in one call per layer for any number of tokens (cpu.moe): pairs sorted by
-    expert, each expert with tokens read once, the others not at all."""
+    expert, each expert with tokens read once, the others not at all. `plain`: the experts
+    replaced (Experts or 8-bit QuantExperts), whose biases and clamped SwiGLU (gpt-oss) the
+    kernel applies in its epilogues."""
 
-    def __init__(self, w13: torch.Tensor | QWeight, w2: torch.Tensor | QWeight) -> None:
+    def __init__(self, plain: nn.Module) -> None:
         super().__init__()
+        w13, w2 = plain.w13, plain.w2
         scale = w13.scale if isinstance(w13, QWeight) else None
         self.num_experts = w13.shape[0] if scale is None else scale.shape[0]
         self.intermediate_size = (w13.shape[1] if scale is None else scale.shape[-1]) // 2
         self.w13, self.w2 = packed(w13), packed(w2)
+        self.glu = None
+        if plain.b13 is not None or plain.glu is not None:
+            self.b13 = None if plain.b13 is None else plain.b13.data.float().contiguous()
+            self.b2 = None if plain.b2 is None else plain.b2.data.float().contiguous()
+            self.glu = cpu.MoeGlu(
+                _address(self.b13),
+                _address(self.b2),
+                plain.glu.alpha if plain.glu else 0.0,
+                plain.glu.limit if plain.glu else 0.0,
+            )
 
     def forward(self, x, weights, ids) -> tuple[torch.Tensor, torch.Tensor]:
-        return cpu.moe(x, self.w13, self.w2, ids, weights)
+        return cpu.moe(x, self.w13, self.w2, ids, weights, self.glu)
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 class CpuPagedAttention(PagedAttention):
     """Rope and the cache write in one pass over qkv (in place); decode rows read the paged
-    cache in place through block tables (the model runner builds them for this backend)."""
+    cache in place through block tables (the model runner builds them for this backend),
+    honouring the plain module's sliding window and sinks."""
+
+    def __init__(self, plain: PagedAttention) -> None:
+        super().__init__(plain.num_heads, plain.num_kv_heads, plain.scale, plain.window)
+        self.sinks = plain.sinks
+        self.sinks32 = None if plain.sinks is None else plain.sinks.data.float().contiguous()
 
     def rope_and_write(self, qkv, cos, sin, meta, k_cache, v_cache):
         if not cpu.applies(qkv):
@@ -79,7 +102,15 @@ class CpuPagedAttention(PagedAttention):
         if meta.block_tables is None:
             return super().decode(q, k_cache, v_cache, meta)
         return cpu.decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size, self.scale
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            meta.block_size,
+            self.scale,
+            sinks=self.sinks32,
+            window=self.window,
         )
 
 

@@ -38,6 +38,9 @@ class ModelArgs:
     o_bias: bool = False
     qk_norm: str = ""  # "head": RMSNorm per head (Qwen3-MoE); "full": whole q/k projection (OLMoE)
     clip_qkv: float | None = None
+    sliding_window: int = 0  # > 0: the layers in sliding_layers attend to this many positions
+    sliding_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False  # a learned sink logit per head (gpt-oss)
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gated: bool = True  # Qwen2-MoE scales it by a sigmoid gate; DeepSeek does not
     dense_intermediate_size: int = 0  # MLP width of layers that are dense (not MoE)
@@ -48,6 +51,10 @@ class ModelArgs:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     router_fp32: bool = False  # DeepSeek-V2 routes in float32 whatever the model dtype
+    router_bias: bool = False  # the router and every expert projection have biases (gpt-oss)
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0  # > 0: gpt-oss's clamped SwiGLU (moe.ClampedSwiGLU) in the experts
+    swiglu_alpha: float = 1.0
     q_lora_rank: int = 0  # MLA (DeepSeek-V2) from here on; kv_lora_rank 0: standard attention
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
@@ -138,15 +145,19 @@ class WeightRule:
     "layers.N."). `target` may use the pattern's groups ({0}, {1}) and {moe}, the routed
     experts' module ("mlp." or, beside shared experts, "mlp.moe."); a pattern's first group,
     when it is a number, is the expert index. `part`: None (the whole tensor), or which rows
-    of a fused parameter it fills ("q", "k", "v", "gate", "up", or a group such as "{0}")."""
+    of a fused parameter it fills ("q", "k", "v", "gate", "up", or a group such as "{0}").
+    `convert`: the checkpoint tensor -> our layout, where they differ (gpt-oss's transposed,
+    interleaved experts)."""
 
     pattern: re.Pattern
     target: str
     part: str | None = None
+    convert: Callable[[Any], Any] | None = None
 
 
-def rules(*specs: tuple[str, str, str | None]) -> tuple[WeightRule, ...]:
-    return tuple(WeightRule(re.compile(p), target, part) for p, target, part in specs)
+def rules(*specs: tuple) -> tuple[WeightRule, ...]:
+    """WeightRules from (pattern, target, part[, convert]) tuples."""
+    return tuple(WeightRule(re.compile(p), *rest) for p, *rest in specs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,11 +48,19 @@ class AttentionMetadata:
 class PagedAttention(nn.Module):
     """Rotates the step's queries and keys, writes its keys and values into the paged cache
     and attends: decode rows over their cached context, prefill chunks causally. A backend
-    overrides rope_and_write (a fused kernel) and decode (reading the cache in place)."""
+    overrides rope_and_write (a fused kernel) and decode (reading the cache in place).
 
-    def __init__(self, num_heads: int, num_kv_heads: int, scale: float) -> None:
+    window > 0: a sliding-window layer, each query sees its last `window` positions (itself
+    included). sinks: a learned logit per head that joins each softmax's denominator with no
+    value (gpt-oss's attention sinks), loaded into `sinks` [H]."""
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, scale: float, window: int = 0, sinks: bool = False
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.scale = num_heads, num_kv_heads, scale
+        self.window = window
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
 
     def forward(
         self,
@@ -72,7 +80,15 @@ class PagedAttention(nn.Module):
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
             out[rows] = prefill_attention(
-                q[rows], k[rows], v[rows], k_cache, v_cache, chunk, self.scale
+                q[rows],
+                k[rows],
+                v[rows],
+                k_cache,
+                v_cache,
+                chunk,
+                self.scale,
+                self.window,
+                self.sinks,
             )
         return out
 
@@ -89,15 +105,36 @@ class PagedAttention(nn.Module):
         """Single-token queries q [B_d, H, d] over their gathered context slots -> [B_d, H, d]."""
         keys = gather_slots(k_cache, meta.decode_slots, q.dtype).transpose(1, 2)  # [B_d, G, L, d]
         values = gather_slots(v_cache, meta.decode_slots, q.dtype).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2),
-            keys,
-            values,
-            attn_mask=meta.decode_mask,
-            scale=self.scale,
-            enable_gqa=True,
+        mask = meta.decode_mask
+        if self.window:
+            positions = torch.arange(keys.shape[2], device=q.device)
+            lens = keys.shape[2] if mask is None else mask.sum(-1, keepdim=True)
+            recent = positions >= lens - self.window
+            mask = recent if mask is None else mask & recent
+        return attend(q.unsqueeze(2), keys, values, mask, False, self.scale, self.sinks).squeeze(2)
+
+
+def attend(q, k, v, mask, causal: bool, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """SDPA of q [B, H, c, d] over k, v [B, G, L, d] (mask: True where allowed, or None).
+    Sinks [H] join as one more key per head whose score is the sink and whose value is zero:
+    its logit is an additive mask over a zero key, so SDPA's own kernels still run."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
         )
-        return o.squeeze(2)
+    b, h, c, _ = q.shape
+    length = k.shape[2]
+    if causal:
+        mask = torch.ones(c, length, dtype=torch.bool, device=q.device).tril(length - c)
+    allowed = torch.ones((), dtype=torch.bool, device=q.device) if mask is None else mask
+    bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+    bias = torch.cat(
+        (bias.expand(b, h, c, length), sinks.to(q.dtype).view(1, h, 1, 1).expand(b, h, c, 1)),
+        dim=-1,
+    )
+    zero = k.new_zeros(b, k.shape[1], 1, k.shape[3])
+    k, v = torch.cat((k, zero), dim=2), torch.cat((v, zero[..., : v.shape[3]]), dim=2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
 
 
 def prefill_attention(
@@ -108,26 +145,35 @@ def prefill_attention(
     v_cache: torch.Tensor,
     chunk: PrefillChunk,
     scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One prompt chunk's queries q [c, H, d] (keys and values k, v [c, G, d], already in the
-    caches, in any KV format: read back dequantized) -> [c, H, d_v]."""
+    caches, in any KV format: read back dequantized) -> [c, H, d_v]. window and sinks as
+    PagedAttention's."""
     qc = q.transpose(0, 1).unsqueeze(0)  # [1, H, c, d]
-    if chunk.slots is None:  # fresh prompt: the chunk attends to itself, causally
+    if chunk.slots is None and not window:  # fresh prompt: the chunk attends to itself, causally
         kc, vc, mask, causal = k, v, None, True
-    else:  # continuing a chunked or prefix-cached prompt: read the whole context
-        kc = gather_slots(k_cache, chunk.slots, q.dtype)
-        vc = gather_slots(v_cache, chunk.slots, q.dtype)
+    else:  # continuing a chunked or prefix-cached prompt (or a window): an explicit mask
+        if chunk.slots is None:
+            kc, vc = k, v
+        else:
+            kc = gather_slots(k_cache, chunk.slots, q.dtype)
+            vc = gather_slots(v_cache, chunk.slots, q.dtype)
         total = chunk.context_len + chunk.length
-        query_pos = torch.arange(chunk.context_len, total, device=q.device)
-        mask = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]
+        query_pos = torch.arange(chunk.context_len, total, device=q.device)[:, None]
+        key_pos = torch.arange(total, device=q.device)[None, :]
+        mask = key_pos <= query_pos
+        if window:
+            mask &= key_pos > query_pos - window
         causal = False
-    o = F.scaled_dot_product_attention(
+    o = attend(
         qc,
         kc.transpose(0, 1).unsqueeze(0),
         vc.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        is_causal=causal,
-        scale=scale,
-        enable_gqa=True,
+        mask,
+        causal,
+        scale,
+        sinks,
     )
     return o.squeeze(0).transpose(0, 1)

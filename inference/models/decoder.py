@@ -18,11 +18,11 @@ from inference.models.args import ModelArgs, rules
 from inference.models.attention import AttentionMetadata, PagedAttention
 from inference.models.layers import Linear, RMSNorm, RotaryEmbedding
 from inference.models.mla import MLAttention
-from inference.models.moe import DenseMLP, MoE, SharedExpertMoE
+from inference.models.moe import ClampedSwiGLU, DenseMLP, MoE, SharedExpertMoE
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
         h, g, d = args.num_heads, args.num_kv_heads, args.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, g, d
@@ -39,7 +39,8 @@ class Attention(nn.Module):
             RMSNorm(d if self.per_head_norm else g * d, args.rms_norm_eps) if args.qk_norm else None
         )
         self.clip_qkv = args.clip_qkv
-        self.attn = PagedAttention(h, g, self.scale)
+        window = args.sliding_window if layer in args.sliding_layers else 0
+        self.attn = PagedAttention(h, g, self.scale, window, args.attention_sinks)
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         t, h, g = qkv.shape[0], self.num_heads, self.num_kv_heads
@@ -73,7 +74,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, gather_max_tokens: int) -> None:
         super().__init__()
         self.input_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.attn = MLAttention(args) if args.kv_lora_rank else Attention(args)
+        self.attn = MLAttention(args) if args.kv_lora_rank else Attention(args, layer)
         self.post_attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.is_moe = layer not in args.dense_layers
         self.mlp = self.feed_forward(args, layer, gather_max_tokens)
@@ -102,6 +103,9 @@ class DecoderLayer(nn.Module):
             args.topk_group,
             args.routed_scaling_factor,
             args.router_fp32,
+            router_bias=args.router_bias,
+            expert_bias=args.expert_bias,
+            glu=ClampedSwiGLU(args.swiglu_alpha, args.swiglu_limit) if args.swiglu_limit else None,
         )
 
     def forward(self, x, residual, cos, sin, meta, cache: tuple[torch.Tensor, ...]):

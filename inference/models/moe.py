@@ -76,6 +76,20 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+class ClampedSwiGLU:
+    """gpt-oss's expert activation on [..., 2I] (gate then up): the gate clamped above and the
+    up projection on both sides at `limit`, gate * sigmoid(alpha * gate) * (up + 1)."""
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        self.alpha, self.limit = alpha, limit
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 def dispatch_path(
     num_tokens: int, num_routed: int, num_experts: int, device_type: str, gather_max_tokens: int
 ) -> str:
@@ -159,9 +173,12 @@ def padded_dispatch(x, weights, ids, counts, w13, w2) -> torch.Tensor:
     return torch.zeros_like(x).index_add_(0, token_of, ys)
 
 
-def grouped_dispatch(x, weights, ids, counts, w13, w2, product=linear) -> torch.Tensor:
+def grouped_dispatch(
+    x, weights, ids, counts, w13, w2, product=linear, b13=None, b2=None, activation=swiglu
+) -> torch.Tensor:
     """Large batches: one product per expert that received tokens (`product`: x, one expert's
-    weight -> x W^T; 8-bit experts pass their own)."""
+    weight -> x W^T; 8-bit experts pass their own). Experts with biases (b13 [E, 2I], b2
+    [E, D]) or another activation (gpt-oss's) take this path at every size."""
     top_k = ids.shape[1]
     flat_ids = ids.flatten()
     order = flat_ids.argsort(stable=True)
@@ -172,7 +189,10 @@ def grouped_dispatch(x, weights, ids, counts, w13, w2, product=linear) -> torch.
     for expert, n in enumerate(counts.tolist()):
         if n:
             end = start + n
-            ys[start:end] = product(swiglu(product(xs[start:end], w13[expert])), w2[expert])
+            h = product(xs[start:end], w13[expert])
+            h = activation(h if b13 is None else h + b13[expert])
+            y = product(h, w2[expert])
+            ys[start:end] = y if b2 is None else y + b2[expert]
             start = end
     ys *= weights.flatten()[order].to(ys.dtype).unsqueeze(1)
     return torch.zeros_like(x).index_add_(0, token_of, ys)
@@ -200,16 +220,20 @@ def _(x, weights, ids, w13, w2, gather_max_tokens, path=None):
 
 class Router(Linear):
     """The gate: hidden [T, D] -> expert logits [T, E]; in float32 where the reference routes
-    in float32 (DeepSeek-V2), whatever the model's dtype."""
+    in float32 (DeepSeek-V2), whatever the model's dtype; with a bias where the checkpoint has
+    one (gpt-oss)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, fp32: bool = False) -> None:
-        super().__init__(hidden_size, num_experts, bias=False)
+    def __init__(
+        self, hidden_size: int, num_experts: int, fp32: bool = False, bias: bool = False
+    ) -> None:
+        super().__init__(hidden_size, num_experts, bias=bias)
         self.fp32 = fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp32:
-            return F.linear(x.float(), self.weight.float())
-        return linear(x, self.weight)
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias)
+        return linear(x, self.weight, self.bias)
 
 
 class CorrectedRouter(Router):
@@ -227,7 +251,8 @@ class CorrectedRouter(Router):
 class Experts(nn.Module):
     """E SwiGLU experts, stacked: w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I].
     forward(x [T, D], router weights and ids [T, A]) -> the weighted sum of each token's
-    experts [T, D] and the tokens per expert [E]."""
+    experts [T, D] and the tokens per expert [E]. gpt-oss's experts add biases to both
+    projections (b13 [E, 2I], b2 [E, D]) and use a ClampedSwiGLU (`glu`)."""
 
     def __init__(
         self,
@@ -236,6 +261,8 @@ class Experts(nn.Module):
         intermediate_size: int,
         gather_max_tokens: int = 0,
         dispatch_path: str | None = None,
+        bias: bool = False,
+        glu: ClampedSwiGLU | None = None,
     ) -> None:
         super().__init__()
         if dispatch_path not in (None, *DISPATCH_PATHS):
@@ -245,8 +272,18 @@ class Experts(nn.Module):
         self.dispatch_path = dispatch_path  # one path forced (None: by size and device)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.b13 = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size)) if bias else None
+        self.b2 = nn.Parameter(torch.zeros(num_experts, hidden_size)) if bias else None
+        self.glu = glu
 
     def forward(self, x, weights, ids) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.b13 is not None or self.glu is not None:
+            counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
+            glu = self.glu or swiglu
+            out = grouped_dispatch(
+                x, weights, ids, counts, self.w13, self.w2, linear, self.b13, self.b2, glu
+            )
+            return out, counts
         run = dispatch_op if torch.compiler.is_compiling() else dispatch
         return run(x, weights, ids, self.w13, self.w2, self.gather_max_tokens, self.dispatch_path)
 
@@ -265,14 +302,23 @@ class MoE(nn.Module):
         routed_scaling_factor: float = 1.0,
         router_fp32: bool = False,
         dispatch_path: str | None = None,
+        router_bias: bool = False,
+        expert_bias: bool = False,
+        glu: ClampedSwiGLU | None = None,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.num_groups, self.topk_group = num_groups, topk_group
         self.scaling = routed_scaling_factor
-        self.gate = Router(hidden_size, num_experts, router_fp32)
+        self.gate = Router(hidden_size, num_experts, router_fp32, router_bias)
         self.experts = Experts(
-            num_experts, hidden_size, intermediate_size, gather_max_tokens, dispatch_path
+            num_experts,
+            hidden_size,
+            intermediate_size,
+            gather_max_tokens,
+            dispatch_path,
+            expert_bias,
+            glu,
         )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

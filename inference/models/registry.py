@@ -10,6 +10,7 @@ from inference.models.args import Family, ModelArgs, common_fields
 from inference.models.deepseek_v2 import DEEPSEEK_V2
 from inference.models.deepseek_v3 import DEEPSEEK_V3
 from inference.models.glm4_moe import GLM4_MOE
+from inference.models.gpt_oss import GPT_OSS
 from inference.models.llama import LLAMA
 from inference.models.minimax_m2 import MINIMAX_M2
 from inference.models.mixtral import MIXTRAL
@@ -25,6 +26,7 @@ FAMILIES: dict[str, Family] = {
         OLMOE,
         DEEPSEEK_V2,
         DEEPSEEK_V3,
+        GPT_OSS,
         GLM4_MOE,
         MINIMAX_M2,
         LLAMA,

@@ -2,7 +2,8 @@
 DeepSeek-V2 with a low-rank query, YaRN rope scaling (mscale != mscale_all_dim, so both the
 cos/sin attention factor and the softmax mscale matter), greedy routing, a routed scaling
 factor and attention biases; OLMoE with clip_qkv; Qwen3-MoE with attention biases and dense
-(mlp_only) layers; GLM-4.5 and MiniMax-M2 with partial rotary under YaRN, GLM's routing in
+(mlp_only) layers; gpt-oss with every layer sliding over a short window, plain rope and no
+attention biases; GLM-4.5 and MiniMax-M2 with partial rotary under YaRN, GLM's routing in
 groups. Norm weights and biases (noaux_tc's correction bias too) are randomised so they are
 really exercised.
 On MOESERVE_TEST_DEVICE (parity_checks.DEVICE)."""
@@ -80,6 +81,18 @@ VARIANTS = {
             "rope_parameters": YARN | {"partial_rotary_factor": 0.25},
         },
     ),
+    # every layer sliding over 4 positions (the continued chunk and the decode steps slide
+    # it), plain rope, no attention biases, a clamp low enough to bind often
+    "gpt_oss_window_4_default_rope": (
+        "gpt_oss",
+        {
+            "layer_types": ["sliding_attention", "sliding_attention"],
+            "sliding_window": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "attention_bias": False,
+            "swiglu_limit": 2.0,
+        },
+    ),
     "olmoe_clip_qkv": ("olmoe", {"clip_qkv": 0.5}),
     "qwen3_moe_bias_dense": ("qwen3_moe", {"attention_bias": True, "mlp_only_layers": [0]}),
 }
@@ -104,7 +117,7 @@ def variant_dir(model_dirs, tmp_path_factory):
                 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
                 with torch.no_grad():
                     for pname, p in model.named_parameters():
-                        if "norm" in pname or pname.endswith("bias"):
+                        if "norm" in pname or pname.endswith(("bias", "sinks")):
                             p.add_(torch.randn_like(p) * 0.1)
                     for pname, b in model.named_buffers():  # noaux_tc's correction bias
                         if pname.endswith("e_score_correction_bias"):

@@ -26,6 +26,7 @@ ARCHS = [
     "olmoe",
     "deepseek_v2",
     "deepseek_v3",
+    "gpt_oss",
     "glm4_moe",
     "minimax_m2",
 ]

@@ -89,19 +89,26 @@ static void prefetch_rows(const int32_t *table, int64_t block_size, int64_t p0, 
  * position p: block_tables[b][p / block_size] * block_size + p % block_size; out [B, H, dv]
  * (row stride ldo). Query heads [g * H / G, (g + 1) * H / G) share kv head g. An 8-bit cache
  * holds its rows rotated (hadamard_rotate): the queries are rotated alike and the outputs back
- * (dv's blocks are the first of dk's: MLA's 512 of 576). */
+ * (dv's blocks are the first of dk's: MLA's 512 of 576).
+ * window > 0 (sliding-window layers): only the last `window` positions of each context are
+ * read. sinks (NULL: none) [H]: a learned logit per head that joins each softmax's
+ * denominator with no value (gpt-oss), merged with the splits' statistics at the end. */
 int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_t G, int kv_kind,
                         const void *k_cache, int64_t k_slot, int64_t k_head, int64_t dk,
                         const void *v_cache, int64_t v_slot, int64_t v_head, int64_t dv, int64_t v_scale_at,
                         const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
-                        int64_t block_size, float scale, bf16 *out, int64_t ldo, int nthreads) {
+                        int64_t block_size, float scale, const float *sinks, int64_t window, bf16 *out,
+                        int64_t ldo, int nthreads) {
     const int64_t hpg = H / G;
     /* bytes of a slot's rows (all kv heads) and of a cache element (bf16 or a byte), for
      * prefetching */
     const int64_t elem = kv_kind == KV_BF16 ? 2 : 1, tail = kv_kind == KV_BF16 ? 0 : 2;
     const int64_t k_bytes = ((G - 1) * k_head + dk) * elem + tail, v_bytes = ((G - 1) * v_head + dv) * elem + tail;
-    int64_t longest = 1;
-    for (int64_t b = 0; b < B; b++) longest = context_lens[b] > longest ? context_lens[b] : longest;
+    int64_t longest = 1; /* positions read, at most */
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = window > 0 && context_lens[b] > window ? window : context_lens[b];
+        longest = n > longest ? n : longest;
+    }
     int64_t splits = (4 * nthreads + B - 1) / B;
     const int64_t most = (longest + 63) / 64; /* at least 64 positions per split */
     splits = splits > most ? most : splits;
@@ -123,8 +130,9 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
         float *sh = qf + H * dk, *kf = sh + ATT_CHUNK, *vfl = kf + G * ATT_CHUNK * dk, *merged = vfl + G * ATT_CHUNK * dv;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < B * splits; it++) {
-            const int64_t b = it / splits, s = it % splits;
-            const int64_t c0 = s * span, c1 = c0 + span < context_lens[b] ? c0 + span : context_lens[b];
+            const int64_t b = it / splits, s = it % splits, len = context_lens[b];
+            const int64_t lo = window > 0 && len > window ? len - window : 0; /* first position read */
+            const int64_t c0 = lo + s * span, c1 = c0 + span < len ? c0 + span : len;
             float *res = partials + it * H * part;
             for (int64_t h = 0; h < H; h++) {
                 res[h * part] = -INFINITY, res[h * part + 1] = 0.0f;
@@ -188,8 +196,9 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
         for (int64_t bh = 0; bh < B * H; bh++) {
             const int64_t b = bh / H, h = bh % H;
             const float *res = partials + b * splits * H * part + h * part;
-            float top = -INFINITY, sum = 0.0f;
+            float top = sinks ? sinks[h] : -INFINITY;
             for (int64_t s = 0; s < splits; s++) top = res[s * H * part] > top ? res[s * H * part] : top;
+            float sum = sinks ? expf(sinks[h] - top) : 0.0f; /* the sink's share of the denominator */
             memset(merged, 0, dv * sizeof(float));
             for (int64_t s = 0; s < splits; s++) {
                 const float *r = res + s * H * part;

@@ -207,17 +207,23 @@ void kv_store_row(float *x, int kind, int64_t d, void *row);
 /* linear.c */
 int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, const wmat *w, int64_t w_bs,
               int64_t N, const bf16 *bias, bf16 *y, int64_t y_bs, int64_t ldy, int64_t batch, int nthreads);
-/* moe.c; and its SwiGLU, silu(gate) * up, rounded as the reference's bf16 ops round */
+/* moe.c; and its SwiGLU, silu(gate) * up, rounded as the reference's bf16 ops round. moe_glu:
+ * gpt-oss's experts (biases on both projections, the clamped SwiGLU when alpha > 0). */
+typedef struct {
+    const float *b13, *b2;
+    float alpha, limit;
+} moe_glu;
 int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, const wmat *w2, int64_t E,
-           int64_t I, const int64_t *ids, const float *weights, int64_t A, bf16 *out, int64_t ldo,
-           int64_t *counts, int nthreads);
+           int64_t I, const int64_t *ids, const float *weights, int64_t A, const moe_glu *glu, bf16 *out,
+           int64_t ldo, int64_t *counts, int nthreads);
 void swiglu_row(const float *gate, const float *up, float *out, int64_t n);
 /* attention.c */
 int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_t G, int kv_kind,
                         const void *k_cache, int64_t k_slot, int64_t k_head, int64_t dk,
                         const void *v_cache, int64_t v_slot, int64_t v_head, int64_t dv, int64_t v_scale_at,
                         const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
-                        int64_t block_size, float scale, bf16 *out, int64_t ldo, int nthreads);
+                        int64_t block_size, float scale, const float *sinks, int64_t window, bf16 *out,
+                        int64_t ldo, int nthreads);
 /* norm_rope.c */
 void ms_rmsnorm(const bf16 *x, int64_t ldx, bf16 *residual, int64_t ldr, const bf16 *w, float eps,
                 bf16 *out, int64_t ldo, int64_t T, int64_t D, int nthreads);

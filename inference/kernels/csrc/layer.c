@@ -105,7 +105,7 @@ static int decode_layer(const layer_spec *L, const bf16 *x, bf16 *residual, int 
     const int64_t row = L->kv_row;
     ms_rope_cache(qkv, W, T, H, G, d, d, cos, sin, slots, (int)L->kv_kind, k_cache, v_cache, row, nthreads);
     if (ms_decode_attention(qkv, W, T, H, G, (int)L->kv_kind, k_cache, G * row, row, d, v_cache, G * row, row, d, d,
-                            block_tables, bt_stride, context_lens, block_size, L->scale, att, H * d, nthreads))
+                            block_tables, bt_stride, context_lens, block_size, L->scale, NULL, 0, att, H * d, nthreads))
         goto done;
     if (ms_linear(att, 0, H * d, T, H * d, &L->wo, 0, D, L->o_bias, o, 0, D, 1, nthreads)) goto done;
     if (first && residual != x) memcpy(residual, x, (size_t)T * D * sizeof(bf16));
@@ -122,7 +122,7 @@ static int decode_layer(const layer_spec *L, const bf16 *x, bf16 *residual, int 
     if (!logits || !ids || !weights || !probs) goto done;
     if (ms_linear(h, 0, D, T, D, &L->router, 0, E, NULL, logits, 0, E, 1, nthreads)) goto done;
     route(logits, T, E, A, (int)L->norm_topk_prob, L->routed_scaling, ids, weights, probs);
-    if ((status = ms_moe(h, D, T, D, &L->w13, &L->w2, E, L->moe_inter, ids, weights, A, out, D, counts, nthreads)))
+    if ((status = ms_moe(h, D, T, D, &L->w13, &L->w2, E, L->moe_inter, ids, weights, A, NULL, out, D, counts, nthreads)))
         goto done;
     if (L->mlp_inter) { /* the shared expert, sigmoid-gated (Qwen2-MoE) or not (DeepSeek) */
         status = -1;

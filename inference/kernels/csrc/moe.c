@@ -17,12 +17,52 @@ void swiglu_row(const float *gate, const float *up, float *out, int64_t n) {
     for (; i < n; i++) out[i] = round_bf16(round_bf16(gate[i] / (1.0f + expf(-gate[i]))) * up[i]);
 }
 
+/* gpt-oss's clamped SwiGLU over n values: gate clamped above and up on both sides at limit,
+ * gate * sigmoid(alpha * gate) * (up + 1), rounded at each of the reference's bf16 ops. */
+static void clamped_swiglu_row(const float *gate, const float *up, float *out, int64_t n, float alpha, float limit) {
+    int64_t i = 0;
+    const vf one = vf_set1(1.0f), lim = vf_set1(limit), nlim = vf_set1(-limit), a = vf_set1(alpha);
+    for (; i + VL <= n; i += VL) {
+        const vf g = vf_min(vf_load(gate + i), lim), u = vf_max(vf_min(vf_load(up + i), lim), nlim);
+        const vf ga = vf_round_bf16(vf_mul(g, a));
+        const vf sig = vf_round_bf16(vf_div(one, vf_add(one, vf_exp(vf_sub(vf_zero(), ga)))));
+        const vf glu = vf_round_bf16(vf_mul(g, sig));
+        vf_store(out + i, vf_round_bf16(vf_mul(vf_round_bf16(vf_add(u, one)), glu)));
+    }
+    for (; i < n; i++) {
+        const float g = gate[i] < limit ? gate[i] : limit;
+        const float u = up[i] > limit ? limit : up[i] < -limit ? -limit : up[i];
+        const float sig = round_bf16(1.0f / (1.0f + expf(-round_bf16(g * alpha))));
+        out[i] = round_bf16(round_bf16(u + 1.0f) * round_bf16(g * sig));
+    }
+}
+
+/* the experts' activation: SwiGLU, or gpt-oss's clamped form when alpha > 0 */
+static inline void glu_row(const float *gate, const float *up, float *out, int64_t n, const moe_glu *glu) {
+    if (glu->alpha > 0.0f)
+        clamped_swiglu_row(gate, up, out, n, glu->alpha, glu->limit);
+    else
+        swiglu_row(gate, up, out, n);
+}
+
+/* v = round(round(v) + bias) over a block's n values (bias NULL: round only), as the
+ * reference's bf16 product and then its bias add round */
+static inline void round_add_bias(float *v, const float *bias, int64_t n) {
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) {
+        vf r = vf_round_bf16(vf_load(v + i));
+        if (bias) r = vf_round_bf16(vf_add(r, vf_load(bias + i)));
+        vf_store(v + i, r);
+    }
+    for (; i < n; i++) v[i] = bias ? round_bf16(round_bf16(v[i]) + bias[i]) : round_bf16(v[i]);
+}
+
 /* ---- MoE layers ---------------------------------------------------------------------- */
 
-/* rows [r0, r1) of a times block j of w [N, K] -> rows of `out` (float32, stride ldo, rounded
- * to bf16 precision like the reference's bf16 outputs). */
+/* rows [r0, r1) of a times block j of w [N, K] (plus bias [N] unless NULL) -> rows of `out`
+ * (float32, stride ldo, rounded to bf16 precision like the reference's bf16 outputs). */
 static void rows_times_block(const rows_t *a, int64_t r0, int64_t r1, const wmat *w, int64_t N, int64_t K,
-                             int64_t j, void *pad, float *out, int64_t ldo) {
+                             int64_t j, const float *bias, void *pad, float *out, int64_t ldo) {
     float C[TILE_ROWS * BLOCK];
     for (int64_t m0 = r0; m0 < r1; m0 += TILE_ROWS) {
         const int64_t m1 = m0 + TILE_ROWS < r1 ? m0 + TILE_ROWS : r1;
@@ -31,31 +71,29 @@ static void rows_times_block(const rows_t *a, int64_t r0, int64_t r1, const wmat
         for (int64_t m = m0; m < m1; m++) {
             const float *c = C + (m - m0) * BLOCK;
             float *o = out + m * ldo + j * BLOCK;
-            if (cols == BLOCK)
-                for (int v = 0; v < VPB; v++) vf_store(o + v * VL, vf_round_bf16(vf_load(c + v * VL)));
-            else
-                for (int64_t n = 0; n < cols; n++) o[n] = round_bf16(c[n]);
+            memcpy(o, c, cols * sizeof(float));
+            round_add_bias(o, bias ? bias + j * BLOCK : NULL, cols);
         }
     }
 }
 
-/* The first projection with SwiGLU in its epilogue (I % 16 == 0): rows [r0, r1) of a times
- * gate block j and up block I/16 + j of W13 [2I, K] -> silu(gate) * up into columns 16j.. of
- * hidden (float32, stride ldh; also as bf16 into hidden16 unless NULL), each value rounded
- * where the reference rounds. No [rows, 2I] intermediate, no second pass over it. */
+/* The first projection with the activation in its epilogue (I % 16 == 0): rows [r0, r1) of a
+ * times gate block j and up block I/16 + j of W13 [2I, K] (plus bias13 [2I] unless NULL) ->
+ * glu(gate, up) into columns 16j.. of hidden (float32, stride ldh; also as bf16 into hidden16
+ * unless NULL), each value rounded where the reference rounds. No [rows, 2I] intermediate, no
+ * second pass over it. */
 static void rows_swiglu_block(const rows_t *a, int64_t r0, int64_t r1, const wmat *w13, int64_t I, int64_t K,
-                              int64_t j, void *pad, float *hidden, bf16 *hidden16, int64_t ldh) {
+                              int64_t j, const float *bias13, const moe_glu *glu, void *pad, float *hidden,
+                              bf16 *hidden16, int64_t ldh) {
     float G[TILE_ROWS * BLOCK], U[TILE_ROWS * BLOCK];
     for (int64_t m0 = r0; m0 < r1; m0 += TILE_ROWS) {
         const int64_t m1 = m0 + TILE_ROWS < r1 ? m0 + TILE_ROWS : r1;
         wblock_gemm_pair(a, m0, m1 - m0, w13, 2 * I, K, j, I / BLOCK + j, pad, G, U, BLOCK);
         for (int64_t m = m0; m < m1; m++) {
             float *g = G + (m - m0) * BLOCK, *u = U + (m - m0) * BLOCK, *h = hidden + m * ldh + j * BLOCK;
-            for (int v = 0; v < VPB; v++) {
-                vf_store(g + v * VL, vf_round_bf16(vf_load(g + v * VL)));
-                vf_store(u + v * VL, vf_round_bf16(vf_load(u + v * VL)));
-            }
-            swiglu_row(g, u, h, BLOCK);
+            round_add_bias(g, bias13 ? bias13 + j * BLOCK : NULL, BLOCK);
+            round_add_bias(u, bias13 ? bias13 + I + j * BLOCK : NULL, BLOCK);
+            glu_row(g, u, h, BLOCK, glu);
             if (hidden16)
                 for (int v = 0; v < VPB; v++) vf_store_bf16(hidden16 + m * ldh + j * BLOCK + v * VL, vf_load(h + v * VL));
         }
@@ -71,11 +109,14 @@ static void rows_swiglu_block(const rows_t *a, int64_t r0, int64_t r1, const wma
  * x [T, D] (row stride ldx); w13 [E] packed [2I, D] (gate rows, then up rows); w2 [E] packed
  * [D, I], bf16 or 8-bit (int8: the tokens and the SwiGLU outputs are quantized per row for
  * the integer products); ids, weights [T, A]; out [T, D] (row stride ldo); counts [E] gets
- * the tokens per expert. Returns -1 without scratch memory, -2 for an expert id outside
- * [0, E). */
+ * the tokens per expert. glu (NULL: plain SwiGLU, no biases): gpt-oss's experts, float32
+ * biases b13 [E, 2I] (gate then up) and b2 [E, D] (each may be NULL) and the clamped SwiGLU
+ * when alpha > 0. Returns -1 without scratch memory, -2 for an expert id outside [0, E). */
 int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, const wmat *w2, int64_t E,
-           int64_t I, const int64_t *ids, const float *weights, int64_t A, bf16 *out, int64_t ldo,
-           int64_t *counts, int nthreads) {
+           int64_t I, const int64_t *ids, const float *weights, int64_t A, const moe_glu *glu, bf16 *out,
+           int64_t ldo, int64_t *counts, int nthreads) {
+    const moe_glu plain = {NULL, NULL, 0.0f, 0.0f};
+    if (!glu) glu = &plain;
     const int64_t pairs = T * A, Dp = even(D), Ip = even(I), Dq = quad(D), Iq = quad(I), N1 = 2 * I;
     for (int64_t p = 0; p < pairs; p++)
         if (ids[p] < 0 || ids[p] >= E) return -2;
@@ -172,18 +213,20 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
             for (int64_t it = 0; it < chunks * (I / BLOCK); it++) {
                 const int64_t *c = chunk + 3 * (it / (I / BLOCK));
                 const wmat we = wmat_expert(w13, c[0], N1, D);
-                rows_swiglu_block(&xr, c[1], c[2], &we, I, D, it % (I / BLOCK), tpad, hidden, hidden16, Ip);
+                const float *b = glu->b13 ? glu->b13 + c[0] * N1 : NULL;
+                rows_swiglu_block(&xr, c[1], c[2], &we, I, D, it % (I / BLOCK), b, glu, tpad, hidden, hidden16, Ip);
             }
         } else {
 #pragma omp for schedule(dynamic, 4)
             for (int64_t it = 0; it < chunks * blocks1; it++) {
                 const int64_t *c = chunk + 3 * (it / blocks1);
                 const wmat we = wmat_expert(w13, c[0], N1, D);
-                rows_times_block(&xr, c[1], c[2], &we, N1, D, it % blocks1, tpad, gate_up, N1);
+                const float *b = glu->b13 ? glu->b13 + c[0] * N1 : NULL;
+                rows_times_block(&xr, c[1], c[2], &we, N1, D, it % blocks1, b, tpad, gate_up, N1);
             }
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < pairs; r++) {
-                swiglu_row(gate_up + r * N1, gate_up + r * N1 + I, hidden + r * Ip, I);
+                glu_row(gate_up + r * N1, gate_up + r * N1 + I, hidden + r * Ip, I, glu);
                 if (Ip != I) hidden[r * Ip + I] = 0.0f;
                 if (hidden16) /* exact: the values are bf16-rounded */
                     for (int64_t i = 0; i < Ip; i++) hidden16[r * Ip + i] = f32_to_bf16(hidden[r * Ip + i]);
@@ -198,7 +241,8 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
         for (int64_t it = 0; it < chunks * blocks2; it++) {
             const int64_t *c = chunk + 3 * (it / blocks2);
             const wmat we = wmat_expert(w2, c[0], D, I);
-            rows_times_block(&hr, c[1], c[2], &we, D, I, it % blocks2, tpad, expert_out, D);
+            const float *b = glu->b2 ? glu->b2 + c[0] * D : NULL;
+            rows_times_block(&hr, c[1], c[2], &we, D, I, it % blocks2, b, tpad, expert_out, D);
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
