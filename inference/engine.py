@@ -121,7 +121,11 @@ class LLMEngine:
     def _admit(self, seqs: list[Sequence], job: CompileJob | None) -> None:
         for seq in seqs:
             if job is not None:  # one matcher per sequence (n > 1: each its own)
-                seq.matcher = job.matcher.deep_copy()
+                matcher = job.matcher.deep_copy()
+                if seq.params.reasoning_end is None:
+                    seq.matcher = matcher
+                else:  # free until the reasoning ends (_append_token)
+                    seq.reasoning_matcher = matcher
                 seq.times.grammar_compile_s = job.seconds
                 seq.times.grammar_cache_hit = job.cache_hit
             self.scheduler.add(seq)
@@ -155,7 +159,7 @@ class LLMEngine:
                     seq.times.finished = time.monotonic()
                 else:
                     self.scheduler.finish(seq, "abort")
-                seq.matcher = None
+                seq.matcher = seq.reasoning_matcher = None
                 self._aborted.append(seq.finished_record())
         log.info("request aborted", **seqs[0].log_context)
         return request_output(request_id, seqs)
@@ -236,11 +240,14 @@ class LLMEngine:
         grammar = None if seq.matcher is None else self.structured.advance(seq.matcher, token)
         ends = token in self.eos_token_ids and not seq.params.ignore_eos
         # an ending EOS adds no text, also where special tokens are kept (skip_special_tokens)
+        seen = len(seq.detok.text)
         matched = None if ends else seq.detok.add(token)
+        if seq.reasoning_matcher is not None:
+            _end_reasoning(seq, seen)
         reason = stop_reason(seq, token, ends, matched, grammar, self.max_model_len)
         if reason is not None:
             self.scheduler.finish(seq, reason)
-            seq.matcher = None
+            seq.matcher = seq.reasoning_matcher = None
 
     # ---- offline batch ----------------------------------------------------------------------
     def generate(
@@ -248,3 +255,12 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Runs the prompts to completion (steps until they finish): offline.py."""
         return generate_offline(self, prompts, params or SamplingParams())
+
+
+def _end_reasoning(seq: Sequence, seen: int) -> None:
+    """The grammar of a sequence that reasons starts once its text has the reasoning's end
+    marker (looked for in the text new since `seen` characters); it constrains the tokens after
+    the one that completed the marker."""
+    end = seq.params.reasoning_end
+    if seq.detok.text.find(end, max(seen - len(end) + 1, 0)) >= 0:
+        seq.matcher, seq.reasoning_matcher = seq.reasoning_matcher, None

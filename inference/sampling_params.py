@@ -89,6 +89,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prompt_logprobs: Logprobs | None = None
     n: NumChoices = 1
     structured_outputs: StructuredOutputs | None = None
+    # text that ends the model's reasoning (a reasoning parser's end marker, e.g. "</think>"):
+    # structured_outputs then constrain only the tokens after the output first contains it,
+    # as vLLM's grammars start where its reasoning parser sees the reasoning end
+    reasoning_end: StopString | None = None
     logit_bias: dict[TokenId, LogitBias] | None = None  # token id -> bias added to its logit
 
     def __post_init__(self) -> None:

@@ -60,6 +60,7 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprobs | None] = [None]
         self.detok = None  # inference.detokenizer.IncrementalDetokenizer, set by the engine
         self.matcher = None  # llguidance.LLMatcher of a constrained sequence (structured.py)
+        self.reasoning_matcher = None  # the matcher while it waits for params.reasoning_end
         # what the consumer has been sent so far
         self.sent_tokens = 0
         self.sent_text = 0

@@ -18,9 +18,16 @@ from service import validation
 from service.errors import BadRequest
 from service.generation import Generation, Update
 from service.proto.moeserve.v1 import inference_pb2 as pb
+from service.reasoning import (
+    ChoiceParse,
+    ReasoningPlan,
+    reasoning_end,
+    reasoning_plan,
+    skip_special_tokens,
+)
 from service.schemas import ChatMessage, FunctionCall, MessageToolCall, chat_message_dicts
 from service.state import ServingState
-from service.tools import TOOL_CHOICES, ChoiceToolCalls, ToolPlan, single_constraint, tool_plan
+from service.tools import TOOL_CHOICES, ToolPlan, single_constraint, tool_plan
 from service.validation import GenerationInput
 
 _REPEATED = ("stop", "stop_token_ids")
@@ -34,7 +41,7 @@ class InferenceServicer:
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, gen: Generation
     ) -> pb.GenerateResponse:
-        spec, plan = await self._parse(request, stream=False)
+        spec, plan, reasoning = await self._parse(request, stream=False)
         if spec.params.n > 1:
             raise BadRequest(
                 "params.n must be 1 for Generate; use GenerateStream for n > 1", param="params.n"
@@ -42,30 +49,32 @@ class InferenceServicer:
         final = await gen.final(spec)
         c = final.output.outputs[0]
         response = _response(gen, c, c.text, c.token_ids, c.logprobs or [])
-        if plan is not None:
-            content, calls = plan.calls(c.text)
-            response.text = content or ""
+        if plan is not None or reasoning is not None:
+            parse = ChoiceParse(reasoning, plan)
+            thought, content, calls = parse.whole(c.text)
+            response.text, response.reasoning_content = content or "", thought or ""
             response.tool_calls.extend(
                 pb.ToolCall(index=i, id=t.id, name=t.name, arguments=t.arguments)
                 for i, t in enumerate(calls)
             )
-            response.finish_reason = plan.finish_reason(calls, c.finish_reason) or ""
+            response.finish_reason = parse.finish_reason(c.finish_reason) or ""
         response.usage.CopyFrom(_usage(final))
         return response
 
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, gen: Generation
     ) -> None:
-        spec, plan = await self._parse(request, stream=True)
-        streams: dict[int, ChoiceToolCalls] = {}
+        spec, plan, reasoning = await self._parse(request, stream=True)
+        streams: dict[int, ChoiceParse] = {}
         async for update in gen.updates(spec):
             chunks = [
                 _response(gen, c, c.delta_text, c.delta_token_ids, c.delta_logprobs)
                 for c in update.choices
             ]
-            if plan is not None:
+            if plan is not None or reasoning is not None:
                 for chunk, c in zip(chunks, update.choices):
-                    _tool_deltas(chunk, c, streams.setdefault(c.index, ChoiceToolCalls(plan)))
+                    parse = streams.setdefault(c.index, ChoiceParse(reasoning, plan))
+                    _parsed_deltas(chunk, c, parse)
             if update.finished:
                 if not chunks:
                     chunks.append(pb.GenerateResponse(request_id=gen.request_id))
@@ -111,7 +120,7 @@ class InferenceServicer:
 
     async def _parse(
         self, request: pb.GenerateRequest, stream: bool
-    ) -> tuple[GenerationInput, ToolPlan | None]:
+    ) -> tuple[GenerationInput, ToolPlan | None, ReasoningPlan | None]:
         validation.one_of(("prompt", request.prompt), ("messages", request.messages))
         plan = _tool_plan(request, self.state.tool_parser)
         if plan is not None and not request.messages:
@@ -120,12 +129,15 @@ class InferenceServicer:
         constraint, field = single_constraint(
             ("structured_output", _structured_output(request)), ("tools", forced)
         )
-        params = _sampling_params(request.params, constraint, plan)
         tools = plan.template_tools if plan is not None else None
         limit = self.state.engine.max_model_len
         ids = await self._prompt_ids(request.prompt, request.messages, tools, limit)
+        parser = self.state.reasoning_parser if request.messages else None  # chats reason
+        reasoning = reasoning_plan(parser, self.state.engine.tokenizer, ids)
+        end = reasoning_end(self.state, reasoning, constraint)
+        params = _sampling_params(request.params, constraint, plan, reasoning, end)
         operation = "chat" if request.messages else "text_completion"
-        return GenerationInput(ids, params, operation, stream, field), plan
+        return GenerationInput(ids, params, operation, stream, field), plan, reasoning
 
     async def _prompt_ids(
         self,
@@ -143,7 +155,11 @@ class InferenceServicer:
 
 
 def _sampling_params(
-    p: pb.SamplingParams, constraint: StructuredOutputs | None, plan: ToolPlan | None
+    p: pb.SamplingParams,
+    constraint: StructuredOutputs | None,
+    plan: ToolPlan | None,
+    reasoning: ReasoningPlan | None,
+    reasoning_end: str | None,
 ) -> SamplingParams:
     """Unset optional scalars and empty lists and maps take the engine's defaults."""
     fields = {
@@ -152,10 +168,14 @@ def _sampling_params(
         else (getattr(p, name) if p.HasField(name) else None)
         for name in SAMPLING_FIELDS - {"logit_bias"}
     }
-    if plan is not None:
-        fields["skip_special_tokens"] = plan.skip_special_tokens(fields["skip_special_tokens"])
+    fields["skip_special_tokens"] = skip_special_tokens(
+        fields["skip_special_tokens"], plan, reasoning
+    )
     return validation.sampling_params(
-        **fields, logit_bias=dict(p.logit_bias) or None, structured_outputs=constraint
+        **fields,
+        logit_bias=dict(p.logit_bias) or None,
+        structured_outputs=constraint,
+        reasoning_end=reasoning_end,
     )
 
 
@@ -206,14 +226,15 @@ def _chat_message(m: pb.ChatMessage) -> ChatMessage:
     )
 
 
-def _tool_deltas(chunk: pb.GenerateResponse, c: CompletionOutput, calls: ChoiceToolCalls) -> None:
-    """A streamed message's text as content and tool-call deltas (see service/tools.py)."""
-    content, deltas = calls.feed(c.delta_text)
+def _parsed_deltas(chunk: pb.GenerateResponse, c: CompletionOutput, parse: ChoiceParse) -> None:
+    """A streamed message's text as reasoning, content and tool-call deltas (service/reasoning.py)."""
+    reasoning, content, deltas = parse.feed(c.delta_text)
     if c.finish_reason:
-        rest, more = calls.finish()
-        content, deltas = content + rest, deltas + more
-        chunk.finish_reason = calls.plan.finish_reason(calls.calls, c.finish_reason) or ""
-    chunk.text = content
+        rest = parse.finish()
+        reasoning, content = reasoning + rest.reasoning, content + rest.content
+        deltas = deltas + rest.tool_calls
+        chunk.finish_reason = parse.finish_reason(c.finish_reason) or ""
+    chunk.text, chunk.reasoning_content = content, reasoning
     chunk.tool_calls.extend(
         pb.ToolCall(index=d.index, id=d.id or "", name=d.name or "", arguments=d.arguments)
         for d in deltas

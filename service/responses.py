@@ -67,6 +67,7 @@ class ToolCallBody(_Body, kw_only=True):
 class AssistantMessage(_Body, kw_only=True, omit_defaults=True):
     role: str  # "assistant"
     content: str | None
+    reasoning_content: str | None = None  # the model's reasoning, as vLLM's (absent: none)
     tool_calls: list[ToolCallBody] | None = None
 
 
@@ -104,6 +105,7 @@ class ToolCallDeltaBody(_Body, kw_only=True, omit_defaults=True):
 class DeltaMessage(_Body, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDeltaBody] | None = None
 
 

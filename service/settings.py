@@ -7,7 +7,9 @@ import os
 from dataclasses import dataclass, fields
 
 from inference.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from service.parsers.reasoning import REASONING_PARSERS
 from service.parsers.tool_calls import PARSERS
+from service.reasoning import enable_in_reasoning
 
 
 @dataclass(slots=True)
@@ -38,6 +40,8 @@ class Settings:
     log_prompts: bool = False
     demo_preset: str = "small"
     tool_call_parser: str = "auto"  # the model's tool-call syntax; auto: from the checkpoint
+    reasoning_parser: str = "auto"  # how the model marks its reasoning; auto: from the checkpoint
+    structured_outputs_config: str | None = None  # vLLM's JSON: {"enable_in_reasoning": bool}
     drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     inspector_requests: int = 1000  # requests the inspector (/inspect) keeps
     no_inspector: bool = False
@@ -78,6 +82,12 @@ _HELP = {
     "demo_preset": "preset of the demo model (tiny|small)",
     "tool_call_parser": "the model's tool-call syntax under tool_choice auto "
     "(auto: from the checkpoint's architecture and chat template)",
+    "reasoning_parser": "how the model's output separates its reasoning (reasoning_content) "
+    "from the answer: auto (from the checkpoint's architecture and chat template), none (all "
+    "output is the answer), or a parser",
+    "structured_outputs_config": 'vLLM\'s, as JSON: {"enable_in_reasoning": true} makes '
+    "grammars (response_format, structured_outputs, forced tool calls) constrain the "
+    "reasoning too; by default they constrain the answer after it",
     "drain_timeout": "grace period for in-flight requests after SIGTERM (seconds)",
     "inspector_requests": "recent requests the inspector (GET /inspect) keeps",
     "no_inspector": "serve no inspector (/inspect and /inspect/api/* answer 404)",
@@ -93,7 +103,19 @@ _CHOICES = {
     "log_format": ["json", "console"],
     "demo_preset": ["tiny", "small"],
     "tool_call_parser": ["auto", *PARSERS],
+    "reasoning_parser": ["auto", "none", *REASONING_PARSERS],
 }
+
+
+def _structured_outputs_config(value: str) -> str:
+    try:
+        enable_in_reasoning(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+_TYPES = {"structured_outputs_config": _structured_outputs_config}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +132,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             env_on = str(default).lower() in ("1", "true", "yes", "on")
             parser.add_argument(flag, action="store_true", default=env_on, help=help_text)
             continue
-        kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
+        kind = _TYPES.get(f.name) or {"int": int, "int | None": int, "float": float}.get(
+            str(f.type), str
+        )
         parser.add_argument(
             flag,
             type=kind,

@@ -10,7 +10,9 @@ from inference import AsyncLLMEngine
 from service.api_keys import KeyRing
 from service.inspector.recorder import InspectorRecorder
 from service.observability import Observability
+from service.parsers.reasoning import reasoning_parser_for
 from service.parsers.tool_calls import parser_for
+from service.reasoning import enable_in_reasoning
 from service.settings import Settings
 
 
@@ -38,6 +40,22 @@ class ServingState:
             return self.settings.tool_call_parser
         template = getattr(self.engine.tokenizer, "chat_template", None)
         return parser_for(self.engine.args.architecture, template)
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        """How the model marks its reasoning: --reasoning-parser, or its family's (auto); None
+        where it does not reason (or with `none`)."""
+        name = self.settings.reasoning_parser
+        if name != "auto":
+            return None if name == "none" else name
+        template = getattr(self.engine.tokenizer, "chat_template", None)
+        return reasoning_parser_for(self.engine.args.architecture, template)
+
+    @property
+    def grammar_in_reasoning(self) -> bool:
+        """--structured-outputs-config's enable_in_reasoning: grammars constrain the reasoning
+        too (by default they start where it ends)."""
+        return enable_in_reasoning(self.settings.structured_outputs_config)
 
     @property
     def ready(self) -> bool:

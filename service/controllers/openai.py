@@ -28,6 +28,7 @@ from service.controllers.openai_render import ChatRender, CompletionRender
 from service.errors import BadRequest, ServiceError
 from service.generation import Generation
 from service.openapi_errors import errors
+from service.reasoning import reasoning_end, reasoning_plan, skip_special_tokens
 from service.responses import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -228,11 +229,15 @@ class OpenAIController(Controller):
             max(state.engine.max_model_len - len(ids), 1),  # OpenAI's default: the context
         )
         logprobs = (data.top_logprobs or 0) if data.logprobs else None
-        asked = data.skip_special_tokens
-        skip = plan.skip_special_tokens(asked) if plan else asked
+        reasoning = reasoning_plan(state.reasoning_parser, state.engine.tokenizer, ids)
         params = _sampling(
-            data, constraint, max_tokens=max_tokens, logprobs=logprobs, skip_special_tokens=skip
+            data,
+            constraint,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=skip_special_tokens(data.skip_special_tokens, plan, reasoning),
+            reasoning_end=reasoning_end(state, reasoning, constraint),
         )
         spec = GenerationInput(ids, params, "chat", data.stream, field)
-        render = ChatRender(request, gen.response_id, data.logprobs, plan)
+        render = ChatRender(request, gen.response_id, data.logprobs, plan, reasoning)
         return await _respond(request, gen, spec, data.stream_options, render)

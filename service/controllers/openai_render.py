@@ -12,6 +12,7 @@ from litestar import Request
 from inference.outputs import CompletionOutput, TokenLogprobs
 from service.controllers.common import serving_state
 from service.generation import Update
+from service.reasoning import ChoiceParse, ReasoningPlan
 from service.responses import (
     AssistantMessage,
     ChatChoice,
@@ -31,7 +32,7 @@ from service.responses import (
     TopLogprob,
     Usage,
 )
-from service.tools import ChoiceToolCalls, ToolPlan
+from service.tools import ToolPlan
 
 
 class Render:
@@ -105,12 +106,18 @@ class ChatRender(Render):
     chunk_type = ChatCompletionChunk
 
     def __init__(
-        self, request: Request, response_id: str, logprobs: bool, tools: ToolPlan | None
+        self,
+        request: Request,
+        response_id: str,
+        logprobs: bool,
+        tools: ToolPlan | None,
+        reasoning: ReasoningPlan | None = None,
     ) -> None:
         super().__init__(request, response_id)
-        self.logprobs, self.tools = logprobs, tools
+        self.logprobs, self.tools, self.reasoning = logprobs, tools, reasoning
+        self.parsed = tools is not None or reasoning is not None  # else the text is the content
         self.opened: set[int] = set()  # choices whose role chunk has gone out
-        self.streams: dict[int, ChoiceToolCalls] = {}  # each streamed choice's tool calls
+        self.streams: dict[int, ChoiceParse] = {}  # each streamed choice's parse
 
     def _token(self, kind: type[TopLogprob], token_id: int, logprob: float, **more):
         text = self.decode(token_id)
@@ -134,35 +141,43 @@ class ChatRender(Render):
     def whole(self, final: Update) -> ChatCompletionResponse:
         choices = []
         for c in final.output.outputs:
-            content, calls = self.tools.calls(c.text) if self.tools else (c.text, [])
+            reasoning, content, calls, finish = None, c.text, [], c.finish_reason
+            if self.parsed:
+                parse = ChoiceParse(self.reasoning, self.tools)
+                reasoning, content, calls = parse.whole(c.text)
+                finish = parse.finish_reason(c.finish_reason)
             bodies = [
                 ToolCallBody(id=t.id, function=FunctionCallBody(name=t.name, arguments=t.arguments))
                 for t in calls
             ]
-            message = AssistantMessage(role="assistant", content=content, tool_calls=bodies or None)
+            message = AssistantMessage(
+                role="assistant",
+                content=content,
+                reasoning_content=reasoning,
+                tool_calls=bodies or None,
+            )
             choices.append(
                 ChatChoice(
                     index=c.index,
                     message=message,
                     logprobs=self._logprobs(c.logprobs or []),
-                    finish_reason=self._finish_reason(calls, c.finish_reason),
+                    finish_reason=finish,
                     stop_reason=c.stop_reason,
                 )
             )
         return self.body(ChatCompletionResponse, choices, final.usage)
 
-    def _finish_reason(self, calls: list, engine_reason: str | None) -> str | None:
-        return self.tools.finish_reason(calls, engine_reason) if self.tools else engine_reason
-
-    def _delta(self, c: CompletionOutput) -> DeltaMessage:
-        """A choice's new text as content and tool-call deltas (a call goes out whole)."""
-        if self.tools is None:
-            return DeltaMessage(content=c.delta_text or None)
-        stream = self.streams.setdefault(c.index, ChoiceToolCalls(self.tools))
-        content, deltas = stream.feed(c.delta_text)
+    def _delta(self, c: CompletionOutput) -> tuple[DeltaMessage, str | None]:
+        """A choice's new text as reasoning, content and tool-call deltas (a call goes out
+        whole), and its finish reason."""
+        if not self.parsed:
+            return DeltaMessage(content=c.delta_text or None), c.finish_reason
+        parse = self.streams.setdefault(c.index, ChoiceParse(self.reasoning, self.tools))
+        reasoning, content, deltas = parse.feed(c.delta_text)
         if c.finish_reason:
-            rest, more = stream.finish()
-            content, deltas = content + rest, deltas + more
+            rest = parse.finish()
+            reasoning, content = reasoning + rest.reasoning, content + rest.content
+            deltas = deltas + rest.tool_calls
         calls = [
             ToolCallDeltaBody(
                 index=d.index,
@@ -172,7 +187,11 @@ class ChatRender(Render):
             )
             for d in deltas
         ]
-        return DeltaMessage(content=content or None, tool_calls=calls or None)
+        finish = parse.finish_reason(c.finish_reason) if c.finish_reason else None
+        delta = DeltaMessage(
+            content=content or None, reasoning_content=reasoning or None, tool_calls=calls or None
+        )
+        return delta, finish
 
     def chunks(self, update: Update) -> list[tuple[ChatChunkChoice, Usage]]:
         """OpenAI opens each choice with a chunk of the role, which reports no completion
@@ -188,15 +207,14 @@ class ChatRender(Render):
                 result.append((ChatChunkChoice(index=index, delta=role), opening))
             c = new.get(index)
             if c is not None:
-                delta = self._delta(c)
-                calls = self.streams[index].calls if self.tools else []
+                delta, finish = self._delta(c)
                 choice = ChatChunkChoice(
                     index=index,
                     delta=delta,
                     logprobs=self._logprobs(c.delta_logprobs),
-                    finish_reason=self._finish_reason(calls, c.finish_reason),
+                    finish_reason=finish,
                 )
-                if self.tools and choice == ChatChunkChoice(index=index, delta=DeltaMessage()):
-                    continue  # text held back while it may be a call: nothing to send yet
+                if self.parsed and choice == ChatChunkChoice(index=index, delta=DeltaMessage()):
+                    continue  # text held back while it may be a marker: nothing to send yet
                 result.append((choice, usage))
         return result

@@ -626,3 +626,27 @@ def test_engine_core_sends_late_grammar_errors_and_waits_for_compiles(engine):
         engine.structured.sync_compile_s = size
         engine.pending_grammars.on_done = None
         conn.close()
+
+
+def test_a_grammar_starts_where_the_reasoning_ends(engine):
+    """SamplingParams.reasoning_end (a reasoning parser's end marker, set by the service): the
+    output samples freely until its text contains the marker, then the grammar constrains the
+    rest, as vLLM's grammars start after the reasoning. Greedy, so the free part is the
+    unconstrained output's."""
+    prompt = "Tell me about a person"
+    free = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
+    marker = engine.tokenizer.decode(free.token_ids[:4])  # the text of the first 4 tokens
+    assert free.text.startswith(marker)
+    grammar = StructuredOutputs(regex="[0-9]{3}")
+    params = SamplingParams(
+        temperature=0, max_tokens=20, structured_outputs=grammar, reasoning_end=marker
+    )
+    out = engine.generate(prompt, params)[0].outputs[0]
+    assert out.token_ids[:4] == free.token_ids[:4]
+    assert out.text.startswith(marker) and re.fullmatch("[0-9]{3}", out.text[len(marker) :])
+    assert out.finish_reason == "stop"
+    # a marker the output never writes: the grammar never starts
+    params = SamplingParams(
+        temperature=0, max_tokens=10, structured_outputs=grammar, reasoning_end="\x00never"
+    )
+    assert engine.generate(prompt, params)[0].outputs[0].token_ids == free.token_ids

@@ -755,6 +755,9 @@ _PIECES = {
         MM_OPEN + invoke("get_weather", ("days", "5"), ("temp", "21.5"), ("unit", "c")),
         invoke("g", ("opts", NESTED), ("limit", "null")),
     ],
+    # gpt-oss: its calls are harmony messages, read before the content reaches the family
+    # (tests/service/test_reasoning_parsers.py): the content passes through untouched
+    "openai": ["<|channel|>", "commentary to=functions.f", "<|message|>", "<|call|>", "<|"],
 }
 
 

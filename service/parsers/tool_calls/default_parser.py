@@ -23,6 +23,7 @@ _ARCH_PARSERS = {
     "DeepseekV3ForCausalLM": "deepseek",
     "Glm4MoeForCausalLM": "glm45",
     "MiniMaxM2ForCausalLM": "minimax_m2",
+    "GptOssForCausalLM": "openai",
     "LlamaForCausalLM": "llama3_json",
 }
 

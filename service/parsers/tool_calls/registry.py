@@ -11,6 +11,7 @@ from service.parsers.tool_calls.kimi_k2 import KIMI_K2
 from service.parsers.tool_calls.llama3_json import LLAMA3_JSON
 from service.parsers.tool_calls.minimax_m2 import MINIMAX_M2
 from service.parsers.tool_calls.mistral import MISTRAL
+from service.parsers.tool_calls.openai import OPENAI
 
 FAMILIES: dict[str, Family] = {
     "hermes": HERMES,
@@ -21,6 +22,7 @@ FAMILIES: dict[str, Family] = {
     "kimi_k2": KIMI_K2,
     "glm45": GLM45,
     "minimax_m2": MINIMAX_M2,
+    "openai": OPENAI,  # gpt-oss: its calls are harmony messages (openai.py)
 }
 PARSERS: tuple[str, ...] = tuple(FAMILIES)
 
