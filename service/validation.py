@@ -17,6 +17,7 @@ import msgspec
 from inference import InvalidParameterError, SamplingParams
 from inference.prompts import encode_within
 from service.errors import BadRequest, NotFound
+from service.harmony_prompt import is_harmony_tokenizer, render_harmony
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _FIELD_PATH = re.compile(r"at `\$\.([^`]+)`")  # `$.messages[0].role` -> messages[0].role
@@ -159,6 +160,8 @@ async def chat_ids(
                 f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}",
                 param=f"messages[{i}].role",
             )
+    if is_harmony_tokenizer(tokenizer):  # gpt-oss: harmony's renderer, as vLLM's
+        return await asyncio.to_thread(render_harmony, messages, tools)
     if not getattr(tokenizer, "chat_template", None):
         raise BadRequest(
             "this model has no chat template; send a plain prompt instead",

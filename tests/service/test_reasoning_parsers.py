@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from service.errors import BadRequest
 from service.parsers.reasoning import (
     REASONING_PARSERS,
     ReasoningDelta,
@@ -302,3 +303,48 @@ def test_flags(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
     assert "structured-outputs-config is not JSON" in capsys.readouterr().err
+
+
+def test_gpt_oss_prompts_are_rendered_by_harmony(tiny_model_dir):
+    """Where the tokenizer is gpt-oss's, harmony renders the chat (the demo tokenizer is not)."""
+    from transformers import AutoTokenizer
+
+    from service.harmony_prompt import is_harmony_tokenizer, render_harmony
+    from service.parsers.harmony import harmony_encoding
+
+    assert not is_harmony_tokenizer(AutoTokenizer.from_pretrained(tiny_model_dir))
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "the weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather"}}
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {**call, "function": {**call["function"], "arguments": {"city": "Paris"}}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 20}'},
+    ]
+    text = harmony_encoding().decode(render_harmony(messages, [tool]))
+    assert text.startswith("<|start|>system<|message|>") and text.endswith("<|start|>assistant")
+    assert "<|start|>developer<|message|># Instructions\n\nBe brief." in text
+    assert "type get_weather = " in text
+    assert "<|start|>user<|message|>Weather in Paris?<|end|>" in text
+    assert (
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
+        '<|message|>{"city": "Paris"}<|call|>'
+    ) in text
+    assert (
+        '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"temp": 20}'
+    ) in text
+    with pytest.raises(BadRequest, match="tool_call_id"):
+        render_harmony([{"role": "tool", "content": "x", "tool_call_id": "nope"}], None)
