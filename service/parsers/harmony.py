@@ -87,13 +87,14 @@ class HarmonyMessages:
     The text is encoded again with harmony's encoding (so any tokenizer's decoded text works)
     and fed to harmony's StreamableParser. A special token split across deltas is held back
     until it is whole. Text that is not harmony (no header before it) comes out as content
-    verbatim at the end, or where harmony refuses it.
+    verbatim at the end; where harmony refuses a token, the text from the start of that message
+    on is content verbatim.
     """
 
     def __init__(self) -> None:
         self._enc = harmony_encoding()
-        self._new_parser = lambda: StreamableParser(self._enc, role=Role.ASSISTANT)
-        self._parser = self._new_parser()
+        self._parser = StreamableParser(self._enc, role=Role.ASSISTANT)
+        self._broken = False  # harmony refused the text: all that follows is content
         self._pending = ""
         self._unsettled: list[int] = []  # tokens of the message being read, not yet content
         self._seen = 0  # messages read so far
@@ -118,6 +119,8 @@ class HarmonyMessages:
         self._done = True
         out = self._process(self._pending)
         self._pending = ""
+        if self._broken:
+            return out
         try:  # the stop token (<|return|>, <|call|>) is not in the text: end the message here
             self._parser.process_eos()
         except HarmonyError:
@@ -132,15 +135,18 @@ class HarmonyMessages:
         out: list[tuple[str, object]] = []
         if not text:
             return out
-        for token in self._enc.encode(text, allowed_special="all"):
+        if self._broken:
+            return [("content", text)]
+        for i, token in enumerate(self._enc.encode(text, allowed_special="all")):
             self._unsettled.append(token)
             try:
                 self._parser.process(token)
-            except HarmonyError:  # not harmony here: the message's text is content
-                out.append(("content", self._enc.decode(self._unsettled)))
-                self._unsettled, self._opened = [], None
-                self._parser = self._new_parser()
-                continue
+            except HarmonyError:  # not harmony: the rest is content, from this message on
+                self._broken = True
+                tokens = self._unsettled + self._enc.encode(text, allowed_special="all")[i + 1 :]
+                out.append(("content", self._enc.decode(tokens)))
+                self._unsettled = []
+                return out
             parser = self._parser
             if parser.state == StreamState.CONTENT:
                 self._unsettled = []
@@ -153,7 +159,8 @@ class HarmonyMessages:
                             delta = "\n" + delta
                         self._had[kind] = True
                     out.append((kind, delta))
-            self._take_messages(out)
+            elif parser.state == StreamState.EXPECT_START:  # a message may have ended
+                self._take_messages(out)
         return out
 
     def _take_messages(self, out: list[tuple[str, object]]) -> None:

@@ -96,6 +96,13 @@ CASES = [
     ),
     ("gpt_oss", ANALYSIS, "The user wants the weather. Use get_weather.", None),  # cut short
     ("gpt_oss", "plain text, not harmony", None, "plain text, not harmony"),
+    # harmony refuses text after a message: from there on all is content, verbatim
+    (
+        "gpt_oss",
+        ANALYSIS + H_END + "stray text" + harmony("final", "Fine."),
+        "The user wants the weather. Use get_weather.",
+        "stray text" + harmony("final", "Fine."),
+    ),
 ]
 CALL_TEXT = ANALYSIS + H_END + harmony("commentary", WEATHER_ARGS, "functions.get_weather") + H_CALL
 TWO_CALLS = (
