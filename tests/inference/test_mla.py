@@ -86,6 +86,8 @@ def test_architectures_and_unknown_ones(model_dirs):
         "OlmoeForCausalLM",
         "DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM",
+        "Glm4MoeForCausalLM",
+        "MiniMaxM2ForCausalLM",
         "LlamaForCausalLM",
     }
     cfg = LLMEngine.from_pretrained(
