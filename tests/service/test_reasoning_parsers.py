@@ -197,15 +197,22 @@ def test_feed_after_finish():
             stream.finish()
 
 
+CHATML = "{{ '<|im_start|>assistant\n' }}"
+
+
 @pytest.mark.parametrize(
     ("architecture", "template", "parser"),
     [
         ("DeepseekV3ForCausalLM", "{{ '<｜Assistant｜><think>\\n' }}", "deepseek_r1"),  # R1
         ("DeepseekV3ForCausalLM", "{{ '<｜Assistant｜>' }}", None),  # V3: no thinking
         ("DeepseekV3ForCausalLM", None, None),
-        ("GptOssForCausalLM", None, "gpt_oss"),
-        ("Glm4MoeForCausalLM", None, "glm45"),
-        ("MiniMaxM2ForCausalLM", None, "minimax_m2"),
+        ("GptOssForCausalLM", None, "gpt_oss"),  # harmony renders its prompts
+        ("GptOssForCausalLM", "<|start|>assistant<|channel|>final<|message|>", "gpt_oss"),
+        ("GptOssForCausalLM", CHATML, None),  # a demo checkpoint
+        ("Glm4MoeForCausalLM", "<|assistant|>{{ '<think></think>' }}", "glm45"),
+        ("Glm4MoeForCausalLM", CHATML, None),
+        ("MiniMaxM2ForCausalLM", "]~b]ai\n<think>\n", "minimax_m2"),
+        ("MiniMaxM2ForCausalLM", CHATML, None),
         ("MixtralForCausalLM", "<think>", None),
         ("Qwen3MoeForCausalLM", None, None),
     ],

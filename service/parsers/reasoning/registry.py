@@ -24,10 +24,14 @@ PARSERS: dict[str, ReasoningParser] = {
 }
 REASONING_PARSERS: tuple[str, ...] = tuple(PARSERS)
 
+HARMONY_CHANNEL = "<|channel|>"
+# By architecture: the parser, and what the chat template writes where the model reasons (a
+# demo checkpoint's ChatML template has neither, so its random text stays content)
 _ARCH_PARSERS = {
-    "GptOssForCausalLM": "gpt_oss",
-    "Glm4MoeForCausalLM": "glm45",
-    "MiniMaxM2ForCausalLM": "minimax_m2",
+    "DeepseekV3ForCausalLM": ("deepseek_r1", THINK_OPEN),  # R1, V3.1; not V3, Kimi-K2
+    "GptOssForCausalLM": ("gpt_oss", HARMONY_CHANNEL),
+    "Glm4MoeForCausalLM": ("glm45", THINK_OPEN),
+    "MiniMaxM2ForCausalLM": ("minimax_m2", THINK_OPEN),
 }
 
 
@@ -41,9 +45,10 @@ def reasoning_parser_named(name: str) -> ReasoningParser:
 
 
 def reasoning_parser_for(architecture: str, chat_template: str | None) -> str | None:
-    """The reasoning parser `auto` gives a checkpoint: by architecture, and for
-    DeepseekV3ForCausalLM (V3, R1, V3.1, Kimi-K2, Moonlight) deepseek_r1 only where the chat
-    template thinks (writes `<think>`: R1, V3.1); None where the model does not reason."""
-    if architecture == "DeepseekV3ForCausalLM":
-        return "deepseek_r1" if THINK_OPEN in (chat_template or "") else None
-    return _ARCH_PARSERS.get(architecture)
+    """The reasoning parser `auto` gives a checkpoint: its architecture's, where its chat
+    template shows the model reasoning (`<think>`; harmony's channels for gpt-oss, whose
+    prompts harmony renders even without a template); None where the model does not reason."""
+    parser, sign = _ARCH_PARSERS.get(architecture, (None, None))
+    if parser == "gpt_oss" and chat_template is None:
+        return parser
+    return parser if sign is not None and sign in (chat_template or "") else None
