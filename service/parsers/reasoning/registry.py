@@ -28,7 +28,7 @@ HARMONY_CHANNEL = "<|channel|>"
 # By architecture: the parser, and what the chat template writes where the model reasons (a
 # demo checkpoint's ChatML template has neither, so its random text stays content)
 _ARCH_PARSERS = {
-    "DeepseekV3ForCausalLM": ("deepseek_r1", THINK_OPEN),  # R1, V3.1; not V3, Kimi-K2
+    "DeepseekV3ForCausalLM": ("deepseek_r1", THINK_OPEN),  # R1, V3.1 (V3's template: none)
     "GptOssForCausalLM": ("gpt_oss", HARMONY_CHANNEL),
     "Glm4MoeForCausalLM": ("glm45", THINK_OPEN),
     "MiniMaxM2ForCausalLM": ("minimax_m2", THINK_OPEN),
