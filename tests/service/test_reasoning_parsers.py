@@ -362,3 +362,23 @@ def test_gpt_oss_prompts_are_rendered_by_harmony(tiny_model_dir):
     ) in text
     with pytest.raises(BadRequest, match="tool_call_id"):
         render_harmony([{"role": "tool", "content": "x", "tool_call_id": "nope"}], None)
+
+
+def test_a_forced_call_is_read_from_the_answer_after_the_reasoning():
+    """tool_choice "required": the grammar forces the answer (after </think>) into the calls'
+    JSON; the reasoning before it is reasoning, at every split."""
+    text = (
+        'Paris, so get_weather.</think>[{"name": "get_weather", "parameters": '
+        + WEATHER_ARGS
+        + "}]"
+    )
+    plan = tool_plan([WEATHER_TOOL], "required", None, None, "hermes")
+    for i in range(len(text) + 1):
+        reasoning, content, deltas, parse = _choice(
+            ReasoningPlan("deepseek_r1"), plan, [text[:i], text[i:]]
+        )
+        assert (reasoning, content) == ("Paris, so get_weather.", "")
+        assert [(c.name, json.loads(c.arguments)) for c in parse.calls] == [
+            ("get_weather", json.loads(WEATHER_ARGS))
+        ]
+        assert [d.name for d in deltas] == ["get_weather"]
