@@ -26,7 +26,7 @@ from inference.models.attention import AttentionMetadata, PagedAttention
 from inference.models.decoder import Attention, Decoder, DecoderLayer
 from inference.models.layers import Linear, RMSNorm
 from inference.models.mla import AbsorbedAttention, MLAttention
-from inference.models.moe import DenseMLP, Experts, MoE, Router, SharedExpertMoE
+from inference.models.moe import DenseMLP, Experts, MoE, NoAuxMoE, Router, SharedExpertMoE
 
 
 def _replacement(name: str, module: nn.Module, parent: nn.Module) -> nn.Module | None:
@@ -93,31 +93,29 @@ def install(model: nn.Module) -> FusedDecodeStep | None:
     return FusedDecodeStep(model, step)
 
 
+_MAX_GROUPS = 64  # noaux_tc expert groups the fused router holds (csrc/layer.c)
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
 def layer_spec(layer: nn.Module) -> cpu.LayerSpec | None:
     """A decoder layer as the fused decode step reads it, once its modules are the kernels';
-    None for layers it does not cover (another layer shape, MLA, group-limited or float32
-    routing, sliding windows or sinks)."""
-    if type(layer) is not DecoderLayer or type(layer.attn) is not Attention:
+    None for layers it does not cover (another layer shape, MLA, group-limited softmax
+    routing)."""
+    if not isinstance(layer, DecoderLayer) or type(layer.attn) is not Attention:
         return None
     attn, mlp = layer.attn, layer.mlp
     moe, shared = (mlp.moe, mlp.shared) if isinstance(mlp, SharedExpertMoE) else (mlp, None)
     if not isinstance(attn.wqkv, CpuLinear) or not isinstance(attn.attn, CpuPagedAttention):
         return None
-    if attn.rotary_dim != attn.head_dim:  # partial rotary: the composed layers rotate it
-        return None
-    if attn.attn.window or attn.attn.sinks is not None:
-        return None
+    noaux = type(moe) is NoAuxMoE
     if layer.is_moe and (
-        type(moe) is not MoE
-        or moe.num_groups > 1
-        or moe.gate.bias is not None
-        or moe.experts.glu is not None
-        or not isinstance(moe.gate, CpuLinear)
+        type(moe) not in (MoE, NoAuxMoE)
         or not isinstance(moe.experts, CpuExperts)
+        or (noaux and (moe.num_groups > _MAX_GROUPS or moe.gate.weight.dtype != torch.float32))
+        or (not noaux and (moe.num_groups > 1 or not isinstance(moe.gate, CpuLinear)))
     ):
         return None
     spec = _attention_spec(layer, attn)
@@ -125,8 +123,15 @@ def layer_spec(layer: nn.Module) -> cpu.LayerSpec | None:
         spec.experts, spec.top_k = moe.num_experts, moe.top_k
         spec.moe_inter = moe.experts.intermediate_size
         spec.norm_topk_prob, spec.routed_scaling = int(moe.norm_topk_prob), moe.scaling
-        spec.router = cpu.wmat(moe.gate.weight)
+        if noaux:  # the float32 gate and its correction bias, read in place
+            spec.router_f32 = _ptr(moe.gate.weight.data)
+            spec.correction_bias = _ptr(moe.gate.e_score_correction_bias.data)
+            spec.groups, spec.topk_group = moe.num_groups, moe.topk_group
+        else:
+            spec.router, spec.router_bias = cpu.wmat(moe.gate.weight), _ptr(moe.gate.bias)
         spec.w13, spec.w2 = cpu.wmat(moe.experts.w13), cpu.wmat(moe.experts.w2)
+        if moe.experts.glu is not None:
+            spec.glu = moe.experts.glu
         gate = mlp.shared_gate if shared is not None else None
         spec.shared_gate = cpu.wmat(None if gate is None else gate.weight)
     dense = mlp if isinstance(mlp, DenseMLP) else shared
@@ -155,6 +160,9 @@ def _attention_spec(layer: DecoderLayer, attn: Attention) -> cpu.LayerSpec:
         o_bias=_ptr(attn.wo.bias),
         q_norm=_ptr(attn.q_norm.weight) if attn.q_norm else None,
         k_norm=_ptr(attn.k_norm.weight) if attn.k_norm else None,
+        rotary_dim=attn.rotary_dim,
+        window=attn.attn.window,
+        sinks=_ptr(attn.attn.sinks32),
     )
 
 

@@ -218,6 +218,10 @@ class LayerSpec(ctypes.Structure):
                 "norm_topk_prob",
                 "kv_kind",
                 "kv_row",
+                "rotary_dim",
+                "window",
+                "groups",
+                "topk_group",
             )
         ]
         + [(n, _F32) for n in ("eps", "scale", "clip_qkv", "routed_scaling")]
@@ -232,12 +236,17 @@ class LayerSpec(ctypes.Structure):
                 "k_norm",
                 "mlp_b13",
                 "mlp_b2",
+                "router_bias",
+                "sinks",
+                "router_f32",
+                "correction_bias",
             )
         ]
         + [
             (n, WMat)
             for n in ("wqkv", "wo", "router", "w13", "w2", "mlp_w13", "mlp_w2", "shared_gate")
         ]
+        + [("glu", MoeGlu)]
     )
 
 

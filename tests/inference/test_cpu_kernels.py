@@ -505,10 +505,9 @@ ARCHS = [
     "minimax_m2",
     "llama",
 ]
-# the families whose layers the one-call decode step does not cover (MLA; noaux_tc routing
-# and partial rotary; sinks, windows and biased experts): they keep the composed layers, on
-# the kernels
-COMPOSED = {"deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe", "minimax_m2"}
+# the families whose layers the one-call decode step does not cover (MLA): they keep the
+# composed layers, on the kernels
+COMPOSED = {"deepseek_v2", "deepseek_v3"}
 ATEN_ERRORS: dict[str, float] = {}
 
 

@@ -5,15 +5,18 @@
  * costs about 1 ms of Python and dispatch when composed op by op, more than its attention;
  * this is what keeps the default eager engine's host overhead per step near zero.
  *
- * Covers standard attention (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Llama); MLA layers and
- * prefill chunks keep the composed path. Rounding is the composed path's, op for op.
+ * Covers standard attention (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Llama, gpt-oss with its
+ * sinks, windows and biased experts, GLM-4.5 and MiniMax-M2 with partial rotary and noaux_tc
+ * routing); MLA layers and prefill chunks keep the composed path. Rounding is the composed
+ * path's, op for op.
  */
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
 
-/* Mirrored by cpu_kernels.LayerSpec: int64 fields, then floats, then pointers, then weights. */
+/* Mirrored by cpu_kernels.LayerSpec: int64 fields, then floats, then pointers, then weights,
+ * then the experts' biases and activation. */
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim;
     int64_t experts, top_k, moe_inter; /* experts 0: a dense layer (mlp_* below) */
@@ -21,10 +24,18 @@ typedef struct {
     int64_t qk_norm;                   /* 0 none, 1 per head (Qwen3-MoE), 2 over the projection (OLMoE) */
     int64_t norm_topk_prob;
     int64_t kv_kind, kv_row; /* the cache rows' format (KV_*) and elements per (slot, head) row */
+    int64_t rotary_dim;      /* the dims of each head that rotate (partial rotary: < head_dim) */
+    int64_t window;          /* > 0: a sliding-window layer (gpt-oss) */
+    int64_t groups, topk_group; /* noaux_tc routing's expert groups (router_f32 set) */
     float eps, scale, clip_qkv, routed_scaling; /* clip_qkv 0: none */
     const bf16 *input_norm, *post_norm, *qkv_bias, *o_bias, *q_norm, *k_norm, *mlp_b13, *mlp_b2;
+    const bf16 *router_bias;      /* the router's bias (gpt-oss), or NULL */
+    const float *sinks;           /* [heads] attention sinks (gpt-oss), or NULL */
+    const float *router_f32;      /* [experts, hidden]: noaux_tc routing in float32, or NULL */
+    const float *correction_bias; /* [experts] noaux_tc's choice bias */
     wmat wqkv, wo, router, w13, w2, mlp_w13, mlp_w2;
     wmat shared_gate; /* data NULL: ungated */
+    moe_glu glu;      /* the experts' biases and clamped SwiGLU (gpt-oss); alpha 0: plain */
 } layer_spec;
 
 /* softmax over each token's router logits (float32, as the reference), its top_k experts
@@ -49,6 +60,67 @@ static void route(const bf16 *logits, int64_t T, int64_t E, int64_t A, int norm,
         for (int64_t a = 0; a < A; a++) {
             if (norm) weights[t * A + a] /= chosen;
             weights[t * A + a] *= scaling;
+        }
+    }
+}
+
+/* noaux_tc routing (DeepSeek-V3, GLM-4.5, MiniMax-M2), as moe.NoAuxMoE routes: float32 logits
+ * of the normed rows h [T, D] against W [E, D], sigmoid scores; experts chosen on score +
+ * correction bias within the best topk_group of `groups` groups (a group scores as the sum
+ * of its two best), ties to the lower id; weights the unbiased scores, optionally
+ * renormalised, times the routed scaling factor. scratch: D + 2E floats. */
+static void route_noaux(const layer_spec *L, const bf16 *h, int64_t T, int64_t *ids, float *weights, float *scratch) {
+    const int64_t D = L->hidden, E = L->experts, A = L->top_k, per = E / L->groups;
+    float *x = scratch, *score = x + D, *choice = score + E;
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t i = 0; i < D; i++) x[i] = bf16_to_f32(h[t * D + i]);
+        for (int64_t e = 0; e < E; e++) {
+            float acc = 0.0f;
+            const float *w = L->router_f32 + e * D;
+            int64_t i = 0;
+            vf v = vf_zero();
+            for (; i + VL <= D; i += VL) v = vf_fma(vf_load(x + i), vf_load(w + i), v);
+            acc = vf_sum(v);
+            for (; i < D; i++) acc += x[i] * w[i];
+            score[e] = 1.0f / (1.0f + expf(-acc));
+            choice[e] = score[e] + L->correction_bias[e];
+        }
+        if (L->groups > 1) {
+            float group_score[64]; /* groups <= 64 (layer_spec's caller checks) */
+            for (int64_t g = 0; g < L->groups; g++) {
+                float a = -INFINITY, b = -INFINITY;
+                for (int64_t e = g * per; e < (g + 1) * per; e++) {
+                    const float c = choice[e];
+                    if (c > a) b = a, a = c;
+                    else if (c > b) b = c;
+                }
+                group_score[g] = a + b;
+            }
+            for (int64_t k = 0; k < L->topk_group; k++) { /* mark the best groups: score -> +inf */
+                int64_t best = -1;
+                for (int64_t g = 0; g < L->groups; g++)
+                    if (group_score[g] != INFINITY && (best < 0 || group_score[g] > group_score[best])) best = g;
+                group_score[best] = INFINITY;
+            }
+            for (int64_t g = 0; g < L->groups; g++)
+                if (group_score[g] != INFINITY)
+                    for (int64_t e = g * per; e < (g + 1) * per; e++) choice[e] = -INFINITY;
+        }
+        float chosen = 0.0f;
+        for (int64_t a = 0; a < A; a++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (choice[e] != -INFINITY && (best < 0 || choice[e] > choice[best])) best = e;
+            if (best < 0) /* fewer eligible experts than top_k cannot happen: groups hold >= 2 */
+                best = 0;
+            ids[t * A + a] = best;
+            weights[t * A + a] = score[best];
+            chosen += score[best];
+            choice[best] = -INFINITY;
+        }
+        for (int64_t a = 0; a < A; a++) {
+            if (L->norm_topk_prob) weights[t * A + a] /= chosen + 1e-20f;
+            weights[t * A + a] *= L->routed_scaling;
         }
     }
 }
@@ -103,9 +175,11 @@ static int decode_layer(const layer_spec *L, const bf16 *x, bf16 *residual, int 
             qkv[i] = v > L->clip_qkv ? f32_to_bf16(L->clip_qkv) : v < -L->clip_qkv ? f32_to_bf16(-L->clip_qkv) : qkv[i];
         }
     const int64_t row = L->kv_row;
-    ms_rope_cache(qkv, W, T, H, G, d, d, cos, sin, slots, (int)L->kv_kind, k_cache, v_cache, row, nthreads);
+    ms_rope_cache(qkv, W, T, H, G, d, L->rotary_dim, cos, sin, slots, (int)L->kv_kind, k_cache, v_cache, row,
+                  nthreads);
     if (ms_decode_attention(qkv, W, T, H, G, (int)L->kv_kind, k_cache, G * row, row, d, v_cache, G * row, row, d, d,
-                            block_tables, bt_stride, context_lens, block_size, L->scale, NULL, 0, att, H * d, nthreads))
+                            block_tables, bt_stride, context_lens, block_size, L->scale, L->sinks, L->window, att,
+                            H * d, nthreads))
         goto done;
     if (ms_linear(att, 0, H * d, T, H * d, &L->wo, 0, D, L->o_bias, o, 0, D, 1, nthreads)) goto done;
     if (first && residual != x) memcpy(residual, x, (size_t)T * D * sizeof(bf16));
@@ -118,11 +192,17 @@ static int decode_layer(const layer_spec *L, const bf16 *x, bf16 *residual, int 
     const int64_t E = L->experts, A = L->top_k;
     bf16 *logits = region_alloc((size_t)T * E * sizeof(bf16));
     int64_t *ids = region_alloc((size_t)T * A * sizeof(int64_t));
-    float *weights = region_alloc((size_t)T * A * sizeof(float)), *probs = region_alloc((size_t)E * sizeof(float));
+    float *weights = region_alloc((size_t)T * A * sizeof(float));
+    float *probs = region_alloc((size_t)(D + 2 * E) * sizeof(float));
     if (!logits || !ids || !weights || !probs) goto done;
-    if (ms_linear(h, 0, D, T, D, &L->router, 0, E, NULL, logits, 0, E, 1, nthreads)) goto done;
-    route(logits, T, E, A, (int)L->norm_topk_prob, L->routed_scaling, ids, weights, probs);
-    if ((status = ms_moe(h, D, T, D, &L->w13, &L->w2, E, L->moe_inter, ids, weights, A, NULL, out, D, counts, nthreads)))
+    if (L->router_f32) {
+        route_noaux(L, h, T, ids, weights, probs);
+    } else {
+        if (ms_linear(h, 0, D, T, D, &L->router, 0, E, L->router_bias, logits, 0, E, 1, nthreads)) goto done;
+        route(logits, T, E, A, (int)L->norm_topk_prob, L->routed_scaling, ids, weights, probs);
+    }
+    const moe_glu *glu = L->glu.b13 || L->glu.b2 || L->glu.alpha > 0.0f ? &L->glu : NULL;
+    if ((status = ms_moe(h, D, T, D, &L->w13, &L->w2, E, L->moe_inter, ids, weights, A, glu, out, D, counts, nthreads)))
         goto done;
     if (L->mlp_inter) { /* the shared expert, sigmoid-gated (Qwen2-MoE) or not (DeepSeek) */
         status = -1;
@@ -155,7 +235,7 @@ int ms_decode_step(const layer_spec *layers, int64_t L, const bf16 *embed, const
                    void *const *k_caches, void *const *v_caches, const int32_t *block_tables, int64_t bt_stride,
                    const int32_t *context_lens, int64_t block_size, const bf16 *final_norm, float eps, bf16 *hidden,
                    int64_t *counts, int nthreads) {
-    const int64_t D = layers[0].hidden, d = layers[0].head_dim;
+    const int64_t D = layers[0].hidden, d = layers[0].rotary_dim; /* the rope tables' width */
     int status = -1;
     region_enter();
     bf16 *x = region_alloc((size_t)T * D * sizeof(bf16)), *y = region_alloc((size_t)T * D * sizeof(bf16));
