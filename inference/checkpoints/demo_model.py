@@ -36,7 +36,7 @@ from transformers import (
 )
 
 from inference.config import cache_root
-from inference.models.registry import demo_configs
+from inference.models.registry import demo_configs, demo_shapes
 
 # Bump when the written files change, so stale cached demo models are rewritten.
 FORMAT_VERSION = 2
@@ -183,6 +183,7 @@ def _with_common(demo: Callable[[Preset, dict], PretrainedConfig]):
 ARCHS: dict[str, Callable[[Preset, dict[str, int]], PretrainedConfig]] = {
     name: _with_common(demo) for name, demo in demo_configs().items()
 }
+SHAPES = demo_shapes()
 
 
 def _corpus() -> list[str]:
@@ -272,7 +273,7 @@ def write_demo_model(
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose from {sorted(ARCHS)}")
-    p = PRESETS[preset] if isinstance(preset, str) else preset
+    p = family_preset(preset, arch) if isinstance(preset, str) else preset
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(p.tokenizer_vocab or p.vocab_size)
@@ -293,9 +294,20 @@ def write_demo_model(
     model.save_pretrained(out)
     _write_tokenizer(out, tok, p.max_positions)
     name = preset if isinstance(preset, str) else "custom"
-    marker = {"version": FORMAT_VERSION, "preset": name, "seed": seed, "arch": arch}
+    marker = _marker(name, seed, arch)
     (out / _MARKER).write_text(json.dumps(marker, sort_keys=True) + "\n")
     return out
+
+
+def family_preset(name: str, arch: str) -> Preset:
+    """Preset `name` in `arch`'s own shape where its family gives one (Family.demo_shapes)."""
+    return dataclasses.replace(PRESETS[name], **SHAPES.get(arch, {}).get(name, {}))
+
+
+def _marker(preset: str, seed: int, arch: str) -> dict:
+    shape = SHAPES.get(arch, {}).get(preset, {})
+    marker = {"version": FORMAT_VERSION, "preset": preset, "seed": seed, "arch": arch}
+    return marker | ({"shape": shape} if shape else {})
 
 
 def default_model_dir(preset: str = "tiny", seed: int = 0, arch: str = "mixtral") -> Path:
@@ -310,7 +322,7 @@ def ensure_demo_model(preset: str = "tiny", seed: int = 0, arch: str = "mixtral"
     interrupted write never leaves a half-written checkpoint at the final path.
     """
     target = default_model_dir(preset, seed, arch)
-    want = {"version": FORMAT_VERSION, "preset": preset, "seed": seed, "arch": arch}
+    want = _marker(preset, seed, arch)
     try:
         if json.loads((target / _MARKER).read_text()) == want:
             return target

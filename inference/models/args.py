@@ -170,7 +170,9 @@ class Family:
     - demo: the --arch name of its random-weight demo checkpoint and the transformers config
       it writes (demo(preset, common) -> PretrainedConfig; checkpoints/demo_model.py), if any;
     - mtp_layers: its checkpoints may carry multi-token-prediction layers after the last
-      decoder layer (model.layers.N and up): loaded past, not run.
+      decoder layer (model.layers.N and up): loaded past, not run;
+    - demo_shapes: preset name -> the Preset fields its demo changes there to take the
+      family's own shape (the `small` preset: DeepSeek-V3 routing 8 of 256 experts...).
     """
 
     architecture: str
@@ -179,3 +181,4 @@ class Family:
     model: type[nn.Module]
     demo: tuple[str, Callable[[Any, dict], Any]] | None = None
     mtp_layers: bool = False
+    demo_shapes: dict[str, dict] = field(default_factory=dict)

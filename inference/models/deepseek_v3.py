@@ -75,9 +75,11 @@ WEIGHTS = (
 
 
 def demo_config(p, common: dict) -> DeepseekV3Config:
-    """V3's layout at the preset's size: a low-rank query, noaux_tc routing."""
+    """V3's layout at the preset's size: a low-rank query, noaux_tc routing (in V3's 8 groups
+    choosing 4 where there are 64 experts or more)."""
+    groups = {"n_group": 8, "topk_group": 4} if p.num_experts >= 64 else {}
     return DeepseekV3Config(
-        **demo_shape(p, common),
+        **(demo_shape(p, common) | groups),
         q_lora_rank=p.hidden // 2,
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
@@ -91,4 +93,6 @@ DEEPSEEK_V3 = Family(
     DeepseekV3,
     ("deepseek_v3", demo_config),
     mtp_layers=True,
+    # V3's many small experts: 8 of 256, a quarter of the hidden width each
+    demo_shapes={"small": {"num_experts": 256, "top_k": 8, "ffn": 128}},
 )

@@ -88,4 +88,6 @@ GLM4_MOE = Family(
     Glm4Moe,
     ("glm4_moe", demo_config),
     mtp_layers=True,
+    # GLM-4.5-Air's routing: 8 of 128 experts, each about 3/8 of the hidden width
+    demo_shapes={"small": {"num_experts": 128, "top_k": 8, "ffn": 192}},
 )

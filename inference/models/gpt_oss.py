@@ -109,4 +109,12 @@ def demo_config(p, common: dict) -> GptOssConfig:
     )
 
 
-GPT_OSS = Family("GptOssForCausalLM", fields, WEIGHTS, Decoder, ("gpt_oss", demo_config))
+GPT_OSS = Family(
+    "GptOssForCausalLM",
+    fields,
+    WEIGHTS,
+    Decoder,
+    ("gpt_oss", demo_config),
+    # gpt-oss-20b's routing: 4 of 32 experts as wide as the hidden size
+    demo_shapes={"small": {"num_experts": 32, "top_k": 4, "ffn": 512}},
+)

@@ -85,4 +85,7 @@ MINIMAX_M2 = Family(
     MiniMaxM2,
     ("minimax_m2", demo_config),
     mtp_layers=True,
+    # with demo_config's x4 experts at a quarter width and top-k doubled: MiniMax-M2's 8 of
+    # 256 experts, each a quarter of the hidden width
+    demo_shapes={"small": {"num_experts": 64, "top_k": 4, "ffn": 512}},
 )

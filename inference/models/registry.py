@@ -52,3 +52,8 @@ def model_args(hf_config) -> ModelArgs:
 def demo_configs() -> dict:
     """--arch name -> the function writing that family's demo config (checkpoints/demo_model)."""
     return {f.demo[0]: f.demo[1] for f in FAMILIES.values() if f.demo is not None}
+
+
+def demo_shapes() -> dict[str, dict[str, dict]]:
+    """--arch name -> preset name -> the Preset fields its demo changes (Family.demo_shapes)."""
+    return {f.demo[0]: f.demo_shapes for f in FAMILIES.values() if f.demo is not None}

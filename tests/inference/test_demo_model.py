@@ -16,6 +16,7 @@ from inference.checkpoints.demo_model import (
     ensure_demo_model,
     write_demo_model,
 )
+from inference.models.registry import model_args as model_args_of
 from service.parsers.tool_calls import parse_tool_calls, parser_for
 
 
@@ -89,6 +90,29 @@ def test_small_preset_size():
     )
     assert config.rope_parameters["rope_theta"] == 1e6 and not config.tie_word_embeddings
     assert p.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "arch,experts,top_k,width",
+    [
+        ("deepseek_v3", 256, 8, 128),  # DeepSeek-V3 / Kimi-K2: 8 of 256 small experts
+        ("gpt_oss", 32, 4, 512),  # gpt-oss-20b: 4 of 32, as wide as the hidden size
+        ("glm4_moe", 128, 8, 192),  # GLM-4.5-Air: 8 of 128
+        ("minimax_m2", 256, 8, 128),  # MiniMax-M2: 8 of 256
+    ],
+)
+def test_the_small_preset_takes_each_new_familys_routing_shape(arch, experts, top_k, width):
+    """`--preset small` of the families whose routing sets them apart writes their own shape
+    (Family.demo_shapes); the tiny preset the tests use keeps the shared one."""
+    ids = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+    small = ARCHS[arch](demo_model.family_preset("small", arch), ids)
+    small.architectures = [type(small).__name__.replace("Config", "ForCausalLM")]
+    with torch.device("meta"):
+        AutoModelForCausalLM.from_config(small)  # transformers builds the shape
+    args = model_args_of(small)
+    assert (args.num_experts, args.top_k, args.moe_intermediate_size) == (experts, top_k, width)
+    assert demo_model.family_preset("tiny", arch) == PRESETS["tiny"]
+    assert demo_model._marker("small", 0, arch)["shape"]  # a changed shape is a new checkpoint
 
 
 def test_ensure_demo_model_is_cached(tmp_path, monkeypatch):

@@ -1,0 +1,149 @@
+"""`make bench`: each family's decode speed on its `small` demo preset (the family's own shape:
+DeepSeek-V3 routing 8 of 256 experts, gpt-oss's sinks and windows...), bf16 and int8, against
+this CPU's floor, in the same run (a benchmark, not a test).
+
+The floor of a decode token is the bytes a lone sequence must read for it (every weight once,
+of each MoE layer only its top-k experts, one embedding row, its KV context) over the rate
+this machine reads memory (a float32 sum over 512 MB with the engine's threads, best of 5,
+measured in the same run). `share` = floor time / measured step time: 1.0 is the memory
+bound; the issue's bar is each family at >= 0.7x Mixtral's share. Single stream: the median
+of 64 decode steps after a 128-token prompt; batched: 16 requests of 128 -> 64 tokens.
+Results in bench/results/family_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.machine import cpu_name
+from inference import LLMEngine, SamplingParams
+from inference.checkpoints.demo_model import ARCHS, ensure_demo_model
+from inference.executor.kv_cache import kv_bytes_per_token
+from inference.models.moe import MoE
+from inference.quantization.qweight import QWeight
+
+RESULTS = Path(__file__).parent / "results"
+PROMPT, STEPS, BATCH = 128, 64, 16
+
+
+def _nbytes(w) -> int:
+    return w.nbytes if isinstance(w, QWeight) else w.numel() * w.element_size()
+
+
+def token_bytes(engine: LLMEngine, context: float) -> float:
+    """The bytes one decode token of a lone sequence reads at least (module docstring)."""
+    model = engine.executor.model
+    total = float(engine.weight_bytes)
+    for m in model.modules():
+        if isinstance(m, MoE):
+            experts = _nbytes(m.experts.w13) + _nbytes(m.experts.w2)
+            total -= experts * (1 - m.top_k / m.num_experts)
+    embed = getattr(model.embed, "plain", model.embed).weight
+    total -= _nbytes(embed) * (1 - 1 / engine.args.vocab_size)
+    return total + kv_bytes_per_token(engine.args, engine.executor.kv_storage) * context
+
+
+def read_rate() -> float:
+    """Bytes per second this machine reads (a float32 sum over 512 MB, best of 5)."""
+    x = torch.ones(128 * 2**20)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+def greedy(tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+
+def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (PROMPT,), generator=g).tolist() for _ in range(n)]
+
+
+def single_stream_step(engine: LLMEngine) -> float:
+    """The median decode step of a lone sequence (each step ends reading its token back)."""
+    engine.add_request("single", prompts(1, engine.args.vocab_size, 1)[0], greedy(STEPS + 1))
+    engine.step()  # the prefill
+    times = []
+    while engine.has_unfinished:
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def batched_rate(engine: LLMEngine) -> float:
+    batch = prompts(BATCH, engine.args.vocab_size, 2)
+    start = time.perf_counter()
+    outs = engine.generate(batch, greedy(STEPS))
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def bench(arch: str, quantization: str, rate: float) -> dict:
+    engine = LLMEngine.from_pretrained(
+        ensure_demo_model("small", arch=arch),
+        device="cpu",
+        dtype="bfloat16",
+        quantization=None if quantization == "bf16" else quantization,
+        enable_prefix_caching=False,
+    )
+    engine.generate(prompts(2, engine.args.vocab_size, 9), greedy(4))  # every shape once
+    step = single_stream_step(engine)
+    floor = token_bytes(engine, PROMPT + STEPS / 2) / rate
+    row = {
+        "single_tok_s": 1 / step,
+        "batched_tok_s": batched_rate(engine),
+        "token_mb": floor * rate / 1e6,
+        "floor_tok_s": 1 / floor,
+        "share": floor / step,
+        "fused_step": engine.executor.fused_step is not None,
+    }
+    del engine
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arch", action="append", help="families (default: every one)")
+    parser.add_argument("--formats", default="bf16,int8")
+    args = parser.parse_args()
+    archs = args.arch or sorted(ARCHS)
+    rate = read_rate()
+    print(f"family decode on the small presets, {cpu_name()}, {torch.get_num_threads()} threads")
+    print(f"  memory read rate {rate / 1e9:.1f} GB/s")
+    print(
+        f"  {'arch':12s} {'fmt':5s} {'MB/tok':>7s} {'single':>7s} {'floor':>7s} {'share':>6s}"
+        f" {'vs mixtral':>10s} {'batched':>8s}"
+    )
+    rows: dict[str, dict] = {}
+    for fmt in args.formats.split(","):
+        for arch in ["mixtral", *[a for a in archs if a != "mixtral"]]:
+            rows[f"{arch}/{fmt}"] = r = bench(arch, fmt, rate)
+            r["vs_mixtral"] = r["share"] / rows[f"mixtral/{fmt}"]["share"]
+            print(
+                f"  {arch:12s} {fmt:5s} {r['token_mb']:7.1f} {r['single_tok_s']:7.1f}"
+                f" {r['floor_tok_s']:7.1f} {r['share']:6.2f} {r['vs_mixtral']:9.2f}x"
+                f" {r['batched_tok_s']:8.1f}"
+            )
+    record = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cpu": cpu_name(),
+        "threads": torch.get_num_threads(),
+        "read_gb_s": rate / 1e9,
+        "rows": rows,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "family_bench.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
