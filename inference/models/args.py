@@ -118,10 +118,9 @@ def refuse_unserved(cfg, served: dict[str, Any]) -> None:
             )
 
 
-def rotary_fields(cfg, head_dim: int) -> dict:
-    """Partial rotary from the config's rope_parameters (transformers moves partial_rotary_factor
-    and MiniMax's rotary_dim there): the rotating width, as transformers' rope computes it. A
-    rope scaling we do not serve is refused, naming the field."""
+def refuse_unserved_rope(cfg) -> None:
+    """A rope scaling we do not serve (dynamic NTK, longrope...: their tables depend on the
+    sequence) is refused for every family, naming the field."""
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
     rope_type = rope.get("rope_type", "default")
     if rope_type not in SERVED_ROPE_TYPES:
@@ -129,6 +128,12 @@ def rotary_fields(cfg, head_dim: int) -> dict:
             f"{cfg.architectures[0]}: rope_parameters.rope_type {rope_type!r} is not supported "
             f"({', '.join(SERVED_ROPE_TYPES)})"
         )
+
+
+def rotary_fields(cfg, head_dim: int) -> dict:
+    """Partial rotary from the config's rope_parameters (transformers moves partial_rotary_factor
+    and MiniMax's rotary_dim there): the rotating width, as transformers' rope computes it."""
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
     rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     if rotary <= 0 or rotary > head_dim or rotary % 2:
         raise ModelLoadError(

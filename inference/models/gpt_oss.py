@@ -18,24 +18,17 @@ from inference.models.args import Family, rules
 from inference.models.decoder import ATTENTION_WEIGHTS, NORM_WEIGHTS, Decoder
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
-_ROPE_TYPES = ("default", "yarn")
 
 
 def fields(cfg) -> dict:
-    """The config -> ModelArgs fields past the common ones; a layer type or rope scaling we do
-    not serve is refused, naming its field."""
+    """The config -> ModelArgs fields past the common ones; a layer type we do not serve is
+    refused, naming its field."""
     layer_types = list(cfg.layer_types or [])
     unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
     if unknown or len(layer_types) != cfg.num_hidden_layers:
         raise ModelLoadError(
             f"GptOssForCausalLM: layer_types must give one of {', '.join(_LAYER_TYPES)} per "
             f"layer, got {layer_types!r}"
-        )
-    rope_type = (cfg.rope_parameters or {}).get("rope_type", "default")
-    if rope_type not in _ROPE_TYPES:
-        raise ModelLoadError(
-            f"GptOssForCausalLM: rope_parameters.rope_type {rope_type!r} is not supported "
-            f"({', '.join(_ROPE_TYPES)})"
         )
     sliding = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
     if sliding and not (cfg.sliding_window or 0) > 0:

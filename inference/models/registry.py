@@ -6,7 +6,7 @@ its parity test against transformers (README, "Adding an architecture")."""
 from __future__ import annotations
 
 from inference.errors import ModelLoadError
-from inference.models.args import Family, ModelArgs, common_fields
+from inference.models.args import Family, ModelArgs, common_fields, refuse_unserved_rope
 from inference.models.deepseek_v2 import DEEPSEEK_V2
 from inference.models.deepseek_v3 import DEEPSEEK_V3
 from inference.models.glm4_moe import GLM4_MOE
@@ -46,7 +46,9 @@ def family_of(hf_config) -> Family:
 
 def model_args(hf_config) -> ModelArgs:
     """The architecture-independent shape of a checkpoint's decoder, from its config.json."""
-    return ModelArgs(**(common_fields(hf_config) | family_of(hf_config).fields(hf_config)))
+    family = family_of(hf_config)
+    refuse_unserved_rope(hf_config)
+    return ModelArgs(**(common_fields(hf_config) | family.fields(hf_config)))
 
 
 def demo_configs() -> dict:

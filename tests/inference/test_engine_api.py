@@ -166,6 +166,14 @@ def test_loader_errors(tiny_model_dir, tmp_path):
     with pytest.raises(ModelLoadError, match="unsupported architecture 'GPT2LMHeadModel'"):
         LLMEngine.from_pretrained(bad_arch, device="cpu")
 
+    # a rope scaling whose tables depend on the sequence is refused for every family
+    dynamic = copy("dynamic-rope")
+    cfg = json.loads((dynamic / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 2.0}
+    (dynamic / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="rope_type 'dynamic' is not supported"):
+        LLMEngine.from_pretrained(dynamic, device="cpu")
+
     missing = copy("missing")
     weights = load_file(missing / "model.safetensors")
     weights.pop("model.layers.1.self_attn.o_proj.weight")
