@@ -102,13 +102,19 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def layer_spec(layer: nn.Module) -> cpu.LayerSpec | None:
     """A decoder layer as the fused decode step reads it, once its modules are the kernels';
-    None for layers it does not cover (another layer shape, MLA, group-limited softmax
-    routing)."""
-    if not isinstance(layer, DecoderLayer) or type(layer.attn) is not Attention:
+    None for layers it does not cover (another layer shape, group-limited float32 softmax
+    routing: DeepSeek-V2)."""
+    if not isinstance(layer, DecoderLayer):
         return None
     attn, mlp = layer.attn, layer.mlp
     moe, shared = (mlp.moe, mlp.shared) if isinstance(mlp, SharedExpertMoE) else (mlp, None)
-    if not isinstance(attn.wqkv, CpuLinear) or not isinstance(attn.attn, CpuPagedAttention):
+    if type(attn) is MLAttention:
+        spec = _mla_spec(layer, attn)
+    elif type(attn) is Attention and isinstance(attn.wqkv, CpuLinear):
+        spec = _attention_spec(layer, attn) if isinstance(attn.attn, CpuPagedAttention) else None
+    else:
+        spec = None
+    if spec is None:
         return None
     noaux = type(moe) is NoAuxMoE
     if layer.is_moe and (
@@ -118,7 +124,6 @@ def layer_spec(layer: nn.Module) -> cpu.LayerSpec | None:
         or (not noaux and (moe.num_groups > 1 or not isinstance(moe.gate, CpuLinear)))
     ):
         return None
-    spec = _attention_spec(layer, attn)
     if layer.is_moe:
         spec.experts, spec.top_k = moe.num_experts, moe.top_k
         spec.moe_inter = moe.experts.intermediate_size
@@ -163,6 +168,45 @@ def _attention_spec(layer: DecoderLayer, attn: Attention) -> cpu.LayerSpec:
         rotary_dim=attn.rotary_dim,
         window=attn.attn.window,
         sinks=_ptr(attn.attn.sinks32),
+    )
+
+
+def _mla_spec(layer: DecoderLayer, attn: MLAttention) -> cpu.LayerSpec | None:
+    """An MLA layer (its projections on the kernels, its absorbed attention prepacked)."""
+    absorbed = attn.absorbed
+    projections = [attn.wq_a, attn.wq_b] if attn.q_lora else [attn.wq]
+    if not isinstance(absorbed, CpuAbsorbedAttention) or not all(
+        isinstance(m, CpuLinear) for m in (*projections, attn.wkv_a, attn.wo)
+    ):
+        return None
+    return cpu.LayerSpec(
+        hidden=layer.input_norm.weight.shape[0],
+        heads=attn.num_heads,
+        kv_heads=1,
+        head_dim=attn.nope_dim + attn.rope_dim,
+        eps=layer.input_norm.eps,
+        scale=attn.scale,
+        input_norm=_ptr(layer.input_norm.weight),
+        post_norm=_ptr(layer.post_attn_norm.weight),
+        wo=cpu.wmat(attn.wo.weight),
+        o_bias=_ptr(attn.wo.bias),
+        rotary_dim=attn.rope_dim,
+        kv_lora_rank=attn.kv_lora_rank,
+        q_lora_rank=attn.q_a_norm.weight.shape[0] if attn.q_lora else 0,
+        nope_dim=attn.nope_dim,
+        v_dim=attn.v_dim,
+        uk_stride=absorbed.w_uk_t[0].numel(),
+        uv_stride=absorbed.w_uv[0].numel(),
+        latent_eps=attn.kv_a_norm.eps,
+        q_a_bias=_ptr(attn.wq_a.bias) if attn.q_lora else None,
+        q_a_norm=_ptr(attn.q_a_norm.weight) if attn.q_lora else None,
+        kv_a_bias=_ptr(attn.wkv_a.bias),
+        kv_a_norm=_ptr(attn.kv_a_norm.weight),
+        wq_a=cpu.wmat(attn.wq_a.weight) if attn.q_lora else cpu.wmat(None),
+        wq_b=cpu.wmat(attn.wq_b.weight if attn.q_lora else attn.wq.weight),
+        wkv_a=cpu.wmat(attn.wkv_a.weight),
+        w_uk_t=cpu.wmat(absorbed.w_uk_t),
+        w_uv=cpu.wmat(absorbed.w_uv),
     )
 
 

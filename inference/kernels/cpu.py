@@ -222,9 +222,15 @@ class LayerSpec(ctypes.Structure):
                 "window",
                 "groups",
                 "topk_group",
+                "kv_lora_rank",
+                "q_lora_rank",
+                "nope_dim",
+                "v_dim",
+                "uk_stride",
+                "uv_stride",
             )
         ]
-        + [(n, _F32) for n in ("eps", "scale", "clip_qkv", "routed_scaling")]
+        + [(n, _F32) for n in ("eps", "scale", "clip_qkv", "routed_scaling", "latent_eps")]
         + [
             (n, _P)
             for n in (
@@ -240,11 +246,29 @@ class LayerSpec(ctypes.Structure):
                 "sinks",
                 "router_f32",
                 "correction_bias",
+                "q_a_bias",
+                "q_a_norm",
+                "kv_a_bias",
+                "kv_a_norm",
             )
         ]
         + [
             (n, WMat)
-            for n in ("wqkv", "wo", "router", "w13", "w2", "mlp_w13", "mlp_w2", "shared_gate")
+            for n in (
+                "wqkv",
+                "wo",
+                "router",
+                "w13",
+                "w2",
+                "mlp_w13",
+                "mlp_w2",
+                "shared_gate",
+                "wq_a",
+                "wq_b",
+                "wkv_a",
+                "w_uk_t",
+                "w_uv",
+            )
         ]
         + [("glu", MoeGlu)]
     )
@@ -859,10 +883,11 @@ class DecodeStep:
     def cache_addresses(self, kv_caches: list) -> tuple[ctypes.Array, ctypes.Array]:
         """The caches' addresses; the layers learn their row format from them."""
         if self._caches is None or self._caches[0] is not kv_caches:
-            keys = (_P * len(kv_caches))(*[k.data_ptr() for k, _ in kv_caches])
-            values = (_P * len(kv_caches))(*[v.data_ptr() for _, v in kv_caches])
-            for spec, (k, _) in zip(self.layers, kv_caches):
-                spec.kv_kind, spec.kv_row = kv_kind(k), k.shape[-1]
+            # a layer's (key, value) caches, or MLA's one latent cache as both
+            keys = (_P * len(kv_caches))(*[c[0].data_ptr() for c in kv_caches])
+            values = (_P * len(kv_caches))(*[c[-1].data_ptr() for c in kv_caches])
+            for spec, c in zip(self.layers, kv_caches):
+                spec.kv_kind, spec.kv_row = kv_kind(c[0]), c[0].shape[-1]
             self._caches = (kv_caches, keys, values)
         return self._caches[1], self._caches[2]
 

@@ -86,6 +86,7 @@ def test_architectures_and_unknown_ones(model_dirs):
         "OlmoeForCausalLM",
         "DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM",
+        "GptOssForCausalLM",
         "Glm4MoeForCausalLM",
         "MiniMaxM2ForCausalLM",
         "LlamaForCausalLM",

@@ -7,8 +7,9 @@
  *
  * Covers standard attention (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Llama, gpt-oss with its
  * sinks, windows and biased experts, GLM-4.5 and MiniMax-M2 with partial rotary and noaux_tc
- * routing); MLA layers and prefill chunks keep the composed path. Rounding is the composed
- * path's, op for op.
+ * routing, DeepSeek-V3's MLA with noaux_tc routing); DeepSeek-V2's group-limited float32
+ * softmax routing and prefill chunks keep the composed path. Rounding is the composed path's,
+ * op for op.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -27,14 +28,21 @@ typedef struct {
     int64_t rotary_dim;      /* the dims of each head that rotate (partial rotary: < head_dim) */
     int64_t window;          /* > 0: a sliding-window layer (gpt-oss) */
     int64_t groups, topk_group; /* noaux_tc routing's expert groups (router_f32 set) */
+    /* MLA (kv_lora_rank > 0; DeepSeek-V3): the latent's width, the low-rank query's (0: none),
+     * each head's unrotated query/key part and value width (rotary_dim: the rotated part), and
+     * the per-head strides of the packed absorbed projections W_UK^T [H][r, n] and W_UV [H][v, r] */
+    int64_t kv_lora_rank, q_lora_rank, nope_dim, v_dim, uk_stride, uv_stride;
     float eps, scale, clip_qkv, routed_scaling; /* clip_qkv 0: none */
+    float latent_eps;                           /* MLA's q_a and kv_a norms */
     const bf16 *input_norm, *post_norm, *qkv_bias, *o_bias, *q_norm, *k_norm, *mlp_b13, *mlp_b2;
     const bf16 *router_bias;      /* the router's bias (gpt-oss), or NULL */
     const float *sinks;           /* [heads] attention sinks (gpt-oss), or NULL */
     const float *router_f32;      /* [experts, hidden]: noaux_tc routing in float32, or NULL */
     const float *correction_bias; /* [experts] noaux_tc's choice bias */
+    const bf16 *q_a_bias, *q_a_norm, *kv_a_bias, *kv_a_norm; /* MLA's */
     wmat wqkv, wo, router, w13, w2, mlp_w13, mlp_w2;
-    wmat shared_gate; /* data NULL: ungated */
+    wmat shared_gate;                     /* data NULL: ungated */
+    wmat wq_a, wq_b, wkv_a, w_uk_t, w_uv; /* MLA's (wq_b: the query's whole projection without q LoRA) */
     moe_glu glu;      /* the experts' biases and clamped SwiGLU (gpt-oss); alpha 0: plain */
 } layer_spec;
 
@@ -141,6 +149,67 @@ static int mlp(const layer_spec *L, const bf16 *h, int64_t T, bf16 *out, int nth
     return ms_linear(act, 0, S, T, S, &L->mlp_w2, 0, D, L->mlp_b2, out, 0, D, 1, nthreads);
 }
 
+/* DeepSeek's rotation of (x[2i], x[2i+1]) pairs over n = rd values in place, each product and
+ * sum rounded as the reference's bf16 ops round; cos/sin [rd] (each frequency twice: the
+ * first half read), as models/layers.apply_rope_interleaved. */
+static void rope_pairs(bf16 *x, int64_t rd, const bf16 *cos, const bf16 *sin) {
+    for (int64_t i = 0; i < rd / 2; i++) {
+        const float xe = bf16_to_f32(x[2 * i]), xo = bf16_to_f32(x[2 * i + 1]);
+        const float c = bf16_to_f32(cos[i]), s = bf16_to_f32(sin[i]);
+        x[2 * i] = f32_to_bf16(round_bf16(xe * c) - round_bf16(xo * s));
+        x[2 * i + 1] = f32_to_bf16(round_bf16(xe * s) + round_bf16(xo * c));
+    }
+}
+
+/* MLA's attention for T single-token rows, as models/mla.py and kernels/modules.py's
+ * CpuAbsorbedAttention compose it: the (low-rank) query, the latent c_kv (normed) and its
+ * shared rope key written to the cache (one row of r + p per slot), the absorbed query
+ * q_nope W_UK^T beside q_pe, decode attention over the latent rows, W_UV, the output
+ * projection -> o [T, D]. */
+static int mla_attention(const layer_spec *L, const bf16 *h, int64_t T, const bf16 *cos, const bf16 *sin,
+                         const int64_t *slots, void *cache, const int32_t *block_tables, int64_t bt_stride,
+                         const int32_t *context_lens, int64_t block_size, bf16 *o, int nthreads) {
+    const int64_t D = L->hidden, H = L->heads, n = L->nope_dim, p = L->rotary_dim, r = L->kv_lora_rank;
+    const int64_t v = L->v_dim, dq = n + p, qr = L->q_lora_rank, row = L->kv_row;
+    bf16 *q = region_alloc((size_t)T * H * dq * sizeof(bf16)), *kv = region_alloc((size_t)T * (r + p) * sizeof(bf16));
+    bf16 *qabs = region_alloc((size_t)T * H * (r + p) * sizeof(bf16));
+    bf16 *lat = region_alloc((size_t)T * H * r * sizeof(bf16)), *att = region_alloc((size_t)T * H * v * sizeof(bf16));
+    bf16 *qa = qr ? region_alloc((size_t)T * qr * sizeof(bf16)) : NULL;
+    float *row32 = region_alloc((size_t)(r + p) * sizeof(float));
+    if (!q || !kv || !qabs || !lat || !att || (qr && !qa) || !row32) return -1;
+    if (qr) {
+        if (ms_linear(h, 0, D, T, D, &L->wq_a, 0, qr, L->q_a_bias, qa, 0, qr, 1, nthreads)) return -1;
+        ms_rmsnorm(qa, qr, NULL, 0, L->q_a_norm, L->latent_eps, qa, qr, T, qr, nthreads);
+        if (ms_linear(qa, 0, qr, T, qr, &L->wq_b, 0, H * dq, NULL, q, 0, H * dq, 1, nthreads)) return -1;
+    } else if (ms_linear(h, 0, D, T, D, &L->wq_b, 0, H * dq, NULL, q, 0, H * dq, 1, nthreads)) {
+        return -1;
+    }
+    if (ms_linear(h, 0, D, T, D, &L->wkv_a, 0, r + p, L->kv_a_bias, kv, 0, r + p, 1, nthreads)) return -1;
+    ms_rmsnorm(kv, r + p, NULL, 0, L->kv_a_norm, L->latent_eps, kv, r + p, T, r, nthreads);
+    for (int64_t t = 0; t < T; t++) {
+        rope_pairs(kv + t * (r + p) + r, p, cos + t * p, sin + t * p);
+        for (int64_t head = 0; head < H; head++) rope_pairs(q + (t * H + head) * dq + n, p, cos + t * p, sin + t * p);
+        if (L->kv_kind == KV_BF16) {
+            memcpy((bf16 *)cache + slots[t] * row, kv + t * (r + p), (r + p) * sizeof(bf16));
+        } else {
+            widen_row(kv + t * (r + p), r + p, row32, r + p);
+            kv_store_row(row32, (int)L->kv_kind, r + p, (uint8_t *)cache + slots[t] * row);
+        }
+    }
+    /* q_abs = [q_nope W_UK^T, q_pe] per head */
+    if (ms_linear(q, dq, H * dq, T, n, &L->w_uk_t, L->uk_stride, r, NULL, qabs, r + p, H * (r + p), H, nthreads))
+        return -1;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t head = 0; head < H; head++)
+            memcpy(qabs + (t * H + head) * (r + p) + r, q + (t * H + head) * dq + n, p * sizeof(bf16));
+    if (ms_decode_attention(qabs, H * (r + p), T, H, 1, (int)L->kv_kind, cache, row, row, r + p, cache, row, row, r,
+                            r + p, block_tables, bt_stride, context_lens, block_size, L->scale, NULL, 0, lat, H * r,
+                            nthreads))
+        return -1;
+    if (ms_linear(lat, r, H * r, T, r, &L->w_uv, L->uv_stride, v, NULL, att, v, H * v, H, nthreads)) return -1;
+    return ms_linear(att, 0, H * v, T, H * v, &L->wo, 0, D, L->o_bias, o, 0, D, 1, nthreads);
+}
+
 /* One layer of a decode step for T single-token rows. x [T, D]: the previous layer's output
  * (first: the embeddings); residual [T, D]: the running sum, updated in place (first: x
  * itself, not added). cos/sin [T, d]; slots [T]; caches [S, G, d]; block tables as
@@ -158,6 +227,12 @@ static int decode_layer(const layer_spec *L, const bf16 *x, bf16 *residual, int 
     if (!h || !qkv || !att || !o) goto done;
 
     ms_rmsnorm(x, D, first ? NULL : residual, D, L->input_norm, L->eps, h, D, T, D, nthreads);
+    if (L->kv_lora_rank) {
+        if (mla_attention(L, h, T, cos, sin, slots, k_cache, block_tables, bt_stride, context_lens, block_size, o,
+                          nthreads))
+            goto done;
+        goto attended;
+    }
     if (ms_linear(h, 0, D, T, D, &L->wqkv, 0, W, L->qkv_bias, qkv, 0, W, 1, nthreads)) goto done;
     for (int64_t t = 0; L->qk_norm && t < T; t++) {
         bf16 *row = qkv + t * W;
@@ -182,6 +257,7 @@ static int decode_layer(const layer_spec *L, const bf16 *x, bf16 *residual, int 
                             H * d, nthreads))
         goto done;
     if (ms_linear(att, 0, H * d, T, H * d, &L->wo, 0, D, L->o_bias, o, 0, D, 1, nthreads)) goto done;
+attended:
     if (first && residual != x) memcpy(residual, x, (size_t)T * D * sizeof(bf16));
     ms_rmsnorm(o, D, residual, D, L->post_norm, L->eps, h, D, T, D, nthreads);
 
