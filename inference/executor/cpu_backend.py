@@ -96,14 +96,21 @@ def install(model: nn.Module) -> FusedDecodeStep | None:
 _MAX_GROUPS = 64  # noaux_tc expert groups the fused router holds (csrc/layer.c)
 
 
+def _float32_routing_fits(moe: MoE) -> bool:
+    """The fused router's limits: at most _MAX_GROUPS groups, and (softmax) enough experts in
+    the kept groups for the top-k (the composed path would pick masked zeros)."""
+    per_group = moe.num_experts // moe.num_groups
+    return moe.num_groups <= _MAX_GROUPS and moe.top_k <= moe.topk_group * per_group
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
 def layer_spec(layer: nn.Module) -> cpu.LayerSpec | None:
     """A decoder layer as the fused decode step reads it, once its modules are the kernels';
-    None for layers it does not cover (another layer shape, group-limited float32 softmax
-    routing: DeepSeek-V2)."""
+    None for layers it does not cover (another layer shape, routing past the fused router's
+    limits)."""
     if not isinstance(layer, DecoderLayer):
         return None
     attn, mlp = layer.attn, layer.mlp
@@ -116,21 +123,27 @@ def layer_spec(layer: nn.Module) -> cpu.LayerSpec | None:
         spec = None
     if spec is None:
         return None
+    # float32 routing: noaux_tc's (its gate kept float32) or DeepSeek-V2's softmax (fp32 Router)
     noaux = type(moe) is NoAuxMoE
+    f32 = noaux or (type(moe) is MoE and type(moe.gate) is Router and moe.gate.fp32)
     if layer.is_moe and (
         type(moe) not in (MoE, NoAuxMoE)
         or not isinstance(moe.experts, CpuExperts)
-        or (noaux and (moe.num_groups > _MAX_GROUPS or moe.gate.weight.dtype != torch.float32))
-        or (not noaux and (moe.num_groups > 1 or not isinstance(moe.gate, CpuLinear)))
+        or (f32 and not _float32_routing_fits(moe))
+        or (not f32 and (moe.num_groups > 1 or not isinstance(moe.gate, CpuLinear)))
     ):
         return None
     if layer.is_moe:
         spec.experts, spec.top_k = moe.num_experts, moe.top_k
         spec.moe_inter = moe.experts.intermediate_size
         spec.norm_topk_prob, spec.routed_scaling = int(moe.norm_topk_prob), moe.scaling
-        if noaux:  # the float32 gate and its correction bias, read in place
-            spec.router_f32 = _ptr(moe.gate.weight.data)
-            spec.correction_bias = _ptr(moe.gate.e_score_correction_bias.data)
+        if f32:  # the float32 gate (and noaux_tc's correction bias), read in place
+            if moe.gate.weight.dtype != torch.float32:  # V2's bf16 gate, routed in float32
+                moe.gate.register_buffer("weight_f32", moe.gate.weight.data.float(), False)
+            spec.router_f32 = _ptr(getattr(moe.gate, "weight_f32", moe.gate.weight.data))
+            spec.sigmoid = int(noaux)
+            if noaux:
+                spec.correction_bias = _ptr(moe.gate.e_score_correction_bias.data)
             spec.groups, spec.topk_group = moe.num_groups, moe.topk_group
         else:
             spec.router, spec.router_bias = cpu.wmat(moe.gate.weight), _ptr(moe.gate.bias)

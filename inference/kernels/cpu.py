@@ -222,6 +222,7 @@ class LayerSpec(ctypes.Structure):
                 "window",
                 "groups",
                 "topk_group",
+                "sigmoid",
                 "kv_lora_rank",
                 "q_lora_rank",
                 "nope_dim",

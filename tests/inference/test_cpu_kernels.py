@@ -505,9 +505,9 @@ ARCHS = [
     "minimax_m2",
     "llama",
 ]
-# the families whose layers the one-call decode step does not cover (DeepSeek-V2's
-# group-limited float32 softmax routing): they keep the composed layers, on the kernels
-COMPOSED = {"deepseek_v2"}
+# the families whose layers the one-call decode step does not cover: they would keep the
+# composed layers, on the kernels (every family's layers are covered today)
+COMPOSED: set[str] = set()
 ATEN_ERRORS: dict[str, float] = {}
 
 

@@ -7,9 +7,8 @@
  *
  * Covers standard attention (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Llama, gpt-oss with its
  * sinks, windows and biased experts, GLM-4.5 and MiniMax-M2 with partial rotary and noaux_tc
- * routing, DeepSeek-V3's MLA with noaux_tc routing); DeepSeek-V2's group-limited float32
- * softmax routing and prefill chunks keep the composed path. Rounding is the composed path's,
- * op for op.
+ * routing, DeepSeek-V2 and V3's MLA with their float32 routing); prefill chunks keep the
+ * composed path. Rounding is the composed path's, op for op.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -27,7 +26,8 @@ typedef struct {
     int64_t kv_kind, kv_row; /* the cache rows' format (KV_*) and elements per (slot, head) row */
     int64_t rotary_dim;      /* the dims of each head that rotate (partial rotary: < head_dim) */
     int64_t window;          /* > 0: a sliding-window layer (gpt-oss) */
-    int64_t groups, topk_group; /* noaux_tc routing's expert groups (router_f32 set) */
+    int64_t groups, topk_group; /* float32 routing's expert groups (router_f32 set) */
+    int64_t sigmoid;            /* float32 routing: noaux_tc's sigmoid (else DeepSeek-V2's softmax) */
     /* MLA (kv_lora_rank > 0; DeepSeek-V3): the latent's width, the low-rank query's (0: none),
      * each head's unrotated query/key part and value width (rotary_dim: the rotated part), and
      * the per-head strides of the packed absorbed projections W_UK^T [H][r, n] and W_UV [H][v, r] */
@@ -72,27 +72,40 @@ static void route(const bf16 *logits, int64_t T, int64_t E, int64_t A, int norm,
     }
 }
 
-/* noaux_tc routing (DeepSeek-V3, GLM-4.5, MiniMax-M2), as moe.NoAuxMoE routes: float32 logits
- * of the normed rows h [T, D] against W [E, D], sigmoid scores; experts chosen on score +
- * correction bias within the best topk_group of `groups` groups (a group scores as the sum
- * of its two best), ties to the lower id; weights the unbiased scores, optionally
- * renormalised, times the routed scaling factor. scratch: D + 2E floats. */
-static void route_noaux(const layer_spec *L, const bf16 *h, int64_t T, int64_t *ids, float *weights, float *scratch) {
+/* Routing in float32 on the float32 gate W [E, D] read in place, for the rows h [T, D]:
+ * - sigmoid (noaux_tc: DeepSeek-V3, GLM-4.5, MiniMax-M2), as moe.NoAuxMoE: experts chosen on
+ *   score + correction bias within the best topk_group of `groups` groups (a group scores as
+ *   the sum of its two best), weighted by the unbiased scores;
+ * - softmax (DeepSeek-V2's group-limited greedy), as moe.select_experts: a group scores as
+ *   its best probability;
+ * ties to the lower id; weights optionally renormalised, times the routed scaling factor.
+ * scratch: D + 2E floats. */
+static void route_f32(const layer_spec *L, const bf16 *h, int64_t T, int64_t *ids, float *weights, float *scratch) {
     const int64_t D = L->hidden, E = L->experts, A = L->top_k, per = E / L->groups;
     float *x = scratch, *score = x + D, *choice = score + E;
     for (int64_t t = 0; t < T; t++) {
         for (int64_t i = 0; i < D; i++) x[i] = bf16_to_f32(h[t * D + i]);
+        float top = -INFINITY, sum = 0.0f;
         for (int64_t e = 0; e < E; e++) {
-            float acc = 0.0f;
             const float *w = L->router_f32 + e * D;
             int64_t i = 0;
             vf v = vf_zero();
             for (; i + VL <= D; i += VL) v = vf_fma(vf_load(x + i), vf_load(w + i), v);
-            acc = vf_sum(v);
+            float acc = vf_sum(v);
             for (; i < D; i++) acc += x[i] * w[i];
-            score[e] = 1.0f / (1.0f + expf(-acc));
-            choice[e] = score[e] + L->correction_bias[e];
+            score[e] = acc;
+            top = acc > top ? acc : top;
         }
+        for (int64_t e = 0; e < E; e++) {
+            if (L->sigmoid) {
+                score[e] = 1.0f / (1.0f + expf(-score[e]));
+                choice[e] = score[e] + L->correction_bias[e];
+            } else {
+                sum += score[e] = expf(score[e] - top);
+            }
+        }
+        if (!L->sigmoid)
+            for (int64_t e = 0; e < E; e++) choice[e] = score[e] /= sum;
         if (L->groups > 1) {
             float group_score[64]; /* groups <= 64 (layer_spec's caller checks) */
             for (int64_t g = 0; g < L->groups; g++) {
@@ -102,7 +115,7 @@ static void route_noaux(const layer_spec *L, const bf16 *h, int64_t T, int64_t *
                     if (c > a) b = a, a = c;
                     else if (c > b) b = c;
                 }
-                group_score[g] = a + b;
+                group_score[g] = L->sigmoid ? a + b : a;
             }
             for (int64_t k = 0; k < L->topk_group; k++) { /* mark the best groups: score -> +inf */
                 int64_t best = -1;
@@ -127,7 +140,7 @@ static void route_noaux(const layer_spec *L, const bf16 *h, int64_t T, int64_t *
             choice[best] = -INFINITY;
         }
         for (int64_t a = 0; a < A; a++) {
-            if (L->norm_topk_prob) weights[t * A + a] /= chosen + 1e-20f;
+            if (L->norm_topk_prob) weights[t * A + a] /= L->sigmoid ? chosen + 1e-20f : chosen;
             weights[t * A + a] *= L->routed_scaling;
         }
     }
@@ -272,7 +285,7 @@ attended:
     float *probs = region_alloc((size_t)(D + 2 * E) * sizeof(float));
     if (!logits || !ids || !weights || !probs) goto done;
     if (L->router_f32) {
-        route_noaux(L, h, T, ids, weights, probs);
+        route_f32(L, h, T, ids, weights, probs);
     } else {
         if (ms_linear(h, 0, D, T, D, &L->router, 0, E, L->router_bias, logits, 0, E, 1, nthreads)) goto done;
         route(logits, T, E, A, (int)L->norm_topk_prob, L->routed_scaling, ids, weights, probs);
