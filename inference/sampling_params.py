@@ -85,7 +85,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     repetition_penalty: RepetitionPenalty = 1.0
     logprobs: Logprobs | None = None  # top-N logprobs per generated token (0: only the chosen one)
     # the same for each prompt token given the ones before it (vLLM's prompt_logprobs; such
-    # a request skips the prefix cache, which holds no logits)
+    # a request reads its prompt through the model, not from the prefix cache: no logits there)
     prompt_logprobs: Logprobs | None = None
     n: NumChoices = 1
     structured_outputs: StructuredOutputs | None = None

@@ -76,7 +76,7 @@ class Scheduler:
         now = time.monotonic()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.peek()
-            if not seq.block_table and seq.params.prompt_logprobs is None:
+            if not seq.block_table and not seq.needs_prompt_logprobs:
                 cached = self.bm.use_cached_prefix(seq)
                 if seq.num_output_tokens == 0:
                     seq.num_cached_tokens = cached

@@ -79,6 +79,17 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt positions asked for (params.prompt_logprobs) not yet scored: the request's
+        first sequence alone scores them (its siblings share the prompt), and it reads its
+        prompt through the model, never from the prefix cache, which holds no logits."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.index == 0
+            and len(self.prompt_logprobs) < self.num_prompt_tokens
+        )
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

@@ -126,8 +126,7 @@ class ModelRunner:
         prompt_logprobs = [
             (s, s.num_computed_tokens + 1, self._prompt_logprobs(hidden, start, n, s))
             for s, start, n in prompt_rows
-            if s.params.prompt_logprobs is not None
-            and s.num_computed_tokens + 1 < s.num_prompt_tokens
+            if s.needs_prompt_logprobs and s.num_computed_tokens + 1 < s.num_prompt_tokens
         ]
         sample = None
         if sampled:
