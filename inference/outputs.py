@@ -20,6 +20,7 @@ class TokenLogprobs(msgspec.Struct):
     token_id: int
     logprob: float
     top: list[TokenLogprob] = []
+    rank: int | None = None  # prompt logprobs: the token's rank in its distribution (1: best)
 
 
 class RequestTimes(msgspec.Struct):

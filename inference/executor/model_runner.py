@@ -151,9 +151,12 @@ class ModelRunner:
             piece = targets[i : i + 256]
             rows = hidden[start + i : start + i + len(piece)]
             lp = self.model.logits(rows).float().log_softmax(dim=-1)
-            chosen = lp.gather(1, torch.tensor(piece, device=lp.device).unsqueeze(1))[:, 0]
+            chosen = lp.gather(1, torch.tensor(piece, device=lp.device).unsqueeze(1))
+            ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()  # vLLM's Logprob.rank
             top_v, top_i = lp.topk(max(top_n, 1), dim=-1)
-            for token, value, tv, ti in zip(piece, chosen.tolist(), top_v.tolist(), top_i.tolist()):
+            for token, value, rank, tv, ti in zip(
+                piece, chosen[:, 0].tolist(), ranks, top_v.tolist(), top_i.tolist()
+            ):
                 top = [TokenLogprob(t, v) for t, v in zip(ti[:top_n], tv[:top_n])]
-                out.append(TokenLogprobs(token, value, top))
+                out.append(TokenLogprobs(token, value, top, rank))
         return out

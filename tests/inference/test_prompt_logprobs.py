@@ -29,6 +29,9 @@ def check(got, prompt: list[int], want: torch.Tensor, atol: float) -> None:
         row = want[pos - 1]
         assert entry.token_id == prompt[pos]
         assert entry.logprob == pytest.approx(row[prompt[pos]].item(), abs=atol), pos
+        # its rank: 1 + the tokens above it (those within the tolerance may count either way)
+        above = [(row > row[prompt[pos]] + d).sum().item() for d in (atol, -atol)]
+        assert above[0] + 1 <= entry.rank <= above[1] + 1, pos
         values = [t.logprob for t in entry.top]
         assert values == pytest.approx(row.topk(TOP).values.tolist(), abs=atol), pos
         # a top token is one of the reference's best (ties within the tolerance may swap)
