@@ -24,6 +24,7 @@ from service.reasoning import (
     reasoning_end,
     reasoning_plan,
     skip_special_tokens,
+    special_texts,
 )
 from service.schemas import ChatMessage, FunctionCall, MessageToolCall, chat_message_dicts
 from service.state import ServingState
@@ -50,7 +51,7 @@ class InferenceServicer:
         c = final.output.outputs[0]
         response = _response(gen, c, c.text, c.token_ids, c.logprobs or [])
         if plan is not None or reasoning is not None:
-            parse = ChoiceParse(reasoning, plan)
+            parse = self._choice_parse(request, plan, reasoning)
             thought, content, calls = parse.whole(c.text)
             response.text, response.reasoning_content = content or "", thought or ""
             response.tool_calls.extend(
@@ -73,7 +74,9 @@ class InferenceServicer:
             ]
             if plan is not None or reasoning is not None:
                 for chunk, c in zip(chunks, update.choices):
-                    parse = streams.setdefault(c.index, ChoiceParse(reasoning, plan))
+                    parse = streams.setdefault(
+                        c.index, self._choice_parse(request, plan, reasoning)
+                    )
                     _parsed_deltas(chunk, c, parse)
             if update.finished:
                 if not chunks:
@@ -138,6 +141,14 @@ class InferenceServicer:
         params = _sampling_params(request.params, constraint, plan, reasoning, end)
         operation = "chat" if request.messages else "text_completion"
         return GenerationInput(ids, params, operation, stream, field), plan, reasoning
+
+    def _choice_parse(
+        self, request: pb.GenerateRequest, plan: ToolPlan | None, reasoning: ReasoningPlan | None
+    ) -> ChoiceParse:
+        p = request.params
+        asked = p.skip_special_tokens if p.HasField("skip_special_tokens") else None
+        tokenizer = self.state.engine.tokenizer
+        return ChoiceParse(reasoning, plan, special_texts(asked, plan, reasoning, tokenizer))
 
     async def _prompt_ids(
         self,

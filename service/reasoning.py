@@ -57,6 +57,8 @@ def enable_in_reasoning(config: str | None) -> bool:
 @dataclass(frozen=True, slots=True)
 class ReasoningPlan:
     parser: str  # a reasoning parser's name (service/parsers/reasoning/)
+    include: bool = True  # vLLM's include_reasoning: false parses it out and drops it
+    held: bool = False  # SGLang's stream_reasoning false: streamed in one delta once it ends
 
     @property
     def end(self) -> str:
@@ -66,11 +68,17 @@ class ReasoningPlan:
         return reasoning_parser_named(self.parser).stream()
 
 
-def reasoning_plan(parser: str | None, tokenizer, prompt_ids: list[int]) -> ReasoningPlan | None:
+def reasoning_plan(
+    parser: str | None,
+    tokenizer,
+    prompt_ids: list[int],
+    include: bool = True,
+    held: bool = False,
+) -> ReasoningPlan | None:
     """The plan of a chat request whose model reasons with `parser` (None: it does not)."""
     if parser is None:
         return None
-    plan = ReasoningPlan(parser)
+    plan = ReasoningPlan(parser, include, held)
     tail = tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
     return None if tail.rstrip().endswith(plan.end) else plan
 
@@ -88,12 +96,35 @@ def reasoning_end(
 def skip_special_tokens(
     asked: bool | None, tools: ToolPlan | None, reasoning: ReasoningPlan | None
 ) -> bool | None:
-    """The request's skip_special_tokens: where it does not say, the text keeps special tokens
-    under a reasoning parser, whose markers may be ones (harmony's all are), as under tool_choice
-    auto (ToolPlan.skip_special_tokens)."""
-    if asked is None and reasoning is not None:
+    """The engine's skip_special_tokens: where the request does not say, the text keeps special
+    tokens under a reasoning parser, whose markers may be ones (harmony's all are), as under
+    tool_choice auto (ToolPlan.skip_special_tokens). Where it says true (vLLM's router always
+    does) the parsers still read the markers, and the render drops the special tokens from what
+    they hand on (special_texts), as vLLM's parsers on token ids do."""
+    if asked is not False and _parsed_markers(tools, reasoning):
         return False
     return tools.skip_special_tokens(asked) if tools is not None else asked
+
+
+def special_texts(
+    asked: bool | None, tools: ToolPlan | None, reasoning: ReasoningPlan | None, tokenizer
+) -> tuple[str, ...]:
+    """The special tokens' texts a chat render removes from content and reasoning: those the
+    engine kept for the parsers although the request asked them skipped."""
+    if asked is not True or not _parsed_markers(tools, reasoning):
+        return ()
+    specials = getattr(tokenizer, "all_special_tokens", None) or ()
+    return tuple(sorted((t for t in specials if t), key=len, reverse=True))
+
+
+def _parsed_markers(tools: ToolPlan | None, reasoning: ReasoningPlan | None) -> bool:
+    return reasoning is not None or (tools is not None and tools.choice == "auto")
+
+
+def _without(text: str, specials: tuple[str, ...]) -> str:
+    for special in specials:  # longest first: no special token's text hides in another's
+        text = text.replace(special, "")
+    return text
 
 
 class ChoicePiece(NamedTuple):
@@ -106,10 +137,18 @@ class ChoiceParse:
     """One choice's text as reasoning, content and tool calls, fed delta by delta: `feed` and
     `finish` return what to send now; `calls` holds the choice's calls once finished."""
 
-    def __init__(self, reasoning: ReasoningPlan | None, tools: ToolPlan | None) -> None:
+    def __init__(
+        self,
+        reasoning: ReasoningPlan | None,
+        tools: ToolPlan | None,
+        specials: tuple[str, ...] = (),
+    ) -> None:
         self.tools = tools
         self._harmony_calls = tools is not None and tools.parser == HARMONY_TOOL_PARSER
-        self._show_reasoning = reasoning is not None
+        self._show_reasoning = reasoning is not None and reasoning.include
+        self._hold = reasoning is not None and reasoning.held
+        self._held = ""  # reasoning kept back until it ends (ReasoningPlan.held)
+        self._specials = specials  # removed from what is handed on (special_texts)
         if reasoning is not None:
             self._reasoning: ReasoningStream | None = reasoning.stream()
         elif self._harmony_calls:  # the calls are in harmony channels: read them, drop analysis
@@ -150,7 +189,18 @@ class ChoiceParse:
         if final:
             native = self._tools.calls if self._tools is not None else []
             self.calls = native + self._own_calls
-        return ChoicePiece(delta.reasoning if self._show_reasoning else "", content, calls)
+        reasoning = delta.reasoning if self._show_reasoning else ""
+        if self._hold:
+            self._held += reasoning
+            if not (final or content or calls):
+                return ChoicePiece("", "", calls)
+            reasoning, self._held = self._held, ""
+        if self._specials:
+            reasoning, content = (
+                _without(reasoning, self._specials),
+                _without(content, self._specials),
+            )
+        return ChoicePiece(reasoning, content, calls)
 
     def _harmony(self, calls: tuple[tuple[str, str], ...]) -> list[ToolCallDelta]:
         """Harmony's complete calls as deltas, under tool_choice auto with the `openai` parser

@@ -148,6 +148,9 @@ class _SamplingFields(_Request, kw_only=True):
     stop_token_ids: list[sp.TokenId] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    # SGLang's, which vLLM's router sends on every request (SPEC section 13, Scale-out)
+    no_stop_trim: _neutral(None, False) = None  # keeping the stop text: not implemented
+    return_hidden_states: _neutral(None, False) = None
     # structured outputs (service/tools.py turns them into the engine's StructuredOutputs)
     logit_bias: dict[_TokenIdKey, sp.LogitBias] | None = None
     response_format: ResponseFormat | None = None
@@ -223,6 +226,33 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat-template switches
+    add_generation_prompt: Annotated[
+        bool, Meta(description="the template opens the assistant's turn (vLLM's)")
+    ] = True
+    continue_final_message: Annotated[
+        bool,
+        Meta(
+            description="the last (assistant) message is left open and continued; needs "
+            "add_generation_prompt false (vLLM's)"
+        ),
+    ] = False
+    # the reasoning parser's output (--reasoning-parser): vLLM's include_reasoning, SGLang's
+    # separate_reasoning and stream_reasoning (vLLM's router sends all three)
+    include_reasoning: Annotated[
+        bool, Meta(description="false: the reasoning is parsed out and not returned (vLLM's)")
+    ] = True
+    separate_reasoning: Annotated[
+        bool,
+        Meta(description="false: the reasoning stays in content, unparsed (SGLang's)"),
+    ] = True
+    stream_reasoning: Annotated[
+        bool,
+        Meta(
+            description="false: a stream sends the reasoning in one delta once it has "
+            "ended (SGLang's)"
+        ),
+    ] = True
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -149,11 +149,15 @@ async def chat_ids(
     limit: int | None,
     add_generation_prompt: bool = True,
     tools: list | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """messages ({role, content, name?, tool_calls?, tool_call_id?}) and the tools on offer
-    through the model's chat template -> token ids (`limit`: as text_ids)."""
+    through the model's chat template -> token ids (`limit`: as text_ids).
+    `continue_final_message`: vLLM's, the last message left open for the model to go on."""
     if not messages:
         raise BadRequest("messages must not be empty", param="messages")
+    if continue_final_message:
+        _check_continuation(messages, add_generation_prompt)
     for i, m in enumerate(messages):
         if m.get("role") not in CHAT_ROLES:
             raise BadRequest(
@@ -161,6 +165,11 @@ async def chat_ids(
                 param=f"messages[{i}].role",
             )
     if is_harmony_tokenizer(tokenizer):  # gpt-oss: harmony's renderer, as vLLM's
+        if continue_final_message:  # harmony's renderer always opens a new message
+            raise BadRequest(
+                "continue_final_message is not supported with harmony (gpt-oss) prompts",
+                param="continue_final_message",
+            )
         return await asyncio.to_thread(render_harmony, messages, tools)
     if not getattr(tokenizer, "chat_template", None):
         raise BadRequest(
@@ -169,16 +178,45 @@ async def chat_ids(
             code="no_chat_template",
         )
     return await asyncio.to_thread(
-        _render_chat, tokenizer, messages, add_generation_prompt, tools, limit
+        _render_chat,
+        tokenizer,
+        messages,
+        add_generation_prompt,
+        tools,
+        limit,
+        continue_final_message,
     )
 
 
+def _check_continuation(messages: list[dict], add_generation_prompt: bool) -> None:
+    """vLLM's rules for continue_final_message: no new turn opened, an assistant's to go on."""
+    if add_generation_prompt:
+        raise BadRequest(
+            "continue_final_message and add_generation_prompt cannot both be true",
+            param="continue_final_message",
+        )
+    if messages[-1].get("role") != "assistant":
+        raise BadRequest(
+            "continue_final_message needs the last message to be the assistant's",
+            param="continue_final_message",
+        )
+
+
 def _render_chat(
-    tokenizer, messages: list[dict], add_generation_prompt: bool, tools, limit: int | None
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    tools,
+    limit: int | None,
+    continue_final_message: bool = False,
 ) -> list[int]:
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            tools=tools,
         )
     except (jinja2.TemplateError, TypeError, ValueError) as exc:  # raise_exception() too
         raise BadRequest(

@@ -28,7 +28,12 @@ from service.controllers.openai_render import ChatRender, CompletionRender
 from service.errors import BadRequest, ServiceError
 from service.generation import Generation
 from service.openapi_errors import errors
-from service.reasoning import reasoning_end, reasoning_plan, skip_special_tokens
+from service.reasoning import (
+    reasoning_end,
+    reasoning_plan,
+    skip_special_tokens,
+    special_texts,
+)
 from service.responses import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -222,14 +227,26 @@ class OpenAIController(Controller):
         messages = chat_message_dicts(data.messages)
         tools = plan.template_tools if plan else None
         ids = await validation.chat_ids(
-            state.engine.tokenizer, messages, state.engine.max_model_len, tools=tools
+            state.engine.tokenizer,
+            messages,
+            state.engine.max_model_len,
+            data.add_generation_prompt,
+            tools,
+            data.continue_final_message,
         )
         max_tokens = next(
             (m for m in (data.max_completion_tokens, data.max_tokens) if m is not None),
             max(state.engine.max_model_len - len(ids), 1),  # OpenAI's default: the context
         )
         logprobs = (data.top_logprobs or 0) if data.logprobs else None
-        reasoning = reasoning_plan(state.reasoning_parser, state.engine.tokenizer, ids)
+        reasoning = reasoning_plan(
+            state.reasoning_parser if data.separate_reasoning else None,
+            state.engine.tokenizer,
+            ids,
+            include=data.include_reasoning,
+            held=not data.stream_reasoning,
+        )
+        specials = special_texts(data.skip_special_tokens, plan, reasoning, state.engine.tokenizer)
         params = _sampling(
             data,
             constraint,
@@ -239,5 +256,5 @@ class OpenAIController(Controller):
             reasoning_end=reasoning_end(state, reasoning, constraint),
         )
         spec = GenerationInput(ids, params, "chat", data.stream, field)
-        render = ChatRender(request, gen.response_id, data.logprobs, plan, reasoning)
+        render = ChatRender(request, gen.response_id, data.logprobs, plan, reasoning, specials)
         return await _respond(request, gen, spec, data.stream_options, render)

@@ -112,9 +112,11 @@ class ChatRender(Render):
         logprobs: bool,
         tools: ToolPlan | None,
         reasoning: ReasoningPlan | None = None,
+        specials: tuple[str, ...] = (),  # service.reasoning.special_texts
     ) -> None:
         super().__init__(request, response_id)
         self.logprobs, self.tools, self.reasoning = logprobs, tools, reasoning
+        self.specials = specials
         self.parsed = tools is not None or reasoning is not None  # else the text is the content
         self.opened: set[int] = set()  # choices whose role chunk has gone out
         self.streams: dict[int, ChoiceParse] = {}  # each streamed choice's parse
@@ -143,7 +145,7 @@ class ChatRender(Render):
         for c in final.output.outputs:
             reasoning, content, calls, finish = None, c.text, [], c.finish_reason
             if self.parsed:
-                parse = ChoiceParse(self.reasoning, self.tools)
+                parse = ChoiceParse(self.reasoning, self.tools, self.specials)
                 reasoning, content, calls = parse.whole(c.text)
                 finish = parse.finish_reason(c.finish_reason)
             bodies = [
@@ -172,7 +174,9 @@ class ChatRender(Render):
         whole), and its finish reason."""
         if not self.parsed:
             return DeltaMessage(content=c.delta_text or None), c.finish_reason
-        parse = self.streams.setdefault(c.index, ChoiceParse(self.reasoning, self.tools))
+        parse = self.streams.setdefault(
+            c.index, ChoiceParse(self.reasoning, self.tools, self.specials)
+        )
         reasoning, content, deltas = parse.feed(c.delta_text)
         if c.finish_reason:
             rest = parse.finish()
