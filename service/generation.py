@@ -20,11 +20,20 @@ from opentelemetry.trace import Span
 
 from inference import CompletionOutput, RequestOutput
 from service.api_keys import Caller
-from service.errors import ENGINE_ERRORS, RateLimited, Unavailable, from_engine_error, status_of
+from service.errors import (
+    ENGINE_ERRORS,
+    BadRequest,
+    RateLimited,
+    Unavailable,
+    from_engine_error,
+    status_of,
+)
 from service.observability import RequestTelemetry
-from service.responses import Usage
+from service.responses import RequestMetrics, Usage
 from service.state import ServingState
 from service.validation import GenerationInput
+from telemetry.metrics import request_latencies
+from telemetry.requests import merged_times, per_request_metrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +47,17 @@ class Update:
     @property
     def finished(self) -> bool:
         return self.output.finished
+
+    def metrics(self) -> RequestMetrics:
+        """The request's timings so far (`include_metrics`), from the same timestamps and
+        token count the request's histogram observations use (telemetry.requests)."""
+        times = merged_times(self.output.outputs)
+        completion = self.usage.completion_tokens
+        if times is None:
+            return RequestMetrics(**dict.fromkeys(RequestMetrics.__struct_fields__))
+        return RequestMetrics(
+            **per_request_metrics(request_latencies(times, completion), completion)
+        )
 
 
 class Generation:
@@ -80,6 +100,11 @@ class Generation:
         request in the engine and frees its blocks before the next step."""
         state, caller = self.state, self.caller
         try:
+            if spec.include_metrics and not state.settings.enable_per_request_metrics:
+                raise BadRequest(
+                    "include_metrics needs a server started with --enable-per-request-metrics",
+                    param="include_metrics",
+                )
             if state.draining:
                 raise Unavailable("server is shutting down", code="draining")
             try:

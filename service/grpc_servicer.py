@@ -11,6 +11,7 @@ import json
 from collections.abc import Sequence
 
 import grpc
+import msgspec
 
 from inference import InvalidParameterError, SamplingParams, StructuredOutputs
 from inference.outputs import CompletionOutput, TokenLogprobs
@@ -60,6 +61,8 @@ class InferenceServicer:
             )
             response.finish_reason = parse.finish_reason(c.finish_reason) or ""
         response.usage.CopyFrom(_usage(final))
+        if spec.include_metrics:
+            response.metrics.CopyFrom(_metrics(final))
         return response
 
     async def GenerateStream(
@@ -82,6 +85,8 @@ class InferenceServicer:
                 if not chunks:
                     chunks.append(pb.GenerateResponse(request_id=gen.request_id))
                 chunks[-1].usage.CopyFrom(_usage(update))
+                if spec.include_metrics:
+                    chunks[-1].metrics.CopyFrom(_metrics(update))
             for chunk in chunks:
                 await context.write(chunk)
 
@@ -140,7 +145,8 @@ class InferenceServicer:
         end = reasoning_end(self.state, reasoning, constraint)
         params = _sampling_params(request.params, constraint, plan, reasoning, end)
         operation = "chat" if request.messages else "text_completion"
-        return GenerationInput(ids, params, operation, stream, field), plan, reasoning
+        spec = GenerationInput(ids, params, operation, stream, field, request.include_metrics)
+        return spec, plan, reasoning
 
     def _choice_parse(
         self, request: pb.GenerateRequest, plan: ToolPlan | None, reasoning: ReasoningPlan | None
@@ -269,6 +275,12 @@ def _usage(update: Update) -> pb.Usage:
     return pb.Usage(
         prompt_tokens=update.usage.prompt_tokens, completion_tokens=update.usage.completion_tokens
     )
+
+
+def _metrics(update: Update) -> pb.RequestMetrics:
+    """The REST `metrics` object's fields; those that are None stay unset."""
+    given = msgspec.structs.asdict(update.metrics())
+    return pb.RequestMetrics(**{k: v for k, v in given.items() if v is not None})
 
 
 def _logprobs(items: list[TokenLogprobs]) -> list[pb.TokenLogprob]:

@@ -15,6 +15,21 @@ class Usage(_Body, kw_only=True):
     total_tokens: int
 
 
+class RequestMetrics(_Body, kw_only=True):
+    """vLLM's per-request `metrics` (--enable-per-request-metrics and `include_metrics`):
+    telemetry.requests.per_request_metrics, from the timestamps the histograms observe."""
+
+    time_to_first_token_ms: float | None
+    generation_time_ms: float | None  # arrival in the engine to the request finishing
+    queue_time_ms: float | None
+    mean_itl_ms: float | None  # mean time per output token after the first
+    tokens_per_second: float | None  # output tokens / generation_time
+
+
+# absent from a body unless the request asked for it (`include_metrics`)
+OptionalMetrics = RequestMetrics | msgspec.UnsetType
+
+
 class CompletionLogprobs(_Body, kw_only=True):
     tokens: list[str]
     token_logprobs: list[float | None]
@@ -37,6 +52,7 @@ class CompletionResponse(_Body, kw_only=True):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    metrics: OptionalMetrics = msgspec.UNSET
 
 
 class TopLogprob(_Body, kw_only=True):
@@ -86,6 +102,7 @@ class ChatCompletionResponse(_Body, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    metrics: OptionalMetrics = msgspec.UNSET
 
 
 class FunctionDelta(_Body, kw_only=True, omit_defaults=True):
@@ -123,6 +140,7 @@ class ChatCompletionChunk(_Body, kw_only=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    metrics: OptionalMetrics = msgspec.UNSET
 
 
 class ModelCard(_Body, kw_only=True):

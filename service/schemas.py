@@ -155,6 +155,8 @@ class _SamplingFields(_Request, kw_only=True):
     logit_bias: dict[_TokenIdKey, sp.LogitBias] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
+    # vLLM's: the request's timings in the response (needs --enable-per-request-metrics)
+    include_metrics: bool = False
 
 
 _MaxTokens = Annotated[

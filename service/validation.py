@@ -36,6 +36,7 @@ class GenerationInput:
     stream: bool
     # the API's name of the field params.structured_outputs came from, for its errors
     constraint_field: str | None = None
+    include_metrics: bool = False  # the response carries the request's timings
 
 
 def request_id(given: str | None, fresh_prefix: str = "") -> str:

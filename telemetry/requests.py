@@ -13,7 +13,7 @@ from telemetry.logging import get_logger
 from telemetry.metrics import NO_KEY, RequestLatencies, ServiceMetrics, request_latencies
 from telemetry.tracing import genai_response_attributes, record_request_phases, span_ids
 
-__all__ = ["finish_request", "merged_times"]
+__all__ = ["finish_request", "merged_times", "per_request_metrics"]
 
 _log = get_logger("moeserve.request")
 
@@ -169,3 +169,23 @@ def merged_times(outputs: list[Any]) -> Any:
         grammar_compile_s=getattr(times[0], "grammar_compile_s", None),
         grammar_cache_hit=getattr(times[0], "grammar_cache_hit", None),
     )
+
+
+def per_request_metrics(latencies: RequestLatencies, num_output_tokens: int) -> dict:
+    """vLLM's per-request `metrics` object from the latencies the histograms observe for the
+    same request (so its TTFT is its moeserve_time_to_first_token_seconds observation):
+    time_to_first_token_ms (TTFT), generation_time_ms (e2e: arrival to the last token),
+    queue_time_ms, mean_itl_ms (TPOT: mean gap between output tokens after the first) and
+    tokens_per_second (output tokens / e2e). None where the request never got that far."""
+
+    def ms(seconds: float | None) -> float | None:
+        return None if seconds is None else max(seconds, 0.0) * 1e3
+
+    e2e = latencies.e2e
+    return {
+        "time_to_first_token_ms": ms(latencies.ttft),
+        "generation_time_ms": ms(e2e),
+        "queue_time_ms": ms(latencies.queue),
+        "mean_itl_ms": ms(latencies.tpot),
+        "tokens_per_second": num_output_tokens / e2e if e2e else None,
+    }

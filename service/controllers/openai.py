@@ -151,15 +151,20 @@ async def _respond(
     render: CompletionRender | ChatRender,
 ) -> Response | Stream:
     """The whole response, or SSE chunks with the usage at the end (`include_usage`) or on
-    every chunk too (vLLM's `continuous_usage_stats`). A stream waits for the first update
-    before answering, so admission errors (429, 503, 400) become HTTP statuses before any SSE
-    byte is sent."""
+    every chunk too (vLLM's `continuous_usage_stats`). With `include_metrics` the response,
+    or a stream's last chunk (with the usage), carries the request's timings. A stream waits
+    for the first update before answering, so admission errors (429, 503, 400) become HTTP
+    statuses before any SSE byte is sent."""
     if not spec.stream:
-        return Response(render.whole(await cancel_on_disconnect(request, gen.final(spec))))
+        final = await cancel_on_disconnect(request, gen.final(spec))
+        body = render.whole(final)
+        if spec.include_metrics:
+            body.metrics = final.metrics()
+        return Response(body)
     updates = gen.updates(spec)
     first = await cancel_on_disconnect(request, updates.__anext__())
-    at_end = bool(options and options.include_usage)
-    every = at_end and bool(options and options.continuous_usage_stats)
+    at_end = bool(options and options.include_usage) or spec.include_metrics
+    every = bool(options and options.include_usage and options.continuous_usage_stats)
 
     async def body() -> AsyncIterator[bytes]:
         update = first
@@ -171,7 +176,10 @@ async def _respond(
                     break
                 update = await updates.__anext__()
             if at_end:
-                yield _sse(render.chunk([], update.usage))
+                last = render.chunk([], update.usage)
+                if spec.include_metrics:
+                    last.metrics = update.metrics()
+                yield _sse(last)
         except ServiceError as exc:  # e.g. the engine died mid-stream: tell the client
             yield _sse(exc.envelope())
         finally:
@@ -207,7 +215,9 @@ class OpenAIController(Controller):
         constraint, field = _constraint(data, None)
         params = _sampling(data, constraint, max_tokens=max_tokens, logprobs=data.logprobs)
         ids = await _completion_ids(state, data.prompt)
-        spec = GenerationInput(ids, params, "text_completion", data.stream, field)
+        spec = GenerationInput(
+            ids, params, "text_completion", data.stream, field, data.include_metrics
+        )
         render = CompletionRender(request, gen.response_id, params.n, data.logprobs is not None)
         return await _respond(request, gen, spec, data.stream_options, render)
 
@@ -255,6 +265,6 @@ class OpenAIController(Controller):
             skip_special_tokens=skip_special_tokens(data.skip_special_tokens, plan, reasoning),
             reasoning_end=reasoning_end(state, reasoning, constraint),
         )
-        spec = GenerationInput(ids, params, "chat", data.stream, field)
+        spec = GenerationInput(ids, params, "chat", data.stream, field, data.include_metrics)
         render = ChatRender(request, gen.response_id, data.logprobs, plan, reasoning, specials)
         return await _respond(request, gen, spec, data.stream_options, render)

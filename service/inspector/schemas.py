@@ -6,6 +6,8 @@ from typing import Literal
 
 import msgspec
 
+from service.responses import RequestMetrics
+
 Outcome = Literal["in_progress", "ok", "error", "aborted", "rejected"]
 Filter = Literal["all", "errors", "aborts", "rejected", "slow"]
 
@@ -82,6 +84,8 @@ class InspectorRequestDetail(_Body, kw_only=True):
     trace_url: str | None  # --trace-url-template with its trace id
     prompt: str | None  # only with --log-prompts
     outputs: list[str] | None  # one per choice; only with --log-prompts
+    # once finished: the timings an `include_metrics` response carries (the same numbers)
+    metrics: RequestMetrics | None = None
 
 
 class InspectorSeries(_Body, kw_only=True):

@@ -25,6 +25,8 @@ from service.inspector.schemas import (
     InspectorSeries,
     InspectorStep,
 )
+from service.responses import RequestMetrics
+from telemetry.requests import per_request_metrics
 
 MAX_PEERS = 16  # other requests named per step
 _OUTCOME_OF_FILTER = {"errors": "error", "aborts": "aborted", "rejected": "rejected"}
@@ -160,7 +162,16 @@ def detail(
         trace_url=recorder.trace_url(record.trace_id),
         prompt=prompt,
         outputs=outputs,
+        metrics=_metrics(record),
     )
+
+
+def _metrics(record: RequestRecord) -> RequestMetrics | None:
+    """What the request's `include_metrics` response said: its latencies as the metrics
+    observed them (RequestRecord.close), in vLLM's per-request form."""
+    if record.latencies is None:
+        return None
+    return RequestMetrics(**per_request_metrics(record.latencies, record.completion_tokens))
 
 
 def engine_view(
