@@ -114,6 +114,9 @@ class AsyncLLMEngine:
         self.quantization, self.kv_cache_dtype = ready.quantization, ready.kv_cache_dtype
         self.weight_bytes = ready.weight_bytes
         self.kv_cache_tokens, self.kv_cache_bytes = ready.kv_cache_tokens, ready.kv_cache_bytes
+        # the paged cache's shape (vLLM's cache_config_info reports it)
+        self.block_size = config.block_size
+        self.num_blocks = ready.kv_cache_tokens // config.block_size
 
     def _receive_start(self) -> Ready:
         try:

@@ -66,6 +66,7 @@ def build_observability(engine: AsyncLLMEngine, settings: Settings, model: str) 
         },
         weight_bytes=engine.weight_bytes,
         kv_cache_bytes=engine.kv_cache_bytes,
+        kv_cache_blocks=(engine.block_size, engine.num_blocks),
     )
     tokenizer = engine.tokenizer
     return Observability(

@@ -13,10 +13,12 @@ come from the model's shape (experts bucketed past a series limit: telemetry.exp
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.openmetrics.exposition import ALLOWUTF8, UNDERSCORES
 
 from telemetry.expert_load import (
     EXPERT_SERIES_LIMIT,
@@ -24,6 +26,7 @@ from telemetry.expert_load import (
     ExpertLoadCollector,
 )
 from telemetry.metric_collectors import SpanExportCollector
+from telemetry.vllm_metrics import VllmProtocolGauges
 
 __all__ = [
     "APIS",
@@ -159,13 +162,15 @@ class ServiceMetrics:
         info: dict[str, str] | None = None,
         weight_bytes: int = 0,
         kv_cache_bytes: int = 0,
+        kv_cache_blocks: tuple[int, int] | None = None,
     ) -> None:
         """`span_export`: the `SpanExportStats` the trace-export counters read (default: the
         process's, telemetry.tracing.SPAN_EXPORT). `info`: what moeserve_model_info labels
         (dtype, device, quantization, kv_cache_dtype); the byte counts: what is resident.
         `expert_window_tokens`: routed tokens per expert the per-layer load gauges cover;
         `expert_series_limit`: most moeserve_moe_expert_tokens_total series (past it,
-        experts share series: telemetry.expert_load)."""
+        experts share series: telemetry.expert_load). `kv_cache_blocks`: (block size, number
+        of blocks), for vllm:cache_config_info (telemetry.vllm_metrics)."""
         if span_export is None:
             from telemetry.tracing import SPAN_EXPORT as span_export
         self.registry = registry
@@ -176,6 +181,8 @@ class ServiceMetrics:
         self._add_latency_histograms()
         self._add_request_counters()
         self._add_engine_instruments(max_waiting)
+        # the same engine gauges under vLLM's names, which endpoint pickers read
+        self.vllm = VllmProtocolGauges(registry, model, *(kv_cache_blocks or (None, None)))
         self._add_structured_output_instruments()
         self._add_model_instruments(info or {}, weight_bytes, kv_cache_bytes)
         # moeserve_moe_expert_tokens_total, moeserve_moe_expert_imbalance and the other
@@ -370,6 +377,7 @@ class ServiceMetrics:
         self._running.set(step.num_running)
         self._waiting.set(step.num_waiting)
         self._kv.set(step.kv_usage)
+        self.vllm.observe(step.num_running, step.num_waiting, step.kv_usage)
         self._batch.observe(step.batch_size)
         self._step.observe(step.duration_s)
         if step.batch_size and not step.num_prefill_tokens:
@@ -492,4 +500,10 @@ def render_metrics(registry: CollectorRegistry, accept: str | None = None) -> tu
     """(body, content type) for GET /metrics: Prometheus text by default, OpenMetrics with
     exemplars when `accept` (the Accept header) asks for application/openmetrics-text."""
     encoder, content_type = choose_encoder(accept or "")
+    if isinstance(encoder, partial) and encoder.keywords.get("escaping") == UNDERSCORES:
+        # prometheus_client (0.26) writes OpenMetrics sample names in the label-name alphabet
+        # under underscores escaping: vllm:num_requests_running became vllm_num_requests_running
+        # beside HELP and TYPE lines naming vllm:num_requests_running. Every name here is in the
+        # legacy alphabet, which that escaping leaves as it is: written unescaped.
+        encoder = partial(encoder.func, **{**encoder.keywords, "escaping": ALLOWUTF8})
     return encoder(registry), content_type
