@@ -26,6 +26,7 @@ from inference.engine_core import (
     AddRequest,
     Failed,
     FromCore,
+    PhaseStarted,
     Ready,
     Rejected,
     Shutdown,
@@ -38,6 +39,7 @@ from inference.models.registry import model_args
 from inference.outputs import RequestOutput, StepStats
 from inference.prompts import Prompt, tokenize_prompt
 from inference.sampling_params import SamplingParams
+from inference.startup import PhaseMark
 
 log = structlog.get_logger("inference.async_engine")
 
@@ -83,12 +85,14 @@ class AsyncLLMEngine:
         dtype: str = "auto",
         config: EngineConfig | None = None,
         process_init: Callable[[], None] | None = None,
+        on_startup_phase: Callable[[PhaseMark], None] | None = None,
     ) -> None:
         """Starts the engine core process and waits until it has loaded the model (blocking:
         call it off the event loop). `process_init` (picklable) runs first in that process,
         e.g. to configure logging the way the API process does; when it returns a callable,
         the core calls it after each step for (trace_id, line) pairs of request log lines to
-        ship with the step's stats (StepStats.log_lines)."""
+        ship with the step's stats (StepStats.log_lines). `on_startup_phase` hears each phase
+        the start reaches as it does (inference/startup.py); `startup` has them all after."""
         path = Path(model_dir)
         config = config or EngineConfig()
         self.max_waiting = config.max_waiting
@@ -108,7 +112,8 @@ class AsyncLLMEngine:
         self._process, self._conn = spawn_engine_core(
             str(path), device, dtype, config, process_init
         )
-        ready = self._receive_start()
+        ready = self._receive_start(on_startup_phase)
+        self.startup: list[PhaseMark] = ready.startup
         self.max_model_len = ready.max_model_len
         self.device, self.dtype = ready.device, ready.dtype
         self.quantization, self.kv_cache_dtype = ready.quantization, ready.kv_cache_dtype
@@ -118,14 +123,20 @@ class AsyncLLMEngine:
         self.block_size = config.block_size
         self.num_blocks = ready.kv_cache_tokens // config.block_size
 
-    def _receive_start(self) -> Ready:
-        try:
-            message = self._decoder.decode(self._conn.recv_bytes())
-        except EOFError:
-            self._conn.close()
-            raise ModelLoadError(
-                f"the engine process exited while starting (exit code {self._process.wait(10)})"
-            ) from None
+    def _receive_start(self, on_phase: Callable[[PhaseMark], None] | None) -> Ready:
+        while True:
+            try:
+                message = self._decoder.decode(self._conn.recv_bytes())
+            except EOFError:
+                self._conn.close()
+                code = self._process.wait(10)
+                raise ModelLoadError(
+                    f"the engine process exited while starting (exit code {code})"
+                ) from None
+            if not isinstance(message, PhaseStarted):
+                break
+            if on_phase is not None:
+                on_phase(message.mark)
         if isinstance(message, Failed):
             self._conn.close()
             self._process.wait(10)
@@ -141,9 +152,11 @@ class AsyncLLMEngine:
         device: str = "auto",
         dtype: str = "auto",
         process_init: Callable[[], None] | None = None,
+        on_startup_phase: Callable[[PhaseMark], None] | None = None,
         **limits,
     ) -> AsyncLLMEngine:
-        return cls(path, device, dtype, EngineConfig.from_kwargs(**limits), process_init)
+        config = EngineConfig.from_kwargs(**limits)
+        return cls(path, device, dtype, config, process_init, on_startup_phase)
 
     # ---- state read by the service (as of the last step) ------------------------------------
     @property

@@ -32,6 +32,7 @@ from inference.prompts import Prompt
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sequence import Sequence, SequenceStatus, request_output
+from inference.startup import StartupClock
 from inference.stop_check import stop_reason
 from inference.structured import CompileJob, StructuredOutputManager
 
@@ -45,7 +46,11 @@ class LLMEngine:
         device: str = "auto",
         dtype: str = "auto",
         config: EngineConfig | None = None,
+        startup: StartupClock | None = None,
     ) -> None:
+        """`startup`: the clock the start's phases are marked on (inference/startup.py)."""
+        self.startup = clock = startup or StartupClock()
+        clock.mark("load_weights")  # the config, tokenizer and model too
         path = self.model_path = Path(model_dir)
         self.config = config = config or EngineConfig()
         self.device = resolve_device(device)
@@ -60,7 +65,7 @@ class LLMEngine:
         self.kv_cache_dtype = config.kv_cache_dtype
         self.executor = ex = ModelExecutor(
             path, family_of(hf_config), args, self.device, self.dtype, config, self.quantization,
-            published,
+            published, clock,
         )  # fmt: skip
         self.max_model_len, self.weight_bytes = ex.max_model_len, ex.weight_bytes
         self.kv_cache_tokens, self.kv_cache_bytes = ex.kv_cache_tokens, ex.kv_cache_bytes
@@ -82,6 +87,7 @@ class LLMEngine:
         )
         self._aborted: list = []  # FinishedSequence records, reported with the next step's stats
         if ex.compiles:
+            clock.mark("warmup")  # compiles the decode graphs on their first calls
             warm_up(self)
 
     @classmethod

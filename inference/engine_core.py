@@ -32,6 +32,7 @@ from inference.errors import InvalidParameterError, ModelLoadError
 from inference.heap import freeze_startup_objects
 from inference.outputs import RequestOutput, StepStats
 from inference.sampling_params import SamplingParams
+from inference.startup import PhaseMark, StartupClock
 
 log = structlog.get_logger("inference.engine_core")
 
@@ -66,6 +67,13 @@ class Ready(msgspec.Struct, tag=True):
     weight_bytes: int  # resident weights (8-bit weights count their scales)
     kv_cache_tokens: int
     kv_cache_bytes: int
+    startup: list[PhaseMark] = []  # the start's phases (inference/startup.py)
+
+
+class PhaseStarted(msgspec.Struct, tag=True):
+    """The start reached a phase (sent as it happens, before Ready)."""
+
+    mark: PhaseMark
 
 
 class StepResult(msgspec.Struct, tag=True):
@@ -89,7 +97,7 @@ class Failed(msgspec.Struct, tag=True):
     param: str = ""
 
 
-FromCore = Ready | StepResult | Rejected | Failed
+FromCore = Ready | PhaseStarted | StepResult | Rejected | Failed
 
 
 def failure(exc: BaseException) -> Failed:
@@ -137,8 +145,9 @@ def main(fd: int) -> None:
     encoder = msgspec.msgpack.Encoder()
     from inference.engine import LLMEngine  # torch is imported here, after logging is set up
 
+    clock = StartupClock(lambda mark: conn.send_bytes(encoder.encode(PhaseStarted(mark))))
     try:
-        engine = LLMEngine(model_dir, device, dtype, config)
+        engine = LLMEngine(model_dir, device, dtype, config, clock)
     except Exception as exc:  # noqa: BLE001 - any start failure is reported to the API process
         conn.send_bytes(encoder.encode(failure(exc)))
         return
@@ -154,6 +163,7 @@ def main(fd: int) -> None:
                 engine.weight_bytes,
                 engine.kv_cache_tokens,
                 engine.kv_cache_bytes,
+                clock.marks,
             )
         )
     )

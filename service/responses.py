@@ -185,11 +185,19 @@ class HealthResponse(_Body, kw_only=True):
     engine_alive: bool
 
 
+class StartupPhaseBody(_Body, kw_only=True):
+    phase: str  # load_weights | quantize | pack | kv_cache_alloc | compile | warmup | ready
+    seconds: float
+
+
 class ReadyResponse(_Body, kw_only=True):
-    status: str  # ready | draining | engine_dead
+    # ready | draining | engine_dead; while the model loads, a stand-in answers 503 with
+    # status "starting", `phase` (the one in progress) and `startup` (service/startup.py)
+    status: str
     model: str
     num_running: int
     num_waiting: int
     in_flight: int
     kv_usage: float
     kv_blocks_used: int
+    startup: list[StartupPhaseBody] = []  # this start's phases, in the order reached

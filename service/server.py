@@ -23,6 +23,7 @@ from service.app import create_app
 from service.grpc_server import GrpcServer
 from service.rest_listener import SignalFreeUvicorn, bind_rest_socket, rest_server
 from service.settings import Settings
+from service.startup import StartingListener, StartupProgress, publish
 from service.state import ServingState
 from service.state_builder import build_inspector, load_serving_state
 from service.tls import TlsFiles
@@ -49,16 +50,26 @@ class MoeServer:
         self._shutdown: asyncio.Task | None = None
         self._engine_died = False
         self.tls: TlsFiles | None = None
+        self.startup: StartupProgress | None = None
 
     async def start(self) -> None:
         s = self.settings
+        self.startup = progress = StartupProgress()
         inspector = build_inspector(s)  # first: its settings can fail the start at once
         # the files first: a bad one stops the server before the model loads
         self.tls = TlsFiles.from_settings(s)
         keys = KeyRing(s.api_key, s.api_keys_file)
-        self.state = await load_serving_state(s, inspector, keys)
+        # listening from the start: /ready says which phase the start is in (503)
         self._sock = bind_rest_socket(s.host, s.port)
         self.rest_port = self._sock.getsockname()[1]
+        starting = StartingListener(self._sock, progress, self.tls)
+        await starting.start()
+        try:
+            self.state = await load_serving_state(s, inspector, keys, progress.on_engine_phase)
+        finally:
+            await starting.stop()
+        progress.mark("ready")
+        self.state.startup = progress
         self._uvicorn = rest_server(create_app(self.state), self.tls)
         if s.grpc_port >= 0:
             credentials = self.tls.grpc_credentials() if self.tls else None
@@ -72,6 +83,8 @@ class MoeServer:
         while not server.started and not task.done():
             await asyncio.sleep(0.01)
         if server.started:
+            self.startup.finish()
+            publish(self.startup, self.state.observability)
             log.info(
                 "server started",
                 rest_port=self.rest_port,

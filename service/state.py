@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from inference import AsyncLLMEngine
 from service.api_keys import KeyRing
@@ -26,6 +27,7 @@ class ServingState:
     observability: Observability = field(default_factory=Observability.disabled)
     inspector: InspectorRecorder | None = None  # None with --no-inspector
     keys: KeyRing | None = None  # None: from --api-key / --api-keys-file (KeysFileError)
+    startup: Any = None  # service.startup.StartupProgress of this start (MoeServer's)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
 from inference import AsyncLLMEngine
+from inference.startup import PhaseMark
 from service.api_keys import KeyRing
 from service.inspector.recorder import InspectorRecorder
 from service.observability import Observability
@@ -79,11 +81,15 @@ def build_observability(engine: AsyncLLMEngine, settings: Settings, model: str) 
 
 
 async def load_serving_state(
-    settings: Settings, inspector: InspectorRecorder | None, keys: KeyRing
+    settings: Settings,
+    inspector: InspectorRecorder | None,
+    keys: KeyRing,
+    on_startup_phase: Callable[[PhaseMark], None] | None = None,
 ) -> ServingState:
     """Loads and starts the engine (off the event loop) and builds the state around it; the
     inspector and keys come built, so that their settings fail a start before the model
-    loads."""
+    loads. `on_startup_phase` hears the engine's start-up phases as it reaches them (on the
+    loading thread)."""
     s = settings
     path, name = await asyncio.to_thread(model_path_and_name, s)
     # the engine core process logs like this one (same stdout, same format); for the
@@ -95,6 +101,7 @@ async def load_serving_state(
         s.device,
         s.dtype,
         functools.partial(logging_init, s.log_format),
+        on_startup_phase,
         **s.engine_limits(),
     )
     engine.start()

@@ -26,6 +26,7 @@ from inference.models.args import Family, ModelArgs
 from inference.models.moe import gather_limit
 from inference.models.paged_cache import storage_dtype
 from inference.quantization.qweight import QWeight
+from inference.startup import StartupClock
 from inference.structured import StructuredOutputManager
 
 log = structlog.get_logger("inference.engine")
@@ -42,10 +43,13 @@ class ModelExecutor:
         config: EngineConfig,
         quantization: str,
         published: str,
+        startup: StartupClock | None = None,
     ) -> None:
         """quantization: the weights' format to serve (none, int8, fp8); published: the
-        checkpoint's own (none, fp8)."""
+        checkpoint's own (none, fp8). `startup`: the clock its phases are marked on (the
+        engine marked load_weights)."""
         self.args, self.device, self.dtype, self.config = args, device, dtype, config
+        self.startup = clock = startup or StartupClock()
         self.quantization = quantization
         max_positions = min(
             args.max_position_embeddings, config.max_model_len or args.max_position_embeddings
@@ -53,8 +57,11 @@ class ModelExecutor:
         self.model, published_fp8 = self._load(path, family, max_positions, published)
         # our CPU kernels run bf16 models on the CPU, where this CPU's flags allow a build
         cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
+        if cpu_bf16:
+            clock.mark("compile")  # our CPU kernels: built, or loaded from their cache
         self.kernels = cpu_bf16 and cpu.enable_once() is not None
         if quantization != "none":
+            clock.mark("quantize")
             # an FP8 checkpoint served as fp8 keeps what it shipped in 16 bits (its lm_head);
             # so does a bf16 one quantized to fp8 here: e4m3's 3 mantissa bits on the lm_head
             # cost SmolLM2 4.5% of perplexity, int8's 0.3% (bench/NOTES.md)
@@ -66,8 +73,11 @@ class ModelExecutor:
                 only_published=published == "fp8" and quantization == "fp8",
             )
             self._note_quantized_path()
+        if cpu_bf16:
+            clock.mark("pack")  # weights into the kernels' layouts
         self.fused_step = self._install_backend() if cpu_bf16 else None
         self.weight_bytes = weight_bytes(self.model)
+        clock.mark("kv_cache_alloc")  # (and the engine's block tables over it)
         self._size_kv_cache(max_positions)
         log.info(
             "model ready",
@@ -174,6 +184,8 @@ class ModelExecutor:
         fused step, or the compiled model (config.compile, where no kernels run)."""
         greedy = cpu_backend.greedy if self.kernels else None
         sampler = Sampler(self.args.vocab_size, eos_token_ids, greedy)
+        if self.compiles:
+            self.startup.mark("compile")  # torch.compile's wrapper (graphs: at warm-up)
         compiled = self._compiled()
         return ModelRunner(
             self.model,

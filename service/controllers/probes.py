@@ -12,7 +12,7 @@ from litestar.openapi import ResponseSpec
 
 from service.controllers.common import serving_state
 from service.errors import NotFound
-from service.responses import HealthResponse, ReadyResponse
+from service.responses import HealthResponse, ReadyResponse, StartupPhaseBody
 from telemetry.metrics import render_metrics
 
 
@@ -52,6 +52,9 @@ class ProbesController(Controller):
             in_flight=state.in_flight,
             kv_usage=engine.kv_usage,
             kv_blocks_used=engine.kv_blocks_used,
+            startup=[StartupPhaseBody(**p) for p in state.startup.report()]
+            if state.startup is not None
+            else [],
         )
         return Response(body, status_code=200 if state.ready else 503)
 
