@@ -48,6 +48,9 @@ def overview() -> dict[str, Any]:
     g.row("Engine and KV cache")
     for panel in [*engine_load_panels(), *engine_pressure_panels(), *model_panels()]:
         g.add(panel, 8, 8)
+    g.row("Start-up")
+    for panel in startup_panels():
+        g.add(panel, 12, 8)
     g.row("API keys")
     for panel in api_key_panels():
         g.add(panel, 12, 8)
@@ -387,6 +390,52 @@ def model_panels() -> list[dict[str, Any]]:
             stack=True,
         ),
     ]
+
+
+def startup_panels() -> list[dict[str, Any]]:
+    """Where each instance's start went (SPEC section 13), and the start against its budget."""
+    phases = stat(
+        "Start-up phases",
+        "Seconds each instance's last start spent per phase: load_weights (from `moeserve "
+        "serve`: model files, engine process, weights), quantize, pack (weights into the "
+        "kernels' layouts), kv_cache_alloc, compile (kernels, torch.compile), warmup, ready "
+        "(the API built and listening). The MoeserveSlowStartup alert fires past "
+        "--startup-budget.",
+        prom(
+            f"sum by (instance, phase) (moeserve_startup_phase_seconds{{{SEL}}})",
+            "{{instance}} {{phase}}",
+            instant=True,
+        ),
+        "s",
+        [("green", None)],
+        decimals=2,
+        kind="bargauge",
+    )
+    phases["options"].update({"displayMode": "basic", "orientation": "horizontal"})
+    total = stat(
+        "Start-up time and budget",
+        "Each instance's whole start (the phases' sum) and its --startup-budget "
+        "(moeserve_startup_budget_seconds; 0: none).",
+        prom(
+            f"sum by (instance) (moeserve_startup_phase_seconds{{{SEL}}})",
+            "{{instance}} start",
+            instant=True,
+        ),
+        "s",
+        [("green", None)],
+        decimals=1,
+    )
+    total["targets"] = with_ref_ids(
+        [
+            total["targets"][0],
+            prom(
+                f"max by (instance) (moeserve_startup_budget_seconds{{{SEL}}})",
+                "{{instance}} budget",
+                instant=True,
+            ),
+        ]
+    )
+    return [phases, total]
 
 
 def api_key_panels() -> list[dict[str, Any]]:

@@ -84,7 +84,7 @@ class MoeServer:
             await asyncio.sleep(0.01)
         if server.started:
             self.startup.finish()
-            publish(self.startup, self.state.observability)
+            publish(self.startup, self.state.observability, self.settings.startup_budget)
             log.info(
                 "server started",
                 rest_port=self.rest_port,

@@ -46,6 +46,7 @@ class Settings:
     inspector_requests: int = 1000  # requests the inspector (/inspect) keeps
     no_inspector: bool = False
     trace_url_template: str | None = None  # the inspector's trace link, with {trace_id}
+    startup_budget: float = 600.0  # seconds a start may take (MoeserveSlowStartup); 0: none
     enable_per_request_metrics: bool = False  # vLLM's: `include_metrics` may ask for timings
     telemetry: bool = True  # hidden: MOESERVE_TELEMETRY=0 turns spans, metrics, request logs off
 
@@ -92,6 +93,8 @@ _HELP = {
     "drain_timeout": "grace period for in-flight requests after SIGTERM (seconds)",
     "inspector_requests": "recent requests the inspector (GET /inspect) keeps",
     "no_inspector": "serve no inspector (/inspect and /inspect/api/* answer 404)",
+    "startup_budget": "seconds a start may take, from `moeserve serve` to serving; over it "
+    "the MoeserveSlowStartup alert fires (moeserve_startup_budget_seconds; 0: no budget)",
     "enable_per_request_metrics": "let requests ask for their timings in the response "
     '("include_metrics": true -> metrics {time_to_first_token_ms, generation_time_ms, '
     "queue_time_ms, mean_itl_ms, tokens_per_second}; streams: on the last chunk)",

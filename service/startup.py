@@ -127,12 +127,14 @@ class StartingListener:
         self._sock.close()
 
 
-def publish(progress: StartupProgress, observability: Any) -> None:
-    """Once serving: the phases as moeserve_startup_phase_seconds and a "startup" trace
-    (service.observability.Observability; nothing when telemetry is off)."""
+def publish(progress: StartupProgress, observability: Any, budget_s: float = 0.0) -> None:
+    """Once serving: the phases as moeserve_startup_phase_seconds (with the budget,
+    --startup-budget) and a "startup" trace (service.observability.Observability; nothing
+    when telemetry is off)."""
     if not observability.enabled:
         return
     if observability.metrics is not None:
-        StartupMetrics(observability.metrics.registry, observability.model).set(progress.seconds())
+        registry, model = observability.metrics.registry, observability.model
+        StartupMetrics(registry, model, budget_s).set(progress.seconds())
     end = progress.ended if progress.ended is not None else time.monotonic()
     record_startup_trace([(m.phase, m.at) for m in progress.marks], end, observability.tracer)

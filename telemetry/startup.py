@@ -28,7 +28,9 @@ class StartupMetrics:
     """moeserve_startup_phase_seconds{model, phase}: every phase exported, 0 where the start
     did not go through it (no quantization, no torch.compile...)."""
 
-    def __init__(self, registry: CollectorRegistry, model: str) -> None:
+    def __init__(self, registry: CollectorRegistry, model: str, budget_s: float = 0.0) -> None:
+        """`budget_s`: how long a start may take (--startup-budget; 0: no budget), exported
+        as moeserve_startup_budget_seconds for the MoeserveSlowStartup alert."""
         self.gauge = Gauge(
             "moeserve_startup_phase_seconds",
             "Seconds this server's start spent in each phase (load_weights from the start of "
@@ -40,6 +42,13 @@ class StartupMetrics:
         self._children = {p: self.gauge.labels(model, p) for p in STARTUP_PHASES}
         for child in self._children.values():
             child.set(0)
+        self.budget = Gauge(
+            "moeserve_startup_budget_seconds",
+            "How long a start may take (--startup-budget; 0: no budget).",
+            ("model",),
+            registry=registry,
+        )
+        self.budget.labels(model).set(budget_s)
 
     def set(self, seconds: dict[str, float]) -> None:
         for phase, value in seconds.items():

@@ -59,6 +59,10 @@ def test_gauge_exports_every_phase():
     assert [value(p) for p in PHASES] == [0.0] * len(PHASES)
     metrics.set({"load_weights": 1.5, "ready": 0.25})
     assert value("load_weights") == 1.5 and value("ready") == 0.25 and value("pack") == 0.0
+    assert registry.get_sample_value("moeserve_startup_budget_seconds", {"model": "m"}) == 0
+    budgeted = CollectorRegistry()
+    StartupMetrics(budgeted, "m", 90.0)
+    assert budgeted.get_sample_value("moeserve_startup_budget_seconds", {"model": "m"}) == 90
 
 
 def test_startup_trace_has_a_span_per_mark_under_one_root(tracer, span_exporter):
