@@ -2,6 +2,10 @@
 
 Pure Python, no tensors. A freed block keeps its hash and content until it is reused, so a
 later request with the same prefix can pick it up again (LRU eviction from the free list).
+
+After `record_events()` the manager also notes what enters and leaves the prefix cache as vLLM's
+KV-cache events (inference/kv_events.py), starting with AllBlocksCleared (a fresh cache);
+`take_events()` hands them over once per step (the engine core publishes them).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from collections import OrderedDict
 
 import xxhash
 
+from inference.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEventType
 from inference.sequence import Sequence
 
 
@@ -21,7 +26,10 @@ def _chain_hash(parent: int, tokens: list[int]) -> int:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -30,6 +38,21 @@ class BlockManager:
         self.hash_of: dict[int, int] = {}  # block -> hash
         self.block_of: dict[int, int] = {}  # hash -> block
         self.num_used = 0  # blocks with ref_count > 0
+        # KV-cache events since the last take_events(); None: not recorded
+        self.events: list[KVCacheEventType] | None = None
+
+    def record_events(self) -> None:
+        """From now on, note the cache's events; the first clears what a subscriber knew of an
+        earlier process on this endpoint (blocks cached before, by a warm-up, go unannounced:
+        a router only misses their hits)."""
+        self.events = [AllBlocksCleared()]
+
+    def take_events(self) -> list[KVCacheEventType]:
+        events = self.events
+        if not events:
+            return []
+        self.events = []
+        return events
 
     @property
     def usage(self) -> float:
@@ -78,16 +101,34 @@ class BlockManager:
             return
         full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else 0
+        run: list[int] = []  # consecutive blocks newly cached: one BlockStored event
+        run_first = run_parent = 0
         for i in range(seq.num_hashed_blocks, full):
-            parent = _chain_hash(
-                parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            previous, parent = (
+                parent,
+                _chain_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size]),
             )
             seq.block_hashes.append(parent)
             block = seq.block_table[i]
             if parent not in self.block_of and block not in self.hash_of:
                 self.block_of[parent] = block
                 self.hash_of[block] = parent
+                if self.events is not None:
+                    if not run:
+                        run_first, run_parent = i, previous
+                    run.append(parent)
+            elif run:
+                self._stored(seq, run_first, run_parent, run)
+                run = []
+        if run:
+            self._stored(seq, run_first, run_parent, run)
         seq.num_hashed_blocks = max(full, seq.num_hashed_blocks)
+
+    def _stored(self, seq: Sequence, first: int, parent: int, hashes: list[int]) -> None:
+        size = self.block_size
+        tokens = seq.token_ids[first * size : (first + len(hashes)) * size]
+        # a chain's first block has no parent: 0 here, None (nil) on the wire
+        self.events.append(BlockStored(hashes, parent or None, tokens, size))
 
     def free_sequence(self, seq: Sequence) -> None:
         # Release in reverse so a sequence's tail blocks are evicted before its shared prefix.
@@ -109,3 +150,5 @@ class BlockManager:
         h = self.hash_of.pop(block, None)
         if h is not None and self.block_of.get(h) == block:
             del self.block_of[h]
+            if self.events is not None:
+                self.events.append(BlockRemoved([h]))

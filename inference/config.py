@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from inference.errors import InvalidParameterError
+from inference.kv_events import kv_events_config
 
 QUANTIZATIONS = ("none", "int8", "fp8")  # weights (quantization/qweight.py)
 KV_CACHE_DTYPES = (
@@ -43,6 +44,9 @@ class EngineConfig:
     # torch.compile the decode steps (pure decode batches; prefill steps stay eager). Compiles
     # at start-up (warm-up generations), so the first request does not pay for it.
     compile: bool = False
+    # vLLM's --kv-events-config (JSON): the engine core publishes KV-cache events
+    # (inference/kv_events.py); None or disabled: nothing is recorded
+    kv_events_config: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size"):
@@ -60,6 +64,7 @@ class EngineConfig:
             raise InvalidParameterError(
                 "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}"
             )
+        kv_events_config(self.kv_events_config)  # refuses a malformed one, naming the field
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise InvalidParameterError(
                 "quantization", f"must be one of {', '.join(QUANTIZATIONS)}"

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -30,6 +31,8 @@ import structlog
 from inference.config import EngineConfig
 from inference.errors import InvalidParameterError, ModelLoadError
 from inference.heap import freeze_startup_objects
+from inference.kv_event_publisher import ZmqEventPublisher, start_publisher
+from inference.kv_events import KVEventBatch, kv_events_config
 from inference.outputs import RequestOutput, StepStats
 from inference.sampling_params import SamplingParams
 from inference.startup import PhaseMark, StartupClock
@@ -151,6 +154,13 @@ def main(fd: int) -> None:
     except Exception as exc:  # noqa: BLE001 - any start failure is reported to the API process
         conn.send_bytes(encoder.encode(failure(exc)))
         return
+    try:  # vLLM's --kv-events-config: its sockets are bound before the core reports ready
+        publisher = start_publisher(kv_events_config(config.kv_events_config))
+    except InvalidParameterError as exc:
+        conn.send_bytes(encoder.encode(failure(exc)))
+        return
+    if publisher is not None:
+        engine.block_manager.record_events()
     freeze_startup_objects()  # the engine lives as long as this process
     conn.send_bytes(
         encoder.encode(
@@ -167,7 +177,8 @@ def main(fd: int) -> None:
             )
         )
     )
-    EngineCore(engine, conn, encoder, take_log_lines if callable(take_log_lines) else None).run()
+    take = take_log_lines if callable(take_log_lines) else None
+    EngineCore(engine, conn, encoder, take, publisher).run()
 
 
 class EngineCore:
@@ -177,10 +188,13 @@ class EngineCore:
         conn: Connection,
         encoder: msgspec.msgpack.Encoder,
         take_log_lines: Callable[[], list[tuple[str, str]]] | None = None,
+        publisher: ZmqEventPublisher | None = None,
     ) -> None:
         """`take_log_lines()`: the request lines logged since its last call, shipped with
-        each step's stats (StepStats.log_lines)."""
+        each step's stats (StepStats.log_lines). `publisher`: where each step's KV-cache
+        events go (queued: its own thread sends them)."""
         self.engine = engine
+        self.publisher = publisher
         self.conn = conn
         self.encoder = encoder
         self.take_log_lines = take_log_lines
@@ -246,6 +260,8 @@ class EngineCore:
                     self.wakeup.wait()
                     continue
                 outputs, stats = self.engine.step()
+                if self.publisher is not None:
+                    self._publish_kv_events()
                 if self.take_log_lines is not None:
                     stats.log_lines = self.take_log_lines()
                 self._send(StepResult(outputs, stats))
@@ -257,6 +273,14 @@ class EngineCore:
                 self._send(failure(exc))
             except OSError:
                 pass
+        finally:
+            if self.publisher is not None:
+                self.publisher.shutdown()
+
+    def _publish_kv_events(self) -> None:
+        events = self.engine.block_manager.take_events()
+        if events:
+            self.publisher.publish(KVEventBatch(time.time(), events))
 
 
 if __name__ == "__main__":

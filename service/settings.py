@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, fields
 
 from inference.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from inference.errors import InvalidParameterError
+from inference.kv_events import kv_events_config
 from service.parsers.reasoning import REASONING_PARSERS
 from service.parsers.tool_calls import PARSERS
 from service.reasoning import enable_in_reasoning
@@ -42,6 +44,7 @@ class Settings:
     tool_call_parser: str = "auto"  # the model's tool-call syntax; auto: from the checkpoint
     reasoning_parser: str = "auto"  # how the model marks its reasoning; auto: from the checkpoint
     structured_outputs_config: str | None = None  # vLLM's JSON: {"enable_in_reasoning": bool}
+    kv_events_config: str | None = None  # vLLM's JSON: publish KV-cache events (ZMQ)
     drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     inspector_requests: int = 1000  # requests the inspector (/inspect) keeps
     no_inspector: bool = False
@@ -98,6 +101,10 @@ _HELP = {
     "enable_per_request_metrics": "let requests ask for their timings in the response "
     '("include_metrics": true -> metrics {time_to_first_token_ms, generation_time_ms, '
     "queue_time_ms, mean_itl_ms, tokens_per_second}; streams: on the last chunk)",
+    "kv_events_config": 'vLLM\'s KVEventsConfig as JSON, e.g. {"enable_kv_cache_events": '
+    'true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}: the '
+    "prefix cache's BlockStored / BlockRemoved / AllBlocksCleared events published over ZMQ "
+    "in vLLM's wire format, for prefix-aware routers",
     "trace_url_template": "the inspector's link to a request's trace: a URL containing "
     "{trace_id} (e.g. a Grafana Explore or Tempo URL)",
 }
@@ -122,7 +129,18 @@ def _structured_outputs_config(value: str) -> str:
     return value
 
 
-_TYPES = {"structured_outputs_config": _structured_outputs_config}
+def _kv_events_config(value: str) -> str:
+    try:
+        kv_events_config(value)
+    except InvalidParameterError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+    return value
+
+
+_TYPES = {
+    "structured_outputs_config": _structured_outputs_config,
+    "kv_events_config": _kv_events_config,
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
