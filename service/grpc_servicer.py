@@ -51,6 +51,7 @@ class InferenceServicer:
         final = await gen.final(spec)
         c = final.output.outputs[0]
         response = _response(gen, c, c.text, c.token_ids, c.logprobs or [])
+        response.prompt_logprobs.extend(_logprobs((final.output.prompt_logprobs or [None])[1:]))
         if plan is not None or reasoning is not None:
             parse = self._choice_parse(request, plan, reasoning)
             thought, content, calls = parse.whole(c.text)
@@ -70,11 +71,15 @@ class InferenceServicer:
     ) -> None:
         spec, plan, reasoning = await self._parse(request, stream=True)
         streams: dict[int, ChoiceParse] = {}
+        scored = None  # the prompt's logprobs go out on the first message
         async for update in gen.updates(spec):
             chunks = [
                 _response(gen, c, c.delta_text, c.delta_token_ids, c.delta_logprobs)
                 for c in update.choices
             ]
+            if chunks and scored is None and update.output.prompt_logprobs is not None:
+                scored = update.output.prompt_logprobs
+                chunks[0].prompt_logprobs.extend(_logprobs(scored[1:]))
             if plan is not None or reasoning is not None:
                 for chunk, c in zip(chunks, update.choices):
                     parse = streams.setdefault(
@@ -143,7 +148,8 @@ class InferenceServicer:
         parser = self.state.reasoning_parser if request.messages else None  # chats reason
         reasoning = reasoning_plan(parser, self.state.engine.tokenizer, ids)
         end = reasoning_end(self.state, reasoning, constraint)
-        params = _sampling_params(request.params, constraint, plan, reasoning, end)
+        scored = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
+        params = _sampling_params(request.params, constraint, plan, reasoning, end, scored)
         operation = "chat" if request.messages else "text_completion"
         spec = GenerationInput(ids, params, operation, stream, field, request.include_metrics)
         return spec, plan, reasoning
@@ -177,6 +183,7 @@ def _sampling_params(
     plan: ToolPlan | None,
     reasoning: ReasoningPlan | None,
     reasoning_end: str | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Unset optional scalars and empty lists and maps take the engine's defaults."""
     fields = {
@@ -193,6 +200,7 @@ def _sampling_params(
         logit_bias=dict(p.logit_bias) or None,
         structured_outputs=constraint,
         reasoning_end=reasoning_end,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

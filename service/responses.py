@@ -32,9 +32,17 @@ OptionalMetrics = RequestMetrics | msgspec.UnsetType
 
 class CompletionLogprobs(_Body, kw_only=True):
     tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float | None]]
+    token_logprobs: list[float | None]  # null: an echoed prompt's first token (no context)
+    top_logprobs: list[dict[str, float | None] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(_Body, kw_only=True):
+    """vLLM's Logprob, as its `prompt_logprobs` answer has them."""
+
+    logprob: float
+    rank: int | None  # 1: the most likely token
+    decoded_token: str | None
 
 
 class CompletionChoice(_Body, kw_only=True):
@@ -43,6 +51,9 @@ class CompletionChoice(_Body, kw_only=True):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # vLLM's `prompt_logprobs` (asked for): per prompt position, null for the first, else
+    # {token id: its logprob} for the prompt's token and the top ones; absent unless asked
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionResponse(_Body, kw_only=True):

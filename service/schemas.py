@@ -164,14 +164,37 @@ _MaxTokens = Annotated[
 ]
 
 
+_CompletionMaxTokens = Annotated[
+    int,
+    Meta(
+        ge=0,
+        title="MaxTokens",  # the document gives it the served context's maximum
+        description="prompt tokens + max_tokens must fit in max_model_len; 0 only with echo "
+        "(the prompt scored, nothing generated)",
+    ),
+]
+
+
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: (
         NonEmptyStr
         | Annotated[list[int | str | list[int]], Meta(min_length=1, extra_json_schema=_PROMPT_LIST)]
     )
-    max_tokens: _MaxTokens | None = 16
+    max_tokens: _CompletionMaxTokens | None = 16
     logprobs: sp.Logprobs | None = None
-    echo: _neutral(None, False) = None
+    echo: Annotated[
+        bool, Meta(description="the prompt leads the text, and its tokens the logprobs")
+    ] = False
+    prompt_logprobs: (
+        Annotated[
+            sp.Logprobs,
+            Meta(
+                description="vLLM's: each prompt token's logprob and this many top ones; "
+                "not with stream"
+            ),
+        ]
+        | None
+    ) = None
     suffix: _neutral(None, "") = None
     best_of: _neutral(None, 1) = None
 

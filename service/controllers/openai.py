@@ -28,6 +28,7 @@ from service.controllers.openai_render import ChatRender, CompletionRender
 from service.errors import BadRequest, ServiceError
 from service.generation import Generation
 from service.openapi_errors import errors
+from service.prompt_scoring import echo_text, prompt_scoring
 from service.reasoning import (
     reasoning_end,
     reasoning_plan,
@@ -212,13 +213,30 @@ class OpenAIController(Controller):
         state, gen = serving_state(request), generation(request)
         validation.check_model(state.model_name, data.model)
         max_tokens = data.max_tokens if data.max_tokens is not None else 16
+        scoring = prompt_scoring(
+            data.echo,
+            max_tokens,
+            data.min_tokens,
+            data.logprobs,
+            data.prompt_logprobs,
+            data.stream,
+        )
         constraint, field = _constraint(data, None)
-        params = _sampling(data, constraint, max_tokens=max_tokens, logprobs=data.logprobs)
+        params = _sampling(
+            data,
+            constraint,
+            max_tokens=max(max_tokens, 1),  # max_tokens 0: the one sampled token is dropped
+            logprobs=data.logprobs,
+            prompt_logprobs=scoring.engine_prompt_logprobs,
+        )
         ids = await _completion_ids(state, data.prompt)
         spec = GenerationInput(
             ids, params, "text_completion", data.stream, field, data.include_metrics
         )
-        render = CompletionRender(request, gen.response_id, params.n, data.logprobs is not None)
+        echoed = echo_text(data.prompt, ids, state.engine.tokenizer) if data.echo else ""
+        render = CompletionRender(
+            request, gen.response_id, params.n, data.logprobs is not None, scoring, echoed
+        )
         return await _respond(request, gen, spec, data.stream_options, render)
 
     @_generation_route(

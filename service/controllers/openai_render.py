@@ -9,9 +9,10 @@ from collections.abc import Callable
 import msgspec
 from litestar import Request
 
-from inference.outputs import CompletionOutput, TokenLogprobs
+from inference.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from service.controllers.common import serving_state
 from service.generation import Update
+from service.prompt_scoring import PromptScoring, vllm_prompt_logprobs
 from service.reasoning import ChoiceParse, ReasoningPlan
 from service.responses import (
     AssistantMessage,
@@ -63,43 +64,90 @@ class Render:
 class CompletionRender(Render):
     chunk_type = CompletionResponse
 
-    def __init__(self, request: Request, response_id: str, n: int, logprobs: bool) -> None:
+    def __init__(
+        self,
+        request: Request,
+        response_id: str,
+        n: int,
+        logprobs: bool,
+        scoring: PromptScoring | None = None,
+        prompt_text: str = "",
+    ) -> None:
+        """`scoring`: echo, max_tokens 0 and prompt_logprobs (service/prompt_scoring.py), with
+        `prompt_text` the echoed prompt."""
         super().__init__(request, response_id)
         self.logprobs = logprobs
         self.offsets = [0] * n  # text_offset of each choice's next token
+        self.scoring, self.prompt_text = scoring, prompt_text
+        self.echoed: set[int] = set()  # streamed choices whose prompt has gone out
 
-    def _logprobs(self, index: int, entries: list[TokenLogprobs]) -> CompletionLogprobs | None:
+    def _logprobs(
+        self, index: int, entries: list[TokenLogprobs | None], ids: list[int] | None = None
+    ) -> CompletionLogprobs | None:
+        """`ids`: the tokens of `entries` (needed where an entry is None: an echoed prompt's
+        first token, which has no logprob)."""
         if not self.logprobs:
             return None
-        tokens = [self.decode(e.token_id) for e in entries]
+        tokens = [self.decode(t) for t in (ids or [e.token_id for e in entries])]
         text_offset = []
         for t in tokens:
             text_offset.append(self.offsets[index])
             self.offsets[index] += len(t)
         return CompletionLogprobs(
             tokens=tokens,
-            token_logprobs=[e.logprob for e in entries],
-            top_logprobs=[{self.decode(t.token_id): t.logprob for t in e.top} for e in entries],
+            token_logprobs=[None if e is None else e.logprob for e in entries],
+            top_logprobs=[
+                None if e is None else {self.decode(t.token_id): t.logprob for t in e.top}
+                for e in entries
+            ],
             text_offset=text_offset,
         )
 
-    def _choice(self, c: CompletionOutput, text: str, logprobs: list[TokenLogprobs]):
+    def _choice(
+        self,
+        c: CompletionOutput,
+        text: str,
+        logprobs: list[TokenLogprobs],
+        out: RequestOutput,
+        first: bool,
+    ):
+        """`first`: the choice's first text (an echo leads it)."""
+        scoring, finish, stop = self.scoring, c.finish_reason, c.stop_reason
+        if scoring is not None and not scoring.generate:  # the sampled token is not returned
+            text, logprobs, finish, stop = "", [], finish and "length", None
+        ids, prompt_lp = None, msgspec.UNSET
+        if scoring is not None and first and scoring.echo:
+            text = self.prompt_text + text
+            if self.logprobs:
+                ids = out.prompt_token_ids + [e.token_id for e in logprobs]
+                logprobs = (out.prompt_logprobs or []) + logprobs
+        if scoring is not None and first and scoring.prompt_logprobs is not None:
+            prompt_lp = vllm_prompt_logprobs(out.prompt_logprobs or [], self.decode)
         return CompletionChoice(
             index=c.index,
             text=text,
-            logprobs=self._logprobs(c.index, logprobs),
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
+            logprobs=self._logprobs(c.index, logprobs, ids),
+            finish_reason=finish,
+            stop_reason=stop,
+            prompt_logprobs=prompt_lp,
         )
 
+    def chunk(self, choices: list, usage: Usage | None):
+        return super().chunk(choices, self.scoring.usage(usage) if self.scoring else usage)
+
     def whole(self, final: Update) -> CompletionResponse:
-        choices = [self._choice(c, c.text, c.logprobs or []) for c in final.output.outputs]
+        out = final.output
+        choices = [self._choice(c, c.text, c.logprobs or [], out, True) for c in out.outputs]
         return self.chunk(choices, final.usage)
 
     def chunks(self, update: Update) -> list[tuple[CompletionChoice, Usage]]:
-        return [
-            (self._choice(c, c.delta_text, c.delta_logprobs), update.usage) for c in update.choices
-        ]
+        result = []
+        for c in update.choices:
+            first = c.index not in self.echoed
+            self.echoed.add(c.index)
+            choice = self._choice(c, c.delta_text, c.delta_logprobs, update.output, first)
+            result.append((choice, update.usage))
+        return result
 
 
 class ChatRender(Render):

@@ -84,11 +84,13 @@ def test_proto_package_and_service_are_the_specified_ones():
     from inference import SamplingParams
 
     # the grammar constraint travels beside the params, as GenerateRequest.structured_output;
-    # prompt_logprobs is the engine's alone (bench/quant_bench.py), on neither API;
+    # prompt_logprobs too, as GenerateRequest.prompt_logprobs (vLLM's request field);
     # reasoning_end is the service's (its reasoning parser's end marker)
     assert {f.name for f in pb.SamplingParams.DESCRIPTOR.fields} == set(
         SamplingParams.__struct_fields__
     ) - {"structured_outputs", "prompt_logprobs", "reasoning_end"}
     request = pb.GenerateRequest.DESCRIPTOR.fields_by_name
     assert {"structured_output", "tools", "tool_choice", "parallel_tool_calls"} <= set(request)
+    assert "prompt_logprobs" in request
+    assert "prompt_logprobs" in pb.GenerateResponse.DESCRIPTOR.fields_by_name
     assert "tool_calls" in pb.GenerateResponse.DESCRIPTOR.fields_by_name

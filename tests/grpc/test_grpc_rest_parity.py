@@ -172,8 +172,9 @@ NO_RULE = {
     "skip_special_tokens": "a bool has no invalid value",
 }
 # Not proto SamplingParams fields: GenerateRequest.structured_output (rows of its own below),
-# prompt_logprobs, which only the engine's own callers use (the perplexity benchmark), and
-# reasoning_end, which the service sets (its reasoning parser's end marker).
+# prompt_logprobs, a field of GenerateRequest and of the completions body (test_prompt_scoring
+# in tests/service and tests/grpc), and reasoning_end, which the service sets (its reasoning
+# parser's end marker).
 ELSEWHERE = {"structured_outputs", "prompt_logprobs", "reasoning_end"}
 # A case about one element of a list (or a value of a map) names its path, on both APIs.
 ELEMENT_FIELD = {

@@ -7,7 +7,8 @@ Nor can it state that logit_bias keys are token ids below the vocabulary size (t
 taken modulo it), or which strings a regex, grammar or JSON Schema compiler takes: generated
 ones are replaced by ones that compile (their refusal is tested in test_service_structured.py),
 tools keep distinct names, a named tool_choice names one of them and a forcing tool_choice
-comes without another constraint. Generations are also capped at GENERATE tokens, so that
+comes without another constraint; a completion's max_tokens 0 comes with echo and its
+prompt_logprobs unstreamed (the document says both in words). Generations are also capped at GENERATE tokens, so that
 the run stays short on 2 cores."""
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ def _constraints_inside(body: dict) -> None:
             body.pop("structured_outputs", None)
     if body.get("response_format") not in (None, {"type": "text"}):
         body.pop("structured_outputs", None)
+    if "prompt" in body:  # completions: max_tokens 0 only with echo, prompt_logprobs not streamed
+        if _int(body.get("max_tokens")) and body["max_tokens"] == 0:
+            body["echo"] = True
+        if body.get("stream") is True:
+            body.pop("prompt_logprobs", None)
 
 
 @schemathesis.hook

@@ -99,7 +99,20 @@ BAD_JSON_BODIES = [
         "extra",
         id="unknown-nested",
     ),
-    pytest.param(COMP, {"prompt": "hi", "echo": True}, "echo", id="unsupported-echo"),
+    pytest.param(COMP, {"prompt": "hi", "suffix": "x"}, "suffix", id="unsupported-suffix"),
+    pytest.param(
+        COMP,
+        {"prompt": "hi", "echo": True, "max_tokens": 0, "min_tokens": 1},
+        "min_tokens",
+        id="echo-max_tokens-0-min_tokens",
+    ),
+    pytest.param(
+        COMP,
+        {"prompt": "hi", "prompt_logprobs": 1, "stream": True},
+        "prompt_logprobs",
+        id="prompt_logprobs-streamed",
+    ),
+    pytest.param(COMP, {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", id="pl-21"),
     pytest.param(
         CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools", id="unsupported-tools"
     ),

@@ -101,11 +101,14 @@ def test_request_schemas_carry_the_servers_rules(http, server):
     assert completion["properties"]["prompt"]["anyOf"][0] == {"type": "string", "minLength": 1}
     assert schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
     assert schemas["TokenId"]["maximum"] == server.engine.args.vocab_size - 1
-    max_tokens = completion["properties"]["max_tokens"]["anyOf"][0]
-    assert (max_tokens["minimum"], max_tokens["maximum"]) == (1, server.engine.max_model_len - 1)
+    max_tokens = completion["properties"]["max_tokens"]["anyOf"][0]  # 0: with echo
+    assert (max_tokens["minimum"], max_tokens["maximum"]) == (0, server.engine.max_model_len - 1)
+    chat_max = schemas["ChatCompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]
+    assert (chat_max["minimum"], chat_max["maximum"]) == (1, server.engine.max_model_len - 1)
     top_p = completion["properties"]["top_p"]["anyOf"][0]
     assert (top_p["exclusiveMinimum"], top_p["maximum"]) == (0.0, 1.0)
-    assert completion["properties"]["echo"]["enum"] == [None, False]
+    assert completion["properties"]["echo"]["type"] == "boolean"
+    assert completion["properties"]["suffix"]["enum"] == [None, ""]
     assert "oneOf" in schemas["TokenizeRequest"]  # exactly one of prompt and messages
 
 
