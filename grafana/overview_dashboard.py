@@ -48,9 +48,9 @@ def overview() -> dict[str, Any]:
     g.row("Engine and KV cache")
     for panel in [*engine_load_panels(), *engine_pressure_panels(), *model_panels()]:
         g.add(panel, 8, 8)
-    g.row("Start-up")
-    for panel in startup_panels():
-        g.add(panel, 12, 8)
+    g.row("Start-up and cost")
+    for panel in [*startup_panels(), cost_panel()]:
+        g.add(panel, 8, 8)
     g.row("API keys")
     for panel in api_key_panels():
         g.add(panel, 12, 8)
@@ -436,6 +436,24 @@ def startup_panels() -> list[dict[str, Any]]:
         ]
     )
     return [phases, total]
+
+
+def cost_panel() -> dict[str, Any]:
+    """$/1M tokens live, where the server was given --cost-per-hour."""
+    return timeseries(
+        "Cost per million tokens",
+        "USD per million tokens: --cost-per-hour over the tokens served in the last minute "
+        "of wall time (idle time costs too), for output tokens and for prompt and output "
+        "tokens (moeserve_cost_per_million_tokens; OpenCost reads the same value as "
+        "llm_cost_per_million_tokens). No line: no price configured, or no token served.",
+        [
+            prom(
+                f"max by (instance, kind) (moeserve_cost_per_million_tokens{{{SEL}}})",
+                "{{instance}} {{kind}}",
+            )
+        ],
+        "currencyUSD",
+    )
 
 
 def api_key_panels() -> list[dict[str, Any]]:

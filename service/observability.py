@@ -71,6 +71,7 @@ class Observability:
         self.log_prompts = log_prompts
         self.decode = decode
         self.live: dict[str, SpanContext] = {}
+        self.cost: Any = None  # telemetry.cost.CostCollector with --cost-per-hour
         self._typical_decode_s: float | None = None  # moving average of routine decode steps
         self._routine_steps = 0
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import socket
 
+from inference import InvalidParameterError
 from service.api_keys import KeyRing, KeysFileError
 from service.app import create_app
 from service.grpc_server import GrpcServer
 from service.rest_listener import SignalFreeUvicorn, bind_rest_socket, rest_server
-from service.settings import Settings
+from service.settings import Settings, cost_per_hour
 from service.startup import StartingListener, StartupProgress, publish
 from service.state import ServingState
 from service.state_builder import build_inspector, load_serving_state
@@ -59,6 +60,11 @@ class MoeServer:
         # the files first: a bad one stops the server before the model loads
         self.tls = TlsFiles.from_settings(s)
         keys = KeyRing(s.api_key, s.api_keys_file)
+        if s.cost_per_hour is not None:  # Settings built in code skip the CLI's check
+            try:
+                cost_per_hour(s.cost_per_hour)
+            except ValueError as exc:
+                raise InvalidParameterError("cost_per_hour", str(exc)) from None
         # listening from the start: /ready says which phase the start is in (503)
         self._sock = bind_rest_socket(s.host, s.port)
         self.rest_port = self._sock.getsockname()[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass, fields
 
@@ -49,6 +50,7 @@ class Settings:
     inspector_requests: int = 1000  # requests the inspector (/inspect) keeps
     no_inspector: bool = False
     trace_url_template: str | None = None  # the inspector's trace link, with {trace_id}
+    cost_per_hour: float | None = None  # USD: the cost gauges (telemetry/cost.py)
     startup_budget: float = 600.0  # seconds a start may take (MoeserveSlowStartup); 0: none
     enable_per_request_metrics: bool = False  # vLLM's: `include_metrics` may ask for timings
     telemetry: bool = True  # hidden: MOESERVE_TELEMETRY=0 turns spans, metrics, request logs off
@@ -96,6 +98,8 @@ _HELP = {
     "drain_timeout": "grace period for in-flight requests after SIGTERM (seconds)",
     "inspector_requests": "recent requests the inspector (GET /inspect) keeps",
     "no_inspector": "serve no inspector (/inspect and /inspect/api/* answer 404)",
+    "cost_per_hour": "what this server costs, in USD per hour: exports "
+    "moeserve_cost_per_million_tokens{kind} and llm_cost_per_million_tokens (OpenCost)",
     "startup_budget": "seconds a start may take, from `moeserve serve` to serving; over it "
     "the MoeserveSlowStartup alert fires (moeserve_startup_budget_seconds; 0: no budget)",
     "enable_per_request_metrics": "let requests ask for their timings in the response "
@@ -121,6 +125,24 @@ _CHOICES = {
 }
 
 
+def cost_per_hour(value: str | float) -> float:
+    """--cost-per-hour: a finite, non-negative number of USD; ValueError naming the flag."""
+    try:
+        cost = float(value)
+    except (TypeError, ValueError):
+        cost = math.nan
+    if not math.isfinite(cost) or cost < 0:
+        raise ValueError(f"--cost-per-hour must be a non-negative number of USD, got {value!r}")
+    return cost
+
+
+def _cost_per_hour(value: str) -> float:
+    try:
+        return cost_per_hour(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _structured_outputs_config(value: str) -> str:
     try:
         enable_in_reasoning(value)
@@ -139,6 +161,7 @@ def _kv_events_config(value: str) -> str:
 
 _TYPES = {
     "structured_outputs_config": _structured_outputs_config,
+    "cost_per_hour": _cost_per_hour,
     "kv_events_config": _kv_events_config,
 }
 
@@ -163,7 +186,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             flag,
             type=kind,
-            default=None if default is None else kind(default),
+            # a MOESERVE_<FLAG> string is converted by argparse, so a bad one is a usage error
+            default=default if default is None or isinstance(default, str) else kind(default),
             choices=_CHOICES.get(f.name),
             help=help_text,
         )

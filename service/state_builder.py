@@ -18,6 +18,7 @@ from service.inspector.recorder import InspectorRecorder
 from service.observability import Observability
 from service.settings import Settings
 from service.state import ServingState
+from telemetry.cost import CostCollector
 from telemetry.logging import capture_request_lines, configure_logging
 from telemetry.metrics import ServiceMetrics
 from telemetry.tracing import configure_tracing
@@ -107,6 +108,10 @@ async def load_serving_state(
     engine.start()
     obs = build_observability(engine, s, name)
     engine.add_stats_listener(obs.on_step)
+    if s.cost_per_hour is not None and obs.metrics is not None:
+        obs.cost = CostCollector(name, s.cost_per_hour)
+        obs.metrics.registry.register(obs.cost)
+        engine.add_stats_listener(obs.cost.on_step)
     if inspector is not None:
         inspector.attach(engine)
     return ServingState(engine, s, name, observability=obs, inspector=inspector, keys=keys)

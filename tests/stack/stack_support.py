@@ -114,12 +114,14 @@ def service_metric_families() -> dict[str, str]:
     from prometheus_client import CollectorRegistry
     from prometheus_client.openmetrics.exposition import generate_latest
 
+    from telemetry.cost import CostCollector
     from telemetry.metrics import ServiceMetrics
     from telemetry.startup import StartupMetrics
 
     registry = CollectorRegistry()
     ServiceMetrics(registry, "m", num_layers=2, num_experts=4, max_waiting=8)
     StartupMetrics(registry, "m")  # registered by the server once serving
+    registry.register(CostCollector("m", 1.0))  # with --cost-per-hour
     families = metric_families_from_text(generate_latest(registry).decode())
     return {name: kind for name, kind in families.items() if name.startswith("moeserve_")}
 
