@@ -43,7 +43,7 @@ def overview() -> dict[str, Any]:
     for panel in traffic_panels():
         g.add(panel, 12, 8)
     g.row("Latency (exemplars: click a diamond to open its trace)")
-    for panel in [*latency_quantile_panels(), *latency_summary_panels()]:
+    for panel in [*latency_quantile_panels(), *latency_summary_panels(), *stage_panels()]:
         g.add(panel, 8, 8)
     g.row("Engine and KV cache")
     for panel in [*engine_load_panels(), *engine_pressure_panels(), *model_panels()]:
@@ -257,6 +257,44 @@ def latency_summary_panels() -> list[dict[str, Any]]:
             "p50/p95/p99 duration of one engine step (schedule + forward + sample).",
             quantiles("moeserve_engine_step_seconds"),
             "s",
+        ),
+    ]
+
+
+def stage_panels() -> list[dict[str, Any]]:
+    """Where requests' time goes (queue, prefill, decode), and how long their contexts are."""
+    stages = [
+        ("queue", "moeserve_request_queue_time_seconds"),
+        ("prefill", "moeserve_request_prefill_time_seconds"),
+        ("decode", "moeserve_request_decode_time_seconds"),
+    ]
+    return [
+        timeseries(
+            "Request stages (p95)",
+            "p95 of each stage of a request: queue (arrival to first scheduled), prefill "
+            "(to the first token), decode (to the end).",
+            [
+                prom(
+                    f"histogram_quantile(0.95, sum by (le) (rate({m}_bucket{{{SEL}}}[{RATE}])))",
+                    name,
+                )
+                for name, m in stages
+            ],
+            "s",
+        ),
+        timeseries(
+            "Context length",
+            "p50 and p95 tokens of finished requests' contexts: the prompt, and prompt and "
+            "output (total).",
+            [
+                prom(
+                    f"histogram_quantile({q}, sum by (kind, le) "
+                    f"(rate(moeserve_request_context_tokens_bucket{{{SEL}}}[{RATE}])))",
+                    f"{{{{kind}}}} p{int(q * 100)}",
+                )
+                for q in (0.5, 0.95)
+            ],
+            "short",
         ),
     ]
 

@@ -80,6 +80,8 @@ PER_SEQUENCE_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064,
     0.128, 0.256, 0.512, 1.024,
 )  # fmt: skip
+# context lengths: powers of two from a one-line prompt to the longest contexts served
+CONTEXT_BUCKETS = tuple(float(2**i) for i in range(4, 21))
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # cache hits take microseconds, a schema of a few fields 1-2 ms, a large grammar seconds
 GRAMMAR_COMPILE_BUCKETS = (
@@ -236,6 +238,33 @@ class ServiceMetrics:
         self._tpot = {api: self.tpot.labels(model, api) for api in APIS}
         self._e2e = {api: self.e2e.labels(model, api) for api in APIS}
         self._queue = self.queue_time.labels(model)
+        # vLLM's per-stage histograms (its request_prefill/decode_time_seconds): where a
+        # request's time went after the queue
+        self.prefill_time = _histogram(
+            r,
+            "moeserve_request_prefill_time_seconds",
+            "Time from a request's first scheduling to its first token (prefill).",
+            ("model",),
+            E2E_BUCKETS,
+        )
+        self.decode_time = _histogram(
+            r,
+            "moeserve_request_decode_time_seconds",
+            "Time from a request's first token to its end (decode).",
+            ("model",),
+            E2E_BUCKETS,
+        )
+        # llama.cpp's context-length histogram: how long requests' contexts are
+        self.context_tokens = _histogram(
+            r,
+            "moeserve_request_context_tokens",
+            "Tokens of each finished request's context (kind: prompt, or prompt and output).",
+            ("model", "kind"),
+            CONTEXT_BUCKETS,
+        )
+        self._prefill = self.prefill_time.labels(model)
+        self._decode = self.decode_time.labels(model)
+        self._context = {k: self.context_tokens.labels(model, k) for k in ("prompt", "total")}
 
     def _add_request_counters(self) -> None:
         """Tokens of finished requests, requests by outcome and key, rate-limit refusals."""
@@ -408,6 +437,13 @@ class ServiceMetrics:
         exemplar = {"trace_id": trace_id} if trace_id else None
         if lat.queue is not None:
             self._queue.observe(max(lat.queue, 0.0))
+        scheduled, first, end = times.first_scheduled, times.first_token, times.finished
+        if scheduled is not None and first is not None:
+            self._prefill.observe(max(first - scheduled, 0.0))
+        if first is not None and end is not None:
+            self._decode.observe(max(end - first, 0.0))
+        self._context["prompt"].observe(num_prompt_tokens)
+        self._context["total"].observe(num_prompt_tokens + num_output_tokens)
         if lat.ttft is not None:
             self._ttft[api].observe(max(lat.ttft, 0.0), exemplar)
         if lat.tpot is not None:
