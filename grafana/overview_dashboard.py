@@ -136,8 +136,22 @@ def service_level_stats() -> list[dict[str, Any]]:
 
 
 def traffic_panels() -> list[dict[str, Any]]:
-    """Requests by API and outcome, finish reasons, token throughput."""
+    """Requests by API and outcome, by type and status, finish reasons, token throughput."""
     return [
+        timeseries(
+            "Requests by type and status",
+            "API requests per second by type (REST: completion, chat, tokenize, detokenize, "
+            "models; gRPC: its method) and the HTTP status or gRPC code answered.",
+            [
+                prom(
+                    "sum by (api, request_type, http_status, grpc_code) "
+                    f"(rate(moeserve_api_requests_total{{{SEL}}}[{RATE}]))",
+                    "{{api}} {{request_type}} {{http_status}}{{grpc_code}}",
+                )
+            ],
+            "reqps",
+            stack=True,
+        ),
         timeseries(
             "Request rate by API and status",
             "Finished requests per second by API (rest|grpc) and outcome "

@@ -113,6 +113,15 @@ async def _add_request_id(message: Message, scope: Scope) -> None:
         message["headers"] = headers
 
 
+async def _count_api_request(message: Message, scope: Scope) -> None:
+    """moeserve_api_requests_total: each API route's response by its status (errors too:
+    this sees what the exception handlers send)."""
+    if message["type"] == "http.response.start":
+        counter = scope["app"].state.serving.observability.api_requests
+        if counter is not None:
+            counter.count_rest(scope.get("path", ""), message["status"])
+
+
 # Probes, scrapes, the schema and the inspector (its page polls) get no spans (Prometheus
 # alone would send one a second).
 _UNTRACED_PATHS = ["^/health$", "^/ready$", "^/metrics$", "^/schema", "^/inspect"]
@@ -163,7 +172,7 @@ def create_app(state: ServingState) -> Litestar:
         state=State({"serving": state, "started_at": int(time.time()), "token_text": token_text}),
         request_class=_Request,
         exception_handlers={Exception: error_response},
-        before_send=[_add_request_id],
+        before_send=[_add_request_id, _count_api_request],
         request_max_body_size=state.settings.max_body_bytes,
         openapi_config=OpenAPIConfig(
             title="moeserve",

@@ -153,6 +153,8 @@ def _wrap(state: ServingState, method: str, fn: Callable, request_type) -> Calla
         finally:
             if gen is not None:
                 gen.finish(status_from_grpc(code), code.name)
+            if state.observability.api_requests is not None:
+                state.observability.api_requests.count_grpc(method, code.name)
             _end_span(span, code, details)
             otel_context.detach(token)
         if not context.done():

@@ -72,6 +72,8 @@ class Observability:
         self.decode = decode
         self.live: dict[str, SpanContext] = {}
         self.cost: Any = None  # telemetry.cost.CostCollector with --cost-per-hour
+        # telemetry.api_requests.ApiRequests: requests by type and status (with metrics)
+        self.api_requests: Any = None
         self._typical_decode_s: float | None = None  # moving average of routine decode steps
         self._routine_steps = 0
 

@@ -18,6 +18,7 @@ from service.inspector.recorder import InspectorRecorder
 from service.observability import Observability
 from service.settings import Settings
 from service.state import ServingState
+from telemetry.api_requests import ApiRequests
 from telemetry.cost import CostCollector
 from telemetry.logging import capture_request_lines, configure_logging
 from telemetry.metrics import ServiceMetrics
@@ -72,13 +73,15 @@ def build_observability(engine: AsyncLLMEngine, settings: Settings, model: str) 
         kv_cache_blocks=(engine.block_size, engine.num_blocks),
     )
     tokenizer = engine.tokenizer
-    return Observability(
+    obs = Observability(
         model,
         metrics=metrics,
         tracer_provider=configure_tracing(),
         log_prompts=settings.log_prompts,
         decode=tokenizer.decode,
     )
+    obs.api_requests = ApiRequests(metrics.registry, model)
+    return obs
 
 
 async def load_serving_state(

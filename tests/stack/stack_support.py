@@ -114,6 +114,7 @@ def service_metric_families() -> dict[str, str]:
     from prometheus_client import CollectorRegistry
     from prometheus_client.openmetrics.exposition import generate_latest
 
+    from telemetry.api_requests import ApiRequests
     from telemetry.cost import CostCollector
     from telemetry.metrics import ServiceMetrics
     from telemetry.startup import StartupMetrics
@@ -121,6 +122,7 @@ def service_metric_families() -> dict[str, str]:
     registry = CollectorRegistry()
     ServiceMetrics(registry, "m", num_layers=2, num_experts=4, max_waiting=8)
     StartupMetrics(registry, "m")  # registered by the server once serving
+    ApiRequests(registry, "m")  # the service's, on the same registry
     registry.register(CostCollector("m", 1.0))  # with --cost-per-hour
     families = metric_families_from_text(generate_latest(registry).decode())
     return {name: kind for name, kind in families.items() if name.startswith("moeserve_")}
