@@ -14,7 +14,13 @@ from collections import OrderedDict
 
 import xxhash
 
-from inference.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEventType
+from inference.kv_events import (
+    MEDIUM,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEventType,
+)
 from inference.sequence import Sequence
 
 
@@ -128,7 +134,7 @@ class BlockManager:
         size = self.block_size
         tokens = seq.token_ids[first * size : (first + len(hashes)) * size]
         # a chain's first block has no parent: 0 here, None (nil) on the wire
-        self.events.append(BlockStored(hashes, parent or None, tokens, size))
+        self.events.append(BlockStored(hashes, parent or None, tokens, size, None, MEDIUM, None))
 
     def free_sequence(self, seq: Sequence) -> None:
         # Release in reverse so a sequence's tail blocks are evicted before its shared prefix.
@@ -151,4 +157,4 @@ class BlockManager:
         if h is not None and self.block_of.get(h) == block:
             del self.block_of[h]
             if self.events is not None:
-                self.events.append(BlockRemoved([h]))
+                self.events.append(BlockRemoved([h], MEDIUM))

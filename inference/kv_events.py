@@ -2,14 +2,14 @@
 (the Gateway API Inference Extension's precise prefix scorer, llm-d's KV indexer, vLLM's router
 under kv_aware) reads ours unchanged.
 
-The structs are vLLM's (vllm/distributed/kv_events.py): msgpack arrays (array_like), each
-event tagged with its class name, every field written (msgspec omits no default in an array).
-A batch is [ts, events, data_parallel_rank]; BlockStored is [tag, block_hashes,
-parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx,
-kv_cache_spec_kind, kv_cache_spec_sliding_window]: decoders of vLLM's earlier layouts (five
-fields, no rank) read it too, trailing fields being ignored. Block hashes are our prefix
-cache's chained xxh64 values, as unsigned 64-bit integers (vLLM's
-VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES form).
+The structs are vLLM's current ones (vllm/distributed/kv_events.py): a batch is a msgpack
+array [ts, events, data_parallel_rank]; each event is a map tagged {"type": its class name},
+fields at their defaults left out but for those vLLM requires (BlockStored always carries
+block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name). vLLM's
+router (0.1.17) decodes exactly this: it refuses a map batch ("KV event batch must be an
+array") and array events ("KV event must be a tagged map"). Block hashes are our prefix cache's
+chained xxh64 values, as unsigned 64-bit integers (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
+form).
 
 `--kv-events-config` takes vLLM's KVEventsConfig as JSON: `kv_events_config()` reads it.
 """
@@ -35,7 +35,7 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base class for all KV cache-related events (vLLM's)."""
 
 
@@ -48,9 +48,9 @@ class BlockStored(KVCacheEvent):
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
-    lora_id: int | None = None
-    medium: str | None = MEDIUM
-    lora_name: str | None = None
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
     extra_keys: list[tuple[Any, ...] | None] | None = None  # per block: LoRA, salt, media
     group_idx: int | None = None  # the KV cache group (one here)
     kv_cache_spec_kind: str | None = None
@@ -61,7 +61,7 @@ class BlockRemoved(KVCacheEvent):
     """Cached blocks evicted (their memory reused): no longer a prefix-cache hit."""
 
     block_hashes: list[int]
-    medium: str | None = MEDIUM
+    medium: str | None
     group_idx: int | None = None
 
 

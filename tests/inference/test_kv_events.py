@@ -1,7 +1,7 @@
 """KV-cache events (issue 36): the block manager's stores and removals as vLLM's events, their
 wire format decoded with vLLM's own struct definitions (copied below from
-vllm/distributed/kv_events.py: the array layout with the current fields, and the first
-release's), the ZMQ publisher with its replay socket, and --kv-events-config."""
+vllm/distributed/kv_events.py), the ZMQ publisher with its replay socket, and
+--kv-events-config."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     data_parallel_rank: int | None = None
 
 
-class VllmKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class VllmKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
@@ -65,38 +65,7 @@ class VllmKVEventBatch(VllmEventBatch):
     events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
 
 
-# the first release's (vLLM 0.9): five BlockStored fields, no rank
-class V09EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list
-
-
-class V09Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class V09BlockStored(V09Event, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-
-
-class V09BlockRemoved(V09Event, tag="BlockRemoved"):
-    block_hashes: list[int]
-
-
-class V09AllBlocksCleared(V09Event, tag="AllBlocksCleared"):
-    pass
-
-
-class V09KVEventBatch(V09EventBatch):
-    events: list[V09BlockStored | V09BlockRemoved | V09AllBlocksCleared]
-
-
 decode_vllm = msgspec.msgpack.Decoder(VllmKVEventBatch).decode
-decode_v09 = msgspec.msgpack.Decoder(V09KVEventBatch).decode
 
 BS = 4
 
@@ -155,41 +124,47 @@ def test_the_block_manager_notes_stores_and_evictions_as_vllms_events():
     assert next(e for e in events if isinstance(e, BlockStored)).block_hashes == c.block_hashes
 
 
-def test_a_batch_decodes_with_vllms_structs_current_and_first():
+def test_a_batch_decodes_with_vllms_structs():
     batch = KVEventBatch(
         12.5,
         [
             AllBlocksCleared(),
-            BlockStored([2**64 - 1, 7], None, list(range(8)), 4),
-            BlockStored([9], 7, [1, 2, 3, 4], 4),
-            BlockRemoved([2**64 - 1]),
+            BlockStored([2**64 - 1, 7], None, list(range(8)), 4, None, "GPU", None),
+            BlockStored([9], 7, [1, 2, 3, 4], 4, None, "GPU", None),
+            BlockRemoved([2**64 - 1], "GPU"),
         ],
         0,
     )
     payload = msgspec.msgpack.encode(batch)
-    # the array layout: [ts, events, rank], each event [tag, fields...]
-    raw = msgspec.msgpack.decode(payload)
-    assert raw[0] == 12.5 and raw[2] == 0
-    assert raw[1][0] == ["AllBlocksCleared"]
-    hashes, tokens = [2**64 - 1, 7], list(range(8))
-    assert raw[1][1] == ["BlockStored", hashes, None, tokens, 4, None, "GPU", *[None] * 5]
-    assert raw[1][3] == ["BlockRemoved", [2**64 - 1], "GPU", None]
-    current = decode_vllm(payload)
-    assert current.data_parallel_rank == 0
-    first, second = current.events[1], current.events[2]
+    # vLLM's layout: the batch an array, each event a map tagged by "type", defaults left out
+    # but for the fields vLLM requires (vllm-router 0.1.17 refuses any other)
+    ts, events, rank = msgspec.msgpack.decode(payload)
+    assert ts == 12.5 and rank == 0
+    assert events[0] == {"type": "AllBlocksCleared"}
+    assert events[1] == {
+        "type": "BlockStored",
+        "block_hashes": [2**64 - 1, 7],
+        "parent_block_hash": None,
+        "token_ids": list(range(8)),
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    assert events[3] == {
+        "type": "BlockRemoved",
+        "block_hashes": [2**64 - 1],
+        "medium": "GPU",
+    }
+    decoded = decode_vllm(payload)
+    assert decoded.data_parallel_rank == 0
+    first, second = decoded.events[1], decoded.events[2]
     assert isinstance(first, VllmBlockStored) and first.block_hashes == [2**64 - 1, 7]
     assert (first.parent_block_hash, first.lora_id, first.medium) == (None, None, "GPU")
     assert first.lora_name is None and first.extra_keys is None
     assert second.parent_block_hash == 7 and second.token_ids == [1, 2, 3, 4]
-    assert isinstance(current.events[3], VllmBlockRemoved)
-    old = decode_v09(payload)  # extra trailing fields are ignored by the first layout
-    assert [type(e).__name__ for e in old.events] == [
-        "V09AllBlocksCleared",
-        "V09BlockStored",
-        "V09BlockStored",
-        "V09BlockRemoved",
-    ]
-    assert old.events[2].block_hashes == [9]
+    assert isinstance(decoded.events[3], VllmBlockRemoved)
+    assert isinstance(decoded.events[0], VllmAllBlocksCleared)
 
 
 @pytest.fixture
@@ -232,7 +207,8 @@ def test_the_publisher_sends_sequenced_batches_and_replays_them(publisher):
         assert topic == b"kv@a"
         first_seq = int.from_bytes(seq, "big")
         batches = [
-            KVEventBatch(time.time(), [BlockStored([i], None, [i] * 4, 4)]) for i in range(3)
+            KVEventBatch(time.time(), [BlockStored([i], None, [i] * 4, 4, None, "GPU", None)])
+            for i in range(3)
         ]
         for batch in batches:
             pub.publish(batch)
