@@ -74,6 +74,8 @@ class Observability:
         self.cost: Any = None  # telemetry.cost.CostCollector with --cost-per-hour
         # telemetry.api_requests.ApiRequests: requests by type and status (with metrics)
         self.api_requests: Any = None
+        # telemetry.genai_metrics.GenAIServerMetrics, under the GenAI semconv opt-in (OTLP)
+        self.genai_metrics: Any = None
         self._typical_decode_s: float | None = None  # moving average of routine decode steps
         self._routine_steps = 0
 
@@ -130,6 +132,7 @@ class RequestTelemetry:
         self.abandoned = False  # the caller left before the end (disconnect, cancel, deadline)
         self.done = False
         self.status: str | None = None  # the requests_total status, once finished
+        self.operation: str | None = None  # the GenAI operation, once admitted
 
     # ---- while serving --------------------------------------------------------------------
     def admit(self, engine_request_id: str, spec: Any, log_context: dict) -> dict:
@@ -138,6 +141,7 @@ class RequestTelemetry:
         the engine's log_context."""
         self.engine_request_id = engine_request_id
         self.prompt_ids = spec.prompt_ids
+        self.operation = spec.operation
         context = {**log_context, "request_id": self.request_id, "api": self.api, "key": self.key}
         try:
             self._describe(engine_request_id, spec)
@@ -258,7 +262,7 @@ class RequestTelemetry:
             extra["prompt"] = self._prompt_text(out.prompt_token_ids)
             texts = [c.text for c in out.outputs]
             extra["output"] = texts[0] if len(texts) == 1 else texts
-        finish_request(
+        latencies = finish_request(
             span,
             times=times,
             num_prompt_tokens=len(out.prompt_token_ids),
@@ -271,6 +275,10 @@ class RequestTelemetry:
         )
         if span.is_recording() and len(reasons) > 1:
             span.set_attribute("gen_ai.response.finish_reasons", [r or "abort" for r in reasons])
+        if obs.genai_metrics is not None:
+            failure = self.failure
+            error = None if status == "ok" else type(failure).__name__ if failure else status
+            obs.genai_metrics.record(latencies, self.operation, error)
 
     @property
     def finish_reason(self) -> str | None:

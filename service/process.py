@@ -12,6 +12,7 @@ from service.api_keys import KeysFileError
 from service.server import MoeServer
 from service.settings import Settings
 from service.tls import TlsConfigError
+from telemetry.genai_metrics import shutdown_meter_provider
 from telemetry.logging import configure_logging, get_logger
 from telemetry.tracing import shutdown_tracing
 
@@ -48,3 +49,4 @@ def serve(settings: Settings) -> int:
     finally:
         if not shutdown_tracing(timeout_s=5.0):  # flush spans; a dead collector cannot hold exit
             log.warning("trace export did not finish before exit")
+        shutdown_meter_provider(timeout_s=5.0)  # the GenAI metrics' last export, if opted in

@@ -20,6 +20,7 @@ from service.settings import Settings
 from service.state import ServingState
 from telemetry.api_requests import ApiRequests
 from telemetry.cost import CostCollector
+from telemetry.genai_metrics import GenAIServerMetrics, configure_meter_provider, opted_in
 from telemetry.logging import capture_request_lines, configure_logging
 from telemetry.metrics import ServiceMetrics
 from telemetry.tracing import configure_tracing
@@ -81,6 +82,8 @@ def build_observability(engine: AsyncLLMEngine, settings: Settings, model: str) 
         decode=tokenizer.decode,
     )
     obs.api_requests = ApiRequests(metrics.registry, model)
+    if opted_in():  # OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental
+        obs.genai_metrics = GenAIServerMetrics(configure_meter_provider(), model)
     return obs
 
 
