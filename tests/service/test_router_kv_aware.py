@@ -1,0 +1,101 @@
+"""vLLM's router under kv_aware routes on our KV-cache events (issue 36): two `moeserve serve`
+replicas publish with --kv-events-config, the router subscribes (--kv-event-source, with the
+replay sockets), and a prompt whose prefix one replica already holds goes to that replica. Each
+replica is first given its own prompt directly, so the router can only know where a prefix is
+from the events. Processes started and stopped by the test."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.harness import HOST, ManagedProcess, ServerProcess, free_port, wait_until
+
+ROUTER = Path(sys.executable).with_name("vllm-router")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router (a dev dependency) is missing"),
+]
+
+
+def _served(server: ServerProcess) -> float:
+    """Requests the replica finished (its moeserve_requests_total)."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "moeserve_requests"
+        for s in family.samples
+        if s.name == "moeserve_requests_total"
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir) -> Iterator[tuple[list[ServerProcess], str]]:
+    with ExitStack() as stack:
+        replicas, sources = [], []
+        for _ in range(2):
+            events, replay = free_port(), free_port()
+            config = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{events}",
+                "replay_endpoint": f"tcp://*:{replay}",
+            }
+            server = ServerProcess(
+                tiny_model_dir,
+                "--device", "cpu", "--dtype", "float32", "--max-model-len", "1024",
+                "--kv-cache-tokens", "8192", "--kv-events-config", json.dumps(config),
+                start_timeout=180,
+                stop_timeout=20,
+            )  # fmt: skip
+            stack.callback(server.stop)
+            server.start()
+            replicas.append(server)
+            sources.append((events, replay))
+        for server in replicas:
+            server.wait_ready()
+        port = free_port()
+        argv = [
+            ROUTER, "--host", HOST, "--port", port, "--policy", "kv_aware",
+            "--worker-urls", *(s.url for s in replicas),
+            "--kv-event-model", tiny_model_dir, "--kv-event-block-size", 16,
+        ]  # fmt: skip
+        for server, (events, replay) in zip(replicas, sources):
+            argv += ["--kv-event-source", f"{server.url}=tcp://127.0.0.1:{events}"]
+            argv += ["--kv-event-replay-source", f"{server.url}=tcp://127.0.0.1:{replay}"]
+        router = ManagedProcess(argv, stop_timeout=10, name="vllm-router")
+        stack.callback(router.stop)
+        router.start()
+        url = f"http://{HOST}:{port}"
+        wait_until(lambda: httpx.get(url + "/v1/models").status_code == 200, 60, "router ready")
+        yield replicas, url
+
+
+def test_kv_aware_sends_a_prefix_to_the_replica_that_stored_it(cluster):
+    replicas, url = cluster
+    prefixes = [
+        " ".join(f"{word}{i}" for i in range(120)) for word in ("alpha", "omega")
+    ]  # about 480 tokens each: 30 blocks
+    for prefix, replica in zip(prefixes, reversed(replicas)):  # the second replica first
+        direct = {"prompt": prefix + " start", "max_tokens": 2}
+        assert httpx.post(replica.url + "/v1/completions", json=direct, timeout=60).is_success
+    time.sleep(1.0)  # the events reach the router's index
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for prefix, holder in zip(prefixes, reversed(replicas)):
+            before = [_served(r) for r in replicas]
+            for turn in range(3):
+                body = {"prompt": f"{prefix} turn {turn}", "max_tokens": 2}
+                response = http.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+            after = [_served(r) for r in replicas]
+            gained = [a - b for a, b in zip(after, before)]
+            assert gained[replicas.index(holder)] == 3, (gained, holder.url)
