@@ -112,6 +112,7 @@ def start_service(model_dir: Path, workdir: Path, rest_port: int) -> ServerProce
         model_dir,
         "--served-model-name", MODEL, "--device", "cpu", "--max-num-seqs", "8",
         "--drain-timeout", "5", "--api-keys-file", keys,
+        "--cost-per-hour", "2.5",  # the cost panel's gauges
         port=rest_port,
         grpc=True,
         env={
