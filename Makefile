@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test bench bench-peers proto lint clean loadtest bench-serving scenarios soak \
+.PHONY: setup run test bench bench-peers proto lint clean loadtest bench-serving scenarios soak replicas \
 	gpu-check gpu-wheels
 
 setup: $(STAMP)
@@ -37,6 +37,14 @@ bench: setup
 	$(BIN)/python -m bench.structured_bench
 	$(BIN)/python -m bench.quant_bench
 	$(BIN)/python -m bench.access_bench
+
+# REPLICAS local replicas (default 2), each pinned to its share of the cores, behind vLLM's
+# router on port 8000 (bench/replicas.py; POLICY: cache_aware, kv_aware, power_of_two...).
+REPLICAS ?= 2
+POLICY   ?= cache_aware
+replicas: setup
+	$(BIN)/python -m bench.replicas --replicas $(REPLICAS) --policy $(POLICY) \
+		$(if $(MODEL),--model $(MODEL),)
 
 # Peer benchmark (not part of `make test` or CI): sets up vLLM and llama.cpp once under
 # ~/.cache/moeserve/peers (tens of minutes), then measures; later runs reuse the peers.
