@@ -159,6 +159,18 @@ KEY_SERIES: tuple[KeySeries, ...] = (
         0.02,  # none are dropped normally: the alert's 0.1 spans/s is already a z of 5
     ),
     KeySeries(
+        "startup_seconds",  # the instance's last start (a restart that took longer moves it)
+        lambda lab, rw: f"max(sum by (instance) (moeserve_startup_phase_seconds{selector(lab)}))",
+        1.0,
+        rel_floor=0.1,
+    ),
+    KeySeries(
+        "cost_per_million_tokens",  # --cost-per-hour over the output tokens served
+        lambda lab, rw: f"max(moeserve_cost_per_million_tokens{selector(lab, kind='output')})",
+        0.001,
+        rel_floor=0.1,
+    ),
+    KeySeries(
         "target_up",  # Prometheus's scrape health of the instance (`up` has no model label)
         lambda lab, rw: f"min(up{selector({k: v for k, v in lab.items() if k != 'model'})})",
         0.02,

@@ -8,15 +8,18 @@ are of two kinds:
   prompt length (bigger prefills), the engine's step time per sequence of the batch (the
   same work running slower: a noisy neighbour, throttling, a slower device), preemptions
   and KV usage (the KV cache exhausted), dropped spans (the trace exporter), the target's
-  scrape health and the server-error ratio (the engine or the process gone);
+  scrape health and the server-error ratio (the engine or the process gone), the last
+  start's duration (a restart that took longer);
 - consequences: TTFT, TPOT, e2e latency, queue time, waiting and running requests, token
-  throughput. They move under nearly every cause (a full KV cache, a long-prompt surge and
-  a burst all fill the waiting queue), so they name a cause only when no driver moved.
+  throughput, the cost per million tokens (price over throughput). They move under nearly
+  every cause (a full KV cache, a long-prompt surge and a burst all fill the waiting queue),
+  so they name a cause only when no driver moved.
 
 Each cause scores the strongest move of its drivers in their own direction (the series'
 robust z against its reference stretch, see detector.py); causes rank by that score.
 When no driver passes the threshold, the waiting queue and queue time stand in for
-"queue" (saturation without a visible reason) and TPOT for "step_time", at a discount.
+"queue" (saturation without a visible reason), TPOT for "step_time" and the cost per
+million tokens for "cost", at a discount.
 Pure functions of `MetricScore`s: no I/O.
 """
 
@@ -70,6 +73,18 @@ CAUSES: tuple[Cause, ...] = (
         "more requests arrive than the server completes: the waiting queue fills",
         (("arrival_rate", "up"),),
         (("requests_waiting", "up"), ("queue_time_p95_seconds", "up")),
+    ),
+    Cause(
+        "startup",
+        "a server restarted and its start took longer: capacity was missing meanwhile "
+        "(moeserve_startup_phase_seconds and the startup trace say which phase)",
+        (("startup_seconds", "up"),),
+    ),
+    Cause(
+        "cost",
+        "each token costs more: less is served for the configured --cost-per-hour",
+        (),
+        (("cost_per_million_tokens", "up"),),
     ),
     Cause(
         "expert_imbalance",

@@ -149,6 +149,8 @@ SCENARIOS = {
     "kv_cache": {"preemptions_per_second": 3, "kv_cache_usage_ratio": 4, "requests_waiting": 6, "queue_time_p95_seconds": 50, "arrival_rate": 0.4},
     "trace_export": {"spans_dropped_per_second": 80},
     "engine": {"target_up": 0, "error_ratio": 5},
+    "startup": {"startup_seconds": 5, "target_up": 1},
+    "cost": {"cost_per_million_tokens": 4},
 }  # fmt: skip
 
 
