@@ -5,7 +5,11 @@ against all of them off, same server flags and same load, printed as a ratio (ta
 telemetry (the request inspector off on both sides, --no-inspector):
   On:  spans exported over OTLP/gRPC to a local sink (a real exporter doing real work), JSON
        request logs to a file, /metrics scraped with exemplars every 5 s (the interval of the
-       moeserve job in deploy/prometheus/prometheus.yml).
+       moeserve job in deploy/prometheus/prometheus.yml); and everything issue 37 added:
+       per-request metrics asked for by every request (--enable-per-request-metrics,
+       include_metrics), the cost gauges (--cost-per-hour), the OTel GenAI server metrics
+       (OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental) exported over OTLP to the
+       same sink every 5 s.
   Off: MOESERVE_TELEMETRY=0 (no spans, no metrics, no request logs), OTEL_TRACES_EXPORTER=none.
 inspector (telemetry on as above on both sides):
   On:  the inspector recording (the default), and its page open: the engine view, the request
@@ -35,6 +39,10 @@ from pathlib import Path
 
 import grpc
 import httpx
+from opentelemetry.proto.collector.metrics.v1 import (
+    metrics_service_pb2,
+    metrics_service_pb2_grpc,
+)
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from bench.harness import ServerProcess
@@ -44,7 +52,7 @@ from inference.checkpoints.demo_model import ensure_demo_model
 RESULTS = Path(__file__).parent / "results"
 SCRAPE_INTERVAL_S = 5.0  # as deploy/prometheus/prometheus.yml scrapes moeserve
 PAGE_INTERVAL_S = 2.0  # as the /inspect page refreshes
-TARGETS = {"telemetry": 0.97, "inspector": 0.99}  # on/off throughput
+TARGETS = {"telemetry": 0.98, "inspector": 0.99}  # on/off throughput
 
 
 class _Sink(trace_service_pb2_grpc.TraceServiceServicer):
@@ -58,8 +66,19 @@ class _Sink(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
-async def _load(url: str, args: argparse.Namespace, num_requests: int) -> tuple[float, int]:
+class _MetricSink(metrics_service_pb2_grpc.MetricsServiceServicer):
+    """An OTLP metrics receiver that drops what it gets (the GenAI server metrics)."""
+
+    def Export(self, request, context):
+        return metrics_service_pb2.ExportMetricsServiceResponse()
+
+
+async def _load(
+    url: str, args: argparse.Namespace, num_requests: int, include_metrics: bool = False
+) -> tuple[float, int]:
     body = streaming_body("The history of the mixture of experts " * 4, args.max_tokens)
+    if include_metrics:  # per-request metrics, on the stream's last chunk
+        body["include_metrics"] = True
     return await closed_loop(url, [body] * num_requests, args.concurrency)
 
 
@@ -96,6 +115,8 @@ def server_for(
             "OTEL_TRACES_EXPORTER": "otlp",
             "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}",
             "MOESERVE_TELEMETRY": "1",
+            "OTEL_SEMCONV_STABILITY_OPT_IN": "http,gen_ai_latest_experimental",
+            "OTEL_METRIC_EXPORT_INTERVAL": "5000",
         }
     else:
         env = {"OTEL_TRACES_EXPORTER": "none", "MOESERVE_TELEMETRY": "0"}
@@ -103,6 +124,8 @@ def server_for(
     flags = ["--device", args.device, "--max-num-seqs", str(args.concurrency)]
     if args.compare == "telemetry" or not on:
         flags.append("--no-inspector")
+    if _telemetry_on(args, on):
+        flags += ["--enable-per-request-metrics", "--cost-per-hour", "1.0"]
     return ServerProcess(model, *flags, env=env, log_path=log, start_timeout=300, stop_timeout=60)
 
 
@@ -133,7 +156,7 @@ def run_round(url: str, pid: int, args: argparse.Namespace, on: bool) -> dict:
     core = engine_core_pid(pid)
     api_cpu, core_cpu = cpu_seconds(pid), cpu_seconds(core)
     try:
-        elapsed, tokens = asyncio.run(_load(url, args, args.requests))
+        elapsed, tokens = asyncio.run(_load(url, args, args.requests, _telemetry_on(args, on)))
     finally:
         stop.set()
     return {
@@ -164,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     sink = _Sink()
     sink_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, sink_server)
+    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricSink(), sink_server)
     sink_port = sink_server.add_insecure_port("127.0.0.1:0")
     sink_server.start()
     rounds, pairs = [], []
@@ -172,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         servers: dict[bool, ServerProcess] = {}
         for on in (False, True):
             server = stack.enter_context(server_for(model, args, on, sink_port, Path(tmp)))
-            asyncio.run(_load(server.url, args, args.concurrency))  # warm-up
+            warm = _telemetry_on(args, on)
+            asyncio.run(_load(server.url, args, args.concurrency, warm))  # warm-up
             servers[on] = server
         for r in range(args.rounds):
             rates = {}
