@@ -1,0 +1,70 @@
+"""deploy/k8s/router (issue 36): vLLM's router in front of deploy/k8s's moeserve pods. The
+built-in kinds validate against the Kubernetes schema (strict), the router's arguments parse as
+vllm-router's own, its selector and port find the moeserve pods, its Role lets it watch them,
+and the kustomization lists every manifest."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from stack_support import K8S_DIR, load_yaml_all
+
+ROUTER_DIR = K8S_DIR / "router"
+MANIFESTS = {p.name: load_yaml_all(p) for p in sorted(ROUTER_DIR.glob("*.yaml"))}
+OBJECTS = [o for docs in MANIFESTS.values() for o in docs if o["kind"] != "Kustomization"]
+
+
+def _one(kind: str, objects=OBJECTS) -> dict:
+    (found,) = [o for o in objects if o["kind"] == kind]
+    return found
+
+
+def _router_args():
+    router_args = pytest.importorskip("vllm_router.router_args", reason="vllm-router missing")
+    parser = argparse.ArgumentParser()
+    router_args.RouterArgs.add_cli_args(parser)
+    container = _one("Deployment")["spec"]["template"]["spec"]["containers"][0]
+    args = [a.replace("$(POD_NAMESPACE)", "moeserve") for a in container["args"]]
+    return router_args.RouterArgs.from_cli_args(parser.parse_args(args))
+
+
+@pytest.mark.parametrize("obj", OBJECTS, ids=lambda o: f"{o['kind']}/{o['metadata']['name']}")
+def test_builtin_kinds_validate_against_the_kubernetes_schema(obj):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_the_router_finds_the_moeserve_pods():
+    args = _router_args()
+    moeserve = _one("Deployment", load_yaml_all(K8S_DIR / "deployment.yaml"))
+    pod_labels = moeserve["spec"]["template"]["metadata"]["labels"]
+    assert args.service_discovery
+    assert args.selector and set(args.selector.items()) <= set(pod_labels.items())
+    ports = moeserve["spec"]["template"]["spec"]["containers"][0]["ports"]
+    http = next(p["containerPort"] for p in ports if p["name"] == "http")
+    assert args.service_discovery_port == http
+    assert args.service_discovery_namespace == "moeserve"  # its own, from the downward API
+    assert args.policy == "cache_aware"
+
+
+def test_the_router_may_watch_pods_and_is_served():
+    role, binding = _one("Role"), _one("RoleBinding")
+    (rule,) = role["rules"]
+    assert rule["resources"] == ["pods"] and {"list", "watch"} <= set(rule["verbs"])
+    account = _one("ServiceAccount")["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    pod = _one("Deployment")["spec"]["template"]
+    assert pod["spec"]["serviceAccountName"] == account
+    service = _one("Service")
+    assert set(service["spec"]["selector"].items()) <= set(pod["metadata"]["labels"].items())
+    names = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert {p["targetPort"] for p in service["spec"]["ports"]} <= names
+
+
+def test_the_kustomization_lists_every_manifest():
+    (kustomization,) = MANIFESTS["kustomization.yaml"]
+    assert sorted(kustomization["resources"]) == sorted(
+        name for name in MANIFESTS if name != "kustomization.yaml"
+    )
