@@ -1,0 +1,92 @@
+"""deploy/k8s/inference-pool (issue 36): the InferencePool validates against the extension's
+published CRD schema (the v1.6.0 copy in crds/), the built-in kinds against Kubernetes' (strict),
+and the pieces meet: the pool selects deploy/k8s's moeserve pods on their REST port, its
+endpoint picker reference is the EPP Service and port, the EPP watches that pool and reads the
+mounted config, whose profile only names declared plugins."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from jsonschema import Draft202012Validator
+from stack_support import K8S_DIR, load_yaml_all
+
+POOL_DIR = K8S_DIR / "inference-pool"
+(CRD,) = load_yaml_all(POOL_DIR / "crds" / "inference.networking.k8s.io_inferencepools.yaml")
+MANIFESTS = {p.name: load_yaml_all(p) for p in sorted(POOL_DIR.glob("*.yaml"))}
+OBJECTS = [o for docs in MANIFESTS.values() for o in docs if o["kind"] != "Kustomization"]
+BUILTIN = [o for o in OBJECTS if o["kind"] != "InferencePool"]
+MOESERVE = next(o for o in load_yaml_all(K8S_DIR / "deployment.yaml") if o["kind"] == "Deployment")
+
+
+def _one(kind: str) -> dict:
+    (found,) = [o for o in OBJECTS if o["kind"] == kind]
+    return found
+
+
+def _crd_schema(version: str) -> dict:
+    (served,) = [v for v in CRD["spec"]["versions"] if v["name"] == version]
+    return served["schema"]["openAPIV3Schema"]
+
+
+def test_the_pool_validates_against_the_published_crd():
+    pool = _one("InferencePool")
+    group, version = pool["apiVersion"].split("/")
+    assert (group, pool["kind"]) == (CRD["spec"]["group"], CRD["spec"]["names"]["kind"])
+    assert CRD["metadata"]["annotations"]["inference.networking.k8s.io/bundle-version"] == "v1.6.0"
+    errors = sorted(Draft202012Validator(_crd_schema(version)).iter_errors(pool), key=str)
+    assert not errors, [e.message for e in errors]
+    broken = yaml.safe_load(yaml.safe_dump(pool))
+    del broken["spec"]["targetPorts"]  # the schema is not vacuous: a required field missing
+    assert list(Draft202012Validator(_crd_schema(version)).iter_errors(broken))
+
+
+@pytest.mark.parametrize("obj", BUILTIN, ids=lambda o: f"{o['kind']}/{o['metadata']['name']}")
+def test_builtin_kinds_validate_against_the_kubernetes_schema(obj):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_the_pool_selects_the_moeserve_pods_on_their_rest_port():
+    spec = _one("InferencePool")["spec"]
+    labels = MOESERVE["spec"]["template"]["metadata"]["labels"]
+    assert set(spec["selector"]["matchLabels"].items()) <= set(labels.items())
+    ports = MOESERVE["spec"]["template"]["spec"]["containers"][0]["ports"]
+    http = next(p["containerPort"] for p in ports if p["name"] == "http")
+    assert spec["targetPorts"] == [{"number": http}]
+
+
+def test_the_endpoint_picker_serves_the_pool_with_its_config():
+    pool = _one("InferencePool")
+    ref = pool["spec"]["endpointPickerRef"]
+    service = _one("Service")
+    assert ref["name"] == service["metadata"]["name"]
+    assert ref["port"]["number"] in {p["port"] for p in service["spec"]["ports"]}
+    pod = _one("Deployment")["spec"]["template"]
+    assert set(service["spec"]["selector"].items()) <= set(pod["metadata"]["labels"].items())
+    container = pod["spec"]["containers"][0]
+    args = container["args"]
+    assert args[args.index("--pool-name") + 1] == pool["metadata"]["name"]
+    assert args[args.index("--grpc-port") + 1] == str(ref["port"]["number"])
+    config_path = args[args.index("--config-file") + 1]
+    (mount,) = container["volumeMounts"]
+    (volume,) = pod["spec"]["volumes"]
+    assert volume["name"] == mount["name"]
+    configmap = _one("ConfigMap")
+    assert volume["configMap"]["name"] == configmap["metadata"]["name"]
+    key = config_path.removeprefix(mount["mountPath"] + "/")
+    config = yaml.safe_load(configmap["data"][key])
+    assert config["kind"] == "EndpointPickerConfig"
+    declared = {p["type"] for p in config["plugins"]}
+    for profile in config["schedulingProfiles"]:
+        assert {p["pluginRef"] for p in profile["plugins"]} <= declared
+    role = _one("Role")
+    watched = {r for rule in role["rules"] for r in rule["resources"]}
+    assert {"inferencepools", "pods"} <= watched
+
+
+def test_the_kustomization_lists_every_manifest():
+    (kustomization,) = MANIFESTS["kustomization.yaml"]
+    assert sorted(kustomization["resources"]) == sorted(
+        name for name in MANIFESTS if name != "kustomization.yaml"
+    )
