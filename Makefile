@@ -8,7 +8,7 @@ TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo to
 PYTEST_ARGS ?=
 
 .PHONY: setup run test bench bench-peers proto lint clean loadtest bench-serving scenarios soak replicas \
-	gpu-check gpu-wheels
+	gpu-check gpu-wheels eval
 
 setup: $(STAMP)
 
@@ -37,6 +37,11 @@ bench: setup
 	$(BIN)/python -m bench.structured_bench
 	$(BIN)/python -m bench.quant_bench
 	$(BIN)/python -m bench.access_bench
+
+# lm-evaluation-harness over the local task pack (bench/eval_pack.py), through the API per model
+# and format, beside transformers' run of each checkpoint: bench/results/eval.json (no timing)
+eval: setup
+	$(BIN)/python -m bench.eval_bench
 
 # REPLICAS local replicas (default 2), each pinned to its share of the cores, behind vLLM's
 # router on port 8000 (bench/replicas.py; POLICY: cache_aware, kv_aware, power_of_two...).
