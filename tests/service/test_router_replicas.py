@@ -22,21 +22,14 @@ pytestmark = [
     pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router (a dev dependency) is missing"),
 ]
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
+SERVE = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4"]
+SERVE += ["--kv-cache-tokens", "4096"]
 
 
 @pytest.fixture(scope="module")
 def replicas(tiny_model_dir) -> Iterator[list[ServerProcess]]:
     with ExitStack() as stack:
-        servers = [
-            ServerProcess(
-                tiny_model_dir,
-                "--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
-                "--max-num-seqs", "4", "--kv-cache-tokens", "4096",
-                start_timeout=180,
-                stop_timeout=20,
-            )  # fmt: skip
-            for _ in range(2)
-        ]
+        servers = [ServerProcess(tiny_model_dir, *SERVE, start_timeout=180) for _ in range(2)]
         for server in servers:  # both start at once: each waits for its own readiness below
             stack.callback(server.stop)
             server.start()
@@ -66,9 +59,7 @@ def test_the_router_serves_chats_and_completions_through_the_replicas(replicas, 
     router.start()
     try:
         with httpx.Client(base_url=url, timeout=60) as http:
-            wait_until(
-                lambda: http.get("/v1/models").status_code == 200, 60, "the router ready"
-            )
+            wait_until(lambda: http.get("/v1/models").status_code == 200, 60, "the router ready")
             for i in range(3):
                 chat = {"messages": MESSAGES, "max_tokens": 4, "seed": i}
                 whole = http.post("/v1/chat/completions", json=chat)
@@ -87,5 +78,34 @@ def test_the_router_serves_chats_and_completions_through_the_replicas(replicas, 
                 streamed = http.post("/v1/completions", json={**text, "stream": True})
                 assert streamed.status_code == 200, streamed.text
                 assert _sse_events(streamed)[0]["object"] == "text_completion"
+    finally:
+        router.stop()
+
+
+def _logged(replicas: list[ServerProcess], trace_id: str) -> bool:
+    return any(
+        r.get("event") == "request finished" and r.get("trace_id") == trace_id
+        for server in replicas
+        for r in server.records
+    )
+
+
+def test_a_clients_traceparent_reaches_the_replica_through_the_router(replicas):
+    """vLLM's router forwards `traceparent`: the replica's request span joins the client's
+    trace (its "request finished" line carries the client's trace id)."""
+    router, url = _router(replicas, "round_robin")
+    router.start()
+    try:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            wait_until(lambda: http.get("/v1/models").status_code == 200, 60, "the router ready")
+            for i in range(2):  # round robin: one request on each replica
+                trace_id = f"{i + 1:032x}"
+                headers = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
+                body = {"messages": MESSAGES, "max_tokens": 2}
+                response = http.post("/v1/chat/completions", json=body, headers=headers)
+                assert response.status_code == 200, response.text
+                wait_until(
+                    lambda tid=trace_id: _logged(replicas, tid), 10, "the replica's request line"
+                )
     finally:
         router.stop()
