@@ -286,6 +286,9 @@ function renderDetail(detail) {
     fact("tokens", `${r.prompt_tokens} prompt, ${r.completion_tokens} completion`),
     fact("queue / TTFT", `${ms(r.queue_ms)} / ${ms(r.ttft_ms)}`),
     fact("TPOT / e2e", `${ms(r.tpot_ms)} / ${ms(r.e2e_ms)}`),
+    // the per-request metrics an include_metrics response carries (the same numbers)
+    detail.metrics && detail.metrics.tokens_per_second !== null
+      ? fact("tokens/s", detail.metrics.tokens_per_second.toFixed(1)) : null,
     fact("preemptions", String(r.preemptions)), fact("trace id", trace),
     r.error ? fact("error", r.error) : null,
   ].filter(Boolean));
