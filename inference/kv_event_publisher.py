@@ -46,7 +46,12 @@ class ZmqEventPublisher:
         self._replay = None
         if config.replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.bind(config.replay_endpoint)
+            try:
+                self._replay.bind(config.replay_endpoint)
+            except zmq.ZMQError:  # leave no socket bound behind the refused start
+                self._replay.close(linger=0)
+                self._pub.close(linger=0)
+                raise
         self.dropped = 0  # batches dropped on a full queue
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()

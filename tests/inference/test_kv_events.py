@@ -272,3 +272,25 @@ def test_an_endpoint_in_use_is_refused_naming_the_flag(publisher):
     with pytest.raises(InvalidParameterError) as err:
         start_publisher(taken)
     assert err.value.param == "kv_events_config"
+
+
+def test_a_replay_endpoint_in_use_releases_the_pub_socket(publisher):
+    _, _, replay_port = publisher
+    port = free_port()
+    config = kv_events_config(
+        f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{port}", '
+        f'"replay_endpoint": "tcp://*:{replay_port}"}}'
+    )
+    with pytest.raises(InvalidParameterError):
+        start_publisher(config)
+    ctx = zmq.Context.instance()
+    probe = ctx.socket(zmq.PUB)
+    deadline = time.monotonic() + 5
+    while True:  # zmq closes sockets on its I/O thread: the port frees shortly after
+        try:
+            probe.bind(f"tcp://*:{port}")
+            break
+        except zmq.ZMQError:
+            assert time.monotonic() < deadline, "the refused start kept its PUB port bound"
+            time.sleep(0.05)
+    probe.close(linger=0)
