@@ -3,6 +3,7 @@ real start: tests/service/test_startup_phases.py)."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from inference.startup import PHASES, PhaseMark, StartupClock, phase_order, phase_seconds
@@ -77,3 +78,22 @@ def test_startup_trace_has_a_span_per_mark_under_one_root(tracer, span_exporter)
     durations = [(s.end_time - s.start_time) / 1e9 for s in children]
     assert durations == [1.0, 0.5, 0.5]
     assert root.start_time == children[0].start_time and root.end_time == children[-1].end_time
+
+
+def test_a_line_is_logged_as_each_phase_ends(log_stream):
+    import json
+    import time
+
+    from service.startup import StartupProgress
+
+    progress = StartupProgress()
+    progress.on_engine_phase(PhaseMark("load_weights", time.monotonic()))  # continues ours
+    progress.on_engine_phase(PhaseMark("kv_cache_alloc", time.monotonic()))
+    progress.mark("ready")
+    progress.finish()
+    lines = [json.loads(line) for line in log_stream.getvalue().splitlines()]
+    phases = [line["phase"] for line in lines if line["event"] == "startup phase"]
+    assert phases == ["load_weights", "kv_cache_alloc", "ready"]
+    (done,) = [line for line in lines if line["event"] == "startup finished"]
+    assert done["seconds"] == pytest.approx(sum(progress.seconds().values()), abs=0.002)
+    assert [p["phase"] for p in progress.report()] == phases
