@@ -93,6 +93,7 @@ PINS = {
     "pydantic": "2.14.4",  # openai-harmony's
     "pydantic-core": "2.50.5",
     "pytest-asyncio": "1.5.0",  # the test run's (asyncio_mode in pyproject.toml)
+    "pyzmq": "27.3.0",  # KV-cache events (inference/kv_event_publisher.py)
     "rich-click": "1.9.9",
     "sniffio": "1.3.1",
     "structlog": "26.1.0",
