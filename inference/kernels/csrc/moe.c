@@ -45,16 +45,16 @@ static inline void glu_row(const float *gate, const float *up, float *out, int64
         swiglu_row(gate, up, out, n);
 }
 
-/* v = round(round(v) + bias) over a block's n values (bias NULL: round only), as the
- * reference's bf16 product and then its bias add round */
-static inline void round_add_bias(float *v, const float *bias, int64_t n) {
+/* out = round(round(in) + bias) over a block's n values (bias NULL: round only; out may be
+ * in), as the reference's bf16 product and then its bias add round */
+static inline void round_add_bias(const float *in, const float *bias, float *out, int64_t n) {
     int64_t i = 0;
     for (; i + VL <= n; i += VL) {
-        vf r = vf_round_bf16(vf_load(v + i));
+        vf r = vf_round_bf16(vf_load(in + i));
         if (bias) r = vf_round_bf16(vf_add(r, vf_load(bias + i)));
-        vf_store(v + i, r);
+        vf_store(out + i, r);
     }
-    for (; i < n; i++) v[i] = bias ? round_bf16(round_bf16(v[i]) + bias[i]) : round_bf16(v[i]);
+    for (; i < n; i++) out[i] = bias ? round_bf16(round_bf16(in[i]) + bias[i]) : round_bf16(in[i]);
 }
 
 /* ---- MoE layers ---------------------------------------------------------------------- */
@@ -70,9 +70,7 @@ static void rows_times_block(const rows_t *a, int64_t r0, int64_t r1, const wmat
         wblock_gemm(a, m0, m1 - m0, w, N, K, j, pad, C, BLOCK, &cols);
         for (int64_t m = m0; m < m1; m++) {
             const float *c = C + (m - m0) * BLOCK;
-            float *o = out + m * ldo + j * BLOCK;
-            memcpy(o, c, cols * sizeof(float));
-            round_add_bias(o, bias ? bias + j * BLOCK : NULL, cols);
+            round_add_bias(c, bias ? bias + j * BLOCK : NULL, out + m * ldo + j * BLOCK, cols);
         }
     }
 }
@@ -91,8 +89,8 @@ static void rows_swiglu_block(const rows_t *a, int64_t r0, int64_t r1, const wma
         wblock_gemm_pair(a, m0, m1 - m0, w13, 2 * I, K, j, I / BLOCK + j, pad, G, U, BLOCK);
         for (int64_t m = m0; m < m1; m++) {
             float *g = G + (m - m0) * BLOCK, *u = U + (m - m0) * BLOCK, *h = hidden + m * ldh + j * BLOCK;
-            round_add_bias(g, bias13 ? bias13 + j * BLOCK : NULL, BLOCK);
-            round_add_bias(u, bias13 ? bias13 + I + j * BLOCK : NULL, BLOCK);
+            round_add_bias(g, bias13 ? bias13 + j * BLOCK : NULL, g, BLOCK);
+            round_add_bias(u, bias13 ? bias13 + I + j * BLOCK : NULL, u, BLOCK);
             glu_row(g, u, h, BLOCK, glu);
             if (hidden16)
                 for (int v = 0; v < VPB; v++) vf_store_bf16(hidden16 + m * ldh + j * BLOCK + v * VL, vf_load(h + v * VL));
