@@ -6,13 +6,13 @@ kernel and quantization tests, as every family's."""
 from __future__ import annotations
 
 import pytest
-import torch
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from inference import ModelLoadError
 from inference.models.args import ModelArgs, common_fields
 from inference.models.deepseek_v3 import DeepseekV3Layer, fields
+from tests.inference.family_checks import check_routing_against_reference
 from tests.inference.mtp_checkpoints import check_mtp_layers_load_and_are_not_run
 
 
@@ -48,24 +48,7 @@ def test_noaux_routing_chooses_and_weighs_as_the_reference_router(norm_topk_prob
     cfg = config(norm_topk_prob=norm_topk_prob)
     args = ModelArgs(**(common_fields(cfg) | fields(cfg)))
     ours, ref = DeepseekV3Layer.routed_experts(args, 0), DeepseekV3TopkRouter(cfg)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        ref.weight.copy_(torch.randn(16, 32, generator=g))
-        ref.e_score_correction_bias.copy_(torch.rand(16, generator=g) * 0.5)
-        ours.gate.weight.copy_(ref.weight)
-        ours.gate.e_score_correction_bias.copy_(ref.e_score_correction_bias)
-    x = torch.randn(64, 32, generator=g)
-    with torch.no_grad():
-        weights, ids = ours.route(x)
-        _, ref_weights, ref_ids = ref(x)
-        unbiased = torch.sigmoid(x @ ref.weight.T).topk(4, dim=-1).indices
-    order, ref_order = ids.sort(dim=-1), ref_ids.sort(dim=-1)
-    assert torch.equal(order.values, ref_order.values)
-    torch.testing.assert_close(
-        weights.gather(1, order.indices), ref_weights.gather(1, ref_order.indices)
-    )
-    # the bias changed the choice for some tokens (else the test would prove little)
-    assert not torch.equal(order.values, unbiased.sort(dim=-1).values)
+    check_routing_against_reference(ours, ref, experts=16, top_k=4)
 
 
 def test_the_mtp_layer_of_a_checkpoint_loads_and_is_not_run(model_dirs, tmp_path):

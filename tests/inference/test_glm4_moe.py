@@ -6,17 +6,16 @@ quantization tests, as every family's."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
-import torch
 from transformers import Glm4MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 
-from inference import LLMEngine, ModelLoadError
 from inference.models.args import ModelArgs, common_fields
 from inference.models.glm4_moe import Glm4MoeLayer, fields
+from tests.inference.family_checks import (
+    check_routing_against_reference,
+    check_variant_refused,
+)
 from tests.inference.mtp_checkpoints import check_mtp_layers_load_and_are_not_run
 
 
@@ -47,23 +46,7 @@ def test_routing_chooses_and_weighs_as_the_reference_router(n_group, topk_group,
     cfg = config(n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob)
     args = ModelArgs(**(common_fields(cfg) | fields(cfg)))
     ours, ref = Glm4MoeLayer.routed_experts(args, 0), Glm4MoeTopkRouter(cfg)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        ref.weight.copy_(torch.randn(16, 32, generator=g))
-        ref.e_score_correction_bias.copy_(torch.rand(16, generator=g) * 0.5)
-        ours.gate.weight.copy_(ref.weight)
-        ours.gate.e_score_correction_bias.copy_(ref.e_score_correction_bias)
-    x = torch.randn(64, 32, generator=g)
-    with torch.no_grad():
-        weights, ids = ours.route(x)
-        _, ref_weights, ref_ids = ref(x)
-        unbiased = torch.sigmoid(x @ ref.weight.T).topk(4, dim=-1).indices
-    order, ref_order = ids.sort(dim=-1), ref_ids.sort(dim=-1)
-    assert torch.equal(order.values, ref_order.values)
-    torch.testing.assert_close(
-        weights.gather(1, order.indices), ref_weights.gather(1, ref_order.indices)
-    )
-    assert not torch.equal(order.values, unbiased.sort(dim=-1).values)  # the bias mattered
+    check_routing_against_reference(ours, ref, experts=16, top_k=4)
 
 
 def test_the_mtp_layer_of_a_checkpoint_loads_and_is_not_run(model_dirs, tmp_path):
@@ -97,9 +80,4 @@ def test_the_mtp_layer_of_a_checkpoint_loads_and_is_not_run(model_dirs, tmp_path
 def test_a_variant_we_do_not_serve_is_refused_at_load_naming_its_field(
     model_dirs, tmp_path, change, field
 ):
-    path = tmp_path / "variant"
-    shutil.copytree(model_dirs("glm4_moe"), path)
-    cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps(cfg | change))
-    with pytest.raises(ModelLoadError, match=field):
-        LLMEngine.from_pretrained(path, device="cpu", dtype="float32", kv_cache_tokens=64)
+    check_variant_refused(model_dirs("glm4_moe"), tmp_path / "variant", change, field)

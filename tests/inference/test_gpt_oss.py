@@ -17,6 +17,7 @@ from inference import LLMEngine, ModelLoadError, SamplingParams
 from inference.kernels import cpu as cpu_kernels
 from inference.models import paged_cache as kv_cache
 from inference.models.moe import ClampedSwiGLU, select_experts
+from tests.inference.family_checks import check_variant_refused
 from tests.inference.test_cpu_kernels import (  # noqa: F401 (the fixture: every kernel path)
     close_to_bf16,
     path,
@@ -234,9 +235,4 @@ def test_malformed_mxfp4_tensors_are_refused_naming_them(model_dirs, tmp_path, e
     ],
 )
 def test_variants_we_do_not_serve_are_refused_naming_the_field(model_dirs, tmp_path, change, field):
-    ckpt = tmp_path / "variant"
-    shutil.copytree(model_dirs("gpt_oss"), ckpt)
-    cfg = json.loads((ckpt / "config.json").read_text())
-    (ckpt / "config.json").write_text(json.dumps(cfg | change))
-    with pytest.raises(ModelLoadError, match=field):
-        LLMEngine.from_pretrained(ckpt, dtype="float32", kv_cache_tokens=256)
+    check_variant_refused(model_dirs("gpt_oss"), tmp_path / "variant", change, field)

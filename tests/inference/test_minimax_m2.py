@@ -6,17 +6,17 @@ family's."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
 from transformers import MiniMaxM2Config
 from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2TopKRouter
 
-from inference import LLMEngine, ModelLoadError
 from inference.models.args import ModelArgs, common_fields
 from inference.models.minimax_m2 import MiniMaxM2Layer, fields
+from tests.inference.family_checks import (
+    check_routing_against_reference,
+    check_variant_refused,
+)
 from tests.inference.mtp_checkpoints import check_mtp_layers_load_and_are_not_run
 
 
@@ -44,24 +44,8 @@ def test_routing_chooses_and_weighs_as_the_reference_router():
     cfg = config()
     args = ModelArgs(**(common_fields(cfg) | fields(cfg)))
     ours, ref = MiniMaxM2Layer.routed_experts(args, 0), MiniMaxM2TopKRouter(cfg)
-    g = torch.Generator().manual_seed(0)
-    bias = torch.rand(32, generator=g) * 0.5
-    with torch.no_grad():
-        ref.weight.copy_(torch.randn(32, 32, generator=g))
-        ours.gate.weight.copy_(ref.weight)
-        ours.gate.e_score_correction_bias.copy_(bias)
-    x = torch.randn(64, 32, generator=g)
-    with torch.no_grad():
-        weights, ids = ours.route(x)
-        _, ref_weights, ref_ids = ref(x, bias)
-        unbiased = torch.sigmoid(x @ ref.weight.T).topk(8, dim=-1).indices
-    order, ref_order = ids.sort(dim=-1), ref_ids.sort(dim=-1)
-    assert torch.equal(order.values, ref_order.values)
-    torch.testing.assert_close(
-        weights.gather(1, order.indices), ref_weights.gather(1, ref_order.indices)
-    )
+    weights = check_routing_against_reference(ours, ref, experts=32, top_k=8)
     torch.testing.assert_close(weights.sum(-1), torch.ones(64))  # renormalised, unscaled
-    assert not torch.equal(order.values, unbiased.sort(dim=-1).values)  # the bias mattered
 
 
 def test_qk_norms_span_all_heads_and_a_part_of_each_head_rotates():
@@ -104,9 +88,4 @@ def test_the_mtp_modules_of_a_checkpoint_load_and_are_not_run(model_dirs, tmp_pa
 def test_a_variant_we_do_not_serve_is_refused_at_load_naming_its_field(
     model_dirs, tmp_path, change, field
 ):
-    path = tmp_path / "variant"
-    shutil.copytree(model_dirs("minimax_m2"), path)
-    cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps(cfg | change))
-    with pytest.raises(ModelLoadError, match=field):
-        LLMEngine.from_pretrained(path, device="cpu", dtype="float32", kv_cache_tokens=64)
+    check_variant_refused(model_dirs("minimax_m2"), tmp_path / "variant", change, field)
