@@ -214,6 +214,8 @@ class LLMEngine:
             num_requests=len(self.requests),
             num_preemptions=sched.num_preempted,
             request_ids=list(touched),
+            prefix_cache_queries=sched.prefix_cache_queries,
+            prefix_cache_hits=sched.prefix_cache_hits,
             expert_tokens=expert_tokens,
             finished=finished,
             bitmask_s=self.structured.take_step_time(),

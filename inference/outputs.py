@@ -106,6 +106,10 @@ class StepStats(msgspec.Struct):
     num_requests: int  # unfinished requests in the engine after this step
     num_preemptions: int
     request_ids: list[str]  # requests in the batch (span links)
+    # vLLM's prefix-cache stats, in tokens, of the requests admitted this step (never counting
+    # one resumed after a preemption): prompt tokens looked up, and those found cached
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     expert_tokens: list[list[int]] | None = None  # [layer][expert] routed token counts
     bitmask_s: float = 0.0  # grammar masks and logit_bias this step cost the step
     finished: list[FinishedSequence] = []

@@ -25,6 +25,10 @@ log = structlog.get_logger("inference.engine")  # the engine's lines: one logger
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, new tokens)
     num_preempted: int = 0
+    # vLLM's prefix-cache stats of the sequences admitted this step: tokens looked up in the
+    # prefix cache, and those found there (a resumed preempted sequence counts in neither)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -76,7 +80,8 @@ class Scheduler:
         now = time.monotonic()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.peek()
-            if not seq.block_table and not seq.needs_prompt_logprobs:
+            looked_up = not seq.block_table and not seq.needs_prompt_logprobs
+            if looked_up:
                 cached = self.bm.use_cached_prefix(seq)
                 if seq.num_output_tokens == 0:
                     seq.num_cached_tokens = cached
@@ -86,6 +91,10 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            # counted at admission, as vLLM does: a lookup that found no room is redone later
+            if looked_up and self.bm.enable_prefix_caching and not seq.times.num_preemptions:
+                out.prefix_cache_queries += seq.num_tokens
+                out.prefix_cache_hits += seq.num_computed_tokens
             self.bm.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
             if seq.times.first_scheduled is None:

@@ -26,7 +26,7 @@ from telemetry.expert_load import (
     ExpertLoadCollector,
 )
 from telemetry.metric_collectors import SpanExportCollector
-from telemetry.vllm_metrics import VllmProtocolGauges
+from telemetry.vllm_metrics import VllmPrefixCacheCounters, VllmProtocolGauges
 
 __all__ = [
     "APIS",
@@ -185,6 +185,7 @@ class ServiceMetrics:
         self._add_engine_instruments(max_waiting)
         # the same engine gauges under vLLM's names, which endpoint pickers read
         self.vllm = VllmProtocolGauges(registry, model, *(kv_cache_blocks or (None, None)))
+        self._add_prefix_cache_counters()
         self._add_structured_output_instruments()
         self._add_model_instruments(info or {}, weight_bytes, kv_cache_bytes)
         # moeserve_moe_expert_tokens_total, moeserve_moe_expert_imbalance and the other
@@ -358,6 +359,26 @@ class ServiceMetrics:
         self._preempt = self.preemptions.labels(model)
         self.max_waiting.labels(model).set(max_waiting)
 
+    def _add_prefix_cache_counters(self) -> None:
+        """Prompt tokens looked up in the prefix cache and those found there (vLLM's
+        prefix_cache_queries / prefix_cache_hits, whose twins these are)."""
+        r, model = self.registry, self.model
+        self.prefix_cache_queries = Counter(
+            "moeserve_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache, counted when a request is admitted.",
+            ("model",),
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "moeserve_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (full blocks), of those queried.",
+            ("model",),
+            registry=r,
+        )
+        self._pc_queries = self.prefix_cache_queries.labels(model)
+        self._pc_hits = self.prefix_cache_hits.labels(model)
+        self.vllm_prefix_cache = VllmPrefixCacheCounters(r, model)
+
     def _add_structured_output_instruments(self) -> None:
         """Grammar-constrained requests by kind, and grammar compile times."""
         r, model = self.registry, self.model
@@ -413,6 +434,10 @@ class ServiceMetrics:
             self._decode_per_seq.observe(step.duration_s / step.batch_size)
         if step.num_preemptions:
             self._preempt.inc(step.num_preemptions)
+        if step.prefix_cache_queries:
+            self._pc_queries.inc(step.prefix_cache_queries)
+            self._pc_hits.inc(step.prefix_cache_hits)
+            self.vllm_prefix_cache.observe(step.prefix_cache_queries, step.prefix_cache_hits)
         if step.expert_tokens is not None:
             self.experts.observe(step.expert_tokens)
 

@@ -42,6 +42,8 @@ def _step(running: int, waiting: int, kv: float) -> SimpleNamespace:
         num_generated_tokens=running,
         kv_usage=kv,
         num_preemptions=0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
         request_ids=[],
         expert_tokens=None,
         finished=[],

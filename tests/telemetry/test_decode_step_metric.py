@@ -15,6 +15,7 @@ def _step(duration_s: float, batch: int, prefill: int) -> SimpleNamespace:
     return SimpleNamespace(
         num_running=batch, num_waiting=0, kv_usage=0.1, batch_size=batch, duration_s=duration_s,
         num_preemptions=0, expert_tokens=None, num_prefill_tokens=prefill,
+        prefix_cache_queries=0, prefix_cache_hits=0,
     )  # fmt: skip
 
 

@@ -42,6 +42,7 @@ def _step(counts) -> SimpleNamespace:
     return SimpleNamespace(
         num_running=1, num_waiting=0, kv_usage=0.0, batch_size=1, duration_s=0.01,
         num_prefill_tokens=0, num_preemptions=0, expert_tokens=counts,
+        prefix_cache_queries=0, prefix_cache_hits=0,
     )  # fmt: skip
 
 

@@ -81,6 +81,8 @@ def _step(expert_tokens=None, **kw):
         "num_generated_tokens": 3,
         "kv_usage": 0.25,
         "num_preemptions": 0,
+        "prefix_cache_queries": 0,
+        "prefix_cache_hits": 0,
         "request_ids": ["a", "b", "c"],
         "expert_tokens": expert_tokens,
         "finished": [],
