@@ -28,6 +28,7 @@ from service.startup import StartingListener, StartupProgress, publish
 from service.state import ServingState
 from service.state_builder import build_inspector, load_serving_state
 from service.tls import TlsFiles
+from telemetry import instance
 from telemetry.logging import get_logger
 
 log = get_logger("service.server")
@@ -68,6 +69,8 @@ class MoeServer:
         # listening from the start: /ready says which phase the start is in (503)
         self._sock = bind_rest_socket(s.host, s.port)
         self.rest_port = self._sock.getsockname()[1]
+        # which replica this is, for spans, log lines and the inspector: from here on
+        instance.assign(self.rest_port)
         starting = StartingListener(self._sock, progress, self.tls)
         await starting.start()
         try:

@@ -18,6 +18,7 @@ from service.inspector.recorder import InspectorRecorder
 from service.observability import Observability
 from service.settings import Settings
 from service.state import ServingState
+from telemetry import instance
 from telemetry.api_requests import ApiRequests
 from telemetry.cost import CostCollector
 from telemetry.genai_metrics import GenAIServerMetrics, configure_meter_provider, opted_in
@@ -100,14 +101,15 @@ async def load_serving_state(
     s = settings
     path, name = await asyncio.to_thread(model_path_and_name, s)
     # the engine core process logs like this one (same stdout, same format); for the
-    # inspector it also ships the lines it logs on requests' behalf with its steps
+    # inspector it also ships the lines it logs on requests' behalf with its steps; its
+    # lines name this replica as ours do
     logging_init = capture_request_lines if inspector is not None else configure_logging
     engine = await asyncio.to_thread(
         AsyncLLMEngine.from_pretrained,
         path,
         s.device,
         s.dtype,
-        functools.partial(logging_init, s.log_format),
+        functools.partial(logging_init, s.log_format, instance_id=instance.current()),
         on_startup_phase,
         **s.engine_limits(),
     )

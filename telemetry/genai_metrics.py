@@ -16,8 +16,8 @@ from typing import Any
 
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
-from opentelemetry.sdk.resources import Resource
 
+from telemetry.instance import service_resource
 from telemetry.tracing import GENAI_PROVIDER
 
 OPT_IN = "gen_ai_latest_experimental"
@@ -67,10 +67,9 @@ def configure_meter_provider(readers: Sequence[MetricReader] | None = None) -> M
     global _provider
     with _lock:
         if _provider is None:
-            name = os.environ.get("OTEL_SERVICE_NAME") or "moeserve"
             _provider = MeterProvider(
                 metric_readers=list(readers) if readers is not None else [_otlp_reader()],
-                resource=Resource.create({"service.name": name}),
+                resource=service_resource(),
             )
         return _provider
 

@@ -7,7 +7,8 @@ grpc, litestar, opentelemetry) end up in the same processor chain and the same s
 Inside a request the service should `clear_contextvars()` then
 `bind_contextvars(request_id=...)`; `add_otel_ids` adds `trace_id`/`span_id` of the current
 OTel span. Contextvars do not cross into the engine core process, so code there passes
-`trace_id=`/`span_id=`/`request_id=` explicitly; explicit fields always win.
+`trace_id=`/`span_id=`/`request_id=` explicitly; explicit fields always win. Every line
+names its replica (`service.instance.id`, telemetry/instance.py) once the id is known.
 
 Lines that carry a `trace_id` can also be handed, as the JSON line, to sinks registered with
 `add_line_sink` (the inspector keeps each request's lines); `capture_request_lines` does the
@@ -25,6 +26,8 @@ from typing import Any, Literal, TextIO
 
 import structlog
 from opentelemetry import trace
+
+from telemetry import instance
 
 try:  # msgspec is a project dependency; fall back to the stdlib if it ever is not.
     import msgspec
@@ -44,6 +47,7 @@ except ImportError:  # pragma: no cover
 __all__ = [
     "add_line_sink",
     "add_otel_ids",
+    "add_service_instance",
     "bind_request_context",
     "capture_request_lines",
     "configure_logging",
@@ -131,6 +135,16 @@ def add_otel_ids(logger: Any, method_name: str, event_dict: dict[str, Any]) -> d
     return event_dict
 
 
+def add_service_instance(
+    logger: Any, method_name: str, event_dict: dict[str, Any]
+) -> dict[str, Any]:
+    """`service.instance.id`: which replica logged the line (when known; explicit wins)."""
+    instance_id = instance.current()
+    if instance_id is not None:
+        event_dict.setdefault(instance.SERVICE_INSTANCE_ID, instance_id)
+    return event_dict
+
+
 def _add_logger_name(logger: Any, method_name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
     """`logger` field: the name given to `get_logger(name)`, or the stdlib record's name."""
     if "logger" not in event_dict:
@@ -201,13 +215,18 @@ def configure_logging(
     *,
     stream: TextIO | None = None,
     cache_loggers: bool = True,
+    instance_id: str | None = None,
 ) -> None:
     """Configure structlog and stdlib logging; safe to call more than once.
 
     fmt: "json" (one object per line), "console" (human readable), or None for console
     when `stream` is a TTY and JSON otherwise. `stream` defaults to sys.stdout.
     `cache_loggers=False` lets tests reconfigure loggers that were already used.
+    `instance_id`: the process's service.instance.id, given to a child process by its parent
+    (else the one telemetry.instance already knows, if any).
     """
+    if instance_id is not None:
+        instance.set_current(instance_id)
     stream = sys.stdout if stream is None else stream
     if fmt is None:
         fmt = "console" if _isatty(stream) else "json"
@@ -220,6 +239,7 @@ def configure_logging(
         structlog.processors.add_log_level,
         _add_logger_name,
         add_otel_ids,
+        add_service_instance,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     renderer: Any
@@ -276,12 +296,12 @@ def configure_logging(
 
 
 def capture_request_lines(
-    fmt: LogFormat | None = None, max_lines: int = 1024
+    fmt: LogFormat | None = None, max_lines: int = 1024, *, instance_id: str | None = None
 ) -> Callable[[], list[tuple[str, str]]]:
-    """`configure_logging(fmt)` for a process whose request lines must also reach another
-    one: returns `take()`, which hands over (trace_id, JSON line) of the lines logged since
-    the previous call (at most `max_lines` of them; older ones are dropped)."""
-    configure_logging(fmt)
+    """`configure_logging(fmt, instance_id=)` for a process whose request lines must also
+    reach another one: returns `take()`, which hands over (trace_id, JSON line) of the lines
+    logged since the previous call (at most `max_lines` of them; older ones are dropped)."""
+    configure_logging(fmt, instance_id=instance_id)
     captured: deque[tuple[str, str]] = deque(maxlen=max_lines)
     add_line_sink(lambda trace_id, line: captured.append((trace_id, line)))
 

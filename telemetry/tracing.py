@@ -10,6 +10,8 @@ themselves):
   OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL
                             grpc (default, port 4317) | http/protobuf (port 4318).
   OTEL_SERVICE_NAME         default "moeserve"; OTEL_RESOURCE_ATTRIBUTES is honoured.
+                            service.instance.id names the replica (telemetry/instance.py;
+                            default <hostname>:<REST port>).
   OTEL_TRACES_SAMPLER(_ARG) honoured by the SDK (default parentbased_always_on).
   OTEL_BSP_*                queue size (default 2048), batch size, schedule delay.
 
@@ -34,7 +36,6 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
-from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
@@ -44,6 +45,8 @@ from opentelemetry.sdk.trace.export import (
 )
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind
 from opentelemetry.util.types import AttributeValue
+
+from telemetry.instance import service_resource
 
 __all__ = [
     "DROP_REASONS",
@@ -209,8 +212,7 @@ def build_tracer_provider(
     list (e.g. an InMemorySpanExporter in tests) replaces that choice. Each exporter gets
     its own BatchSpanProcessor (bounded queue, drops when full), counted in `SPAN_EXPORT`.
     """
-    name = service_name or os.environ.get("OTEL_SERVICE_NAME") or "moeserve"
-    provider = TracerProvider(resource=Resource.create({"service.name": name}))
+    provider = TracerProvider(resource=service_resource(service_name))
     if exporters is None:
         factories = {"otlp": _otlp_exporter, "console": _console_exporter}
         exporters = [factories[n]() for n in _exporter_names()]

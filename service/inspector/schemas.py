@@ -121,6 +121,7 @@ class InspectorExperts(_Body, kw_only=True):
 
 class InspectorEngine(_Body, kw_only=True):
     model: str
+    instance: str | None  # this replica's service.instance.id (telemetry/instance.py)
     running: int
     waiting: int
     in_flight: int

@@ -26,6 +26,7 @@ from service.inspector.schemas import (
     InspectorStep,
 )
 from service.responses import RequestMetrics
+from telemetry import instance
 from telemetry.requests import per_request_metrics
 
 MAX_PEERS = 16  # other requests named per step
@@ -181,6 +182,7 @@ def engine_view(
     window, now = recorder.window, time.time()
     return InspectorEngine(
         model=model_name,
+        instance=instance.current(),
         running=engine.num_running,
         waiting=engine.num_waiting,
         in_flight=in_flight,

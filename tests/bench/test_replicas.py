@@ -5,6 +5,7 @@ it; every process stopped on exit."""
 from __future__ import annotations
 
 import os
+import socket
 
 import httpx
 import pytest
@@ -32,6 +33,16 @@ def test_replicas_are_pinned_and_serve_through_the_router(tiny_model_dir):
         for _ in range(2):
             response = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
             assert response.status_code == 200, response.text
+        # each replica names itself (service.instance.id, <hostname>:<port>) on every line,
+        # the line of the request the router sent it included
+        ids = []
+        for replica in cluster.replicas:
+            server = replica.server
+            finished = server.wait_for_event("request finished", 30)
+            own = f"{socket.gethostname()}:{server.rest_port}"
+            assert finished["service.instance.id"] == server.started["service.instance.id"] == own
+            ids.append(own)
+        assert len(set(ids)) == 2
         pids = [r.server.proc.pid for r in cluster.replicas] + [cluster.router.proc.pid]
     for pid in pids:  # all stopped
         with pytest.raises(ProcessLookupError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 from collections.abc import Iterator
 
@@ -98,6 +99,7 @@ def test_completed_request_has_its_phases_steps_and_log_line(http):
     assert indexes == sorted(indexes) and len(set(indexes)) == len(indexes)
     (summary,) = [e for e in _events(d) if e["event"] == "request finished"]
     assert summary["request_id"] == "api-ok-1" and summary["trace_id"] == req["trace_id"]
+    assert summary["service.instance.id"] == http.get("/inspect/api/engine").json()["instance"]
     assert d["trace_url"] is None and d["prompt"] is None and d["outputs"] is None
     # the inspector's id, the response id and the trace id find it too
     for key in (req["id"], req["response_id"], req["trace_id"]):
@@ -199,6 +201,7 @@ def test_engine_view_has_series_and_the_expert_heatmap(http, server):
     http.post(COMPLETIONS, json={"prompt": "warm", "max_tokens": 4})
     e = http.get("/inspect/api/engine").json()
     assert e["model"] == server.state.model_name
+    assert e["instance"] == f"{socket.gethostname()}:{server.server.rest_port}"  # the replica
     assert e["running"] >= 0 and e["waiting"] >= 0 and 0 <= e["kv_usage"] <= 1
     assert e["steps"] >= 4
     s = e["series"]

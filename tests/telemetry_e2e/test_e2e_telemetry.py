@@ -10,6 +10,7 @@ a request (engine-thread lines included) carries the exported span's trace_id/sp
 from __future__ import annotations
 
 import secrets
+import socket
 import threading
 
 import httpx
@@ -322,6 +323,28 @@ def test_every_log_line_of_a_request_carries_its_trace_ids_across_the_engine_thr
         for rid in preempted
     ]
     assert all(n >= 1 for n in preemptions)
+
+
+def test_spans_and_every_log_line_name_the_replica(service, receiver):
+    """service.instance.id, by default <hostname>:<REST port>: on the resource of the
+    request's spans and of the engine's step spans, and on every line the server and its engine
+    core process logged."""
+    replica = f"{socket.gethostname()}:{service.rest_port}"
+    traceparent, trace_id, _ = _traceparent()
+    results: dict[str, httpx.Response] = {}
+    _chat(service.url, "replica-1", traceparent, results, max_tokens=3)
+    span_id = _returned(results["replica-1"].headers["traceparent"])[1]
+    server = receiver.wait_for_spans(lambda s: s.span_id == span_id)[0]
+    steps = receiver.wait_for_spans(
+        lambda s: s.name == "engine_step" and (trace_id, span_id) in s.links
+    )
+    for span in (server, *steps):
+        assert span.resource["service.instance.id"] == replica, span.resource
+    service.summary("replica-1")
+    records = list(service.records)
+    assert {r.get("service.instance.id") for r in records} == {replica}
+    loggers = {r.get("logger", "") for r in records}
+    assert any(name.startswith("inference.") for name in loggers), loggers  # the core's too
 
 
 def test_metrics_endpoint_negotiates_openmetrics_with_exemplars(service):

@@ -156,6 +156,7 @@ function expertLayers(experts) {
 
 function renderEngine(engine) {
   $("model").textContent = engine.model;
+  $("instance").textContent = engine.instance ? `on ${engine.instance}` : "";
   $("running").textContent = engine.running;
   $("waiting").textContent = engine.waiting;
   $("in-flight").textContent = engine.in_flight;
