@@ -1,7 +1,7 @@
 """Paged attention over a flattened batch: decode rows first, then prefill chunks.
 
-Decode rows gather their context slots for SDPA; prefill chunks use SDPA (flash attention on
-CPU and GPU). A backend may read the paged cache in place instead (kernels/modules.py: block
+Decode rows gather their context slots for SDPA; prefill chunks attend to their cached prefix
+and to themselves in flash-attention parts (attention_parts.py). A backend may read the paged cache in place instead (kernels/modules.py: block
 tables, no gathered copy); the model runner then builds the metadata it reads.
 
 Shapes: T tokens in the step, H query heads, G kv heads, d head dim, S cache slots,
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference.models.attention_parts import chunk_attention
 from inference.models.layers import apply_rope
 from inference.models.paged_cache import gather_slots, write_kv
 
@@ -111,21 +112,17 @@ class PagedAttention(nn.Module):
             lens = keys.shape[2] if mask is None else mask.sum(-1, keepdim=True)
             recent = positions >= lens - self.window
             mask = recent if mask is None else mask & recent
-        return attend(q.unsqueeze(2), keys, values, mask, False, self.scale, self.sinks).squeeze(2)
+        return attend(q.unsqueeze(2), keys, values, mask, self.scale, self.sinks).squeeze(2)
 
 
-def attend(q, k, v, mask, causal: bool, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
-    """SDPA of q [B, H, c, d] over k, v [B, G, L, d] (mask: True where allowed, or None).
+def attend(q, k, v, mask, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """SDPA of decode rows q [B, H, c, d] over k, v [B, G, L, d] (mask: True where allowed, or None).
     Sinks [H] join as one more key per head whose score is the sink and whose value is zero:
     its logit is an additive mask over a zero key, so SDPA's own kernels still run."""
     if sinks is None:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
-        )
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     b, h, c, _ = q.shape
     length = k.shape[2]
-    if causal:
-        mask = torch.ones(c, length, dtype=torch.bool, device=q.device).tril(length - c)
     allowed = torch.ones((), dtype=torch.bool, device=q.device) if mask is None else mask
     bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
     bias = torch.cat(
@@ -149,31 +146,31 @@ def prefill_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One prompt chunk's queries q [c, H, d] (keys and values k, v [c, G, d], already in the
-    caches, in any KV format: read back dequantized) -> [c, H, d_v]. window and sinks as
-    PagedAttention's."""
-    qc = q.transpose(0, 1).unsqueeze(0)  # [1, H, c, d]
-    if chunk.slots is None and not window:  # fresh prompt: the chunk attends to itself, causally
-        kc, vc, mask, causal = k, v, None, True
-    else:  # continuing a chunked or prefix-cached prompt (or a window): an explicit mask
-        if chunk.slots is None:
-            kc, vc = k, v
-        else:
-            kc = gather_slots(k_cache, chunk.slots, q.dtype)
-            vc = gather_slots(v_cache, chunk.slots, q.dtype)
-        total = chunk.context_len + chunk.length
-        query_pos = torch.arange(chunk.context_len, total, device=q.device)[:, None]
-        key_pos = torch.arange(total, device=q.device)[None, :]
-        mask = key_pos <= query_pos
-        if window:
-            mask &= key_pos > query_pos - window
-        causal = False
-    o = attend(
-        qc,
-        kc.transpose(0, 1).unsqueeze(0),
-        vc.transpose(0, 1).unsqueeze(0),
-        mask,
-        causal,
+    caches, in any KV format: a continuing chunk reads them back dequantized, as it reads
+    its prefix) -> [c, H, d_v]. window and sinks as PagedAttention's. The chunk attends to
+    its prefix and to itself in parts (attention_parts.py): no mask or scores as wide as
+    the context, and of the prefix only what the window reaches is read."""
+    if chunk.slots is None:  # a fresh prompt: the chunk attends to itself
+        k_prev = v_prev = None
+    else:  # continuing a chunked or prefix-cached prompt: its prefix from the cache
+        first = max(0, chunk.context_len - window + 1) if window else 0  # earliest key seen
+        slots = chunk.slots[first:]
+        kc, vc = gather_slots(k_cache, slots, q.dtype), gather_slots(v_cache, slots, q.dtype)
+        split = chunk.context_len - first
+        k_prev, v_prev, k, v = kc[:split], vc[:split], kc[split:], vc[split:]
+    o = chunk_attention(
+        _heads(q),
+        _heads(k),
+        _heads(v),
+        None if k_prev is None else _heads(k_prev),
+        None if v_prev is None else _heads(v_prev),
         scale,
+        window,
         sinks,
     )
     return o.squeeze(0).transpose(0, 1)
+
+
+def _heads(x: torch.Tensor) -> torch.Tensor:
+    """[n, heads, d] -> [1, heads, n, d] (a view)."""
+    return x.transpose(0, 1).unsqueeze(0)

@@ -7,7 +7,7 @@ Each token caches ONE row of r + p values: the normalised compressed latent c_kv
 roped key part k_pe shared by all heads (cache [S, 1, r + p]), not H expanded keys and values;
 that is the point of MLA. Keys and values are rebuilt from the latent with kv_b_proj:
 - prefill chunks expand the context's latents into per-head keys and values (as the
-  reference does) and attend causally;
+  reference does) and attend to their prefix and to themselves (attention_parts.py);
 - decode rows use the absorbed form: W_UK is folded into the query (q_nope W_UK -> [H, r]),
   so the query attends directly over the cached rows, as one-kv-head attention with keys
   [c_kv, k_pe] and values c_kv, and W_UV is applied to the [H, r] result. Same product,
@@ -21,11 +21,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from inference.models.args import ModelArgs, rules
 from inference.models.attention import AttentionMetadata
+from inference.models.attention_parts import chunk_attention
 from inference.models.layers import Linear, RMSNorm, apply_rope_interleaved
 from inference.models.paged_cache import gather_slots, write_kv
 
@@ -90,20 +90,17 @@ class MLAttention(nn.Module):
             rows = slice(chunk.start, chunk.start + chunk.length)
             ctx = latent[rows] if chunk.slots is None else gather_slots(cache, chunk.slots, x.dtype)
             k, v = self._expand(ctx)  # [n, H, n + p], [n, H, v]
-            mask = None
-            if chunk.slots is not None:  # continuing a prompt: the chunk sees the whole context
-                total = chunk.context_len + chunk.length
-                query_pos = torch.arange(chunk.context_len, total, device=x.device)
-                mask = torch.arange(total, device=x.device)[None, :] <= query_pos[:, None]
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            split = 0 if chunk.slots is None else chunk.context_len  # the prefix: no mask
             qc = torch.cat((q_nope[rows], q_pe[rows]), dim=-1).transpose(0, 1)  # [H, c, n + p]
-            o = F.scaled_dot_product_attention(
-                qc,
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=self.scale,
-            )
+            o = chunk_attention(
+                qc.unsqueeze(0),
+                k[:, :, split:],
+                v[:, :, split:],
+                k[:, :, :split] if split else None,
+                v[:, :, :split] if split else None,
+                self.scale,
+            )[0]
             out[rows] = o.transpose(0, 1)
         return self.wo(out.view(t, h * self.v_dim))
 
