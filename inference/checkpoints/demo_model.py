@@ -39,7 +39,7 @@ from inference.config import cache_root
 from inference.models.registry import demo_configs, demo_shapes
 
 # Bump when the written files change, so stale cached demo models are rewritten.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]  # ids 0, 1, 2
 _CORPUS_CHARS = 8_000_000  # enough stdlib text for a 32k vocab; trains in ~3 s on 2 cores
@@ -136,7 +136,7 @@ PRESETS: dict[str, Preset] = {
         top_k=2,
         ffn=128,
         vocab_size=1024,
-        max_positions=2048,
+        max_positions=32768,  # 32K-token contexts (long-context tests and benches)
         rope_theta=1e6,
         dtype=torch.float32,
     ),
@@ -151,7 +151,7 @@ PRESETS: dict[str, Preset] = {
         top_k=2,
         ffn=1024,
         vocab_size=32000,
-        max_positions=4096,
+        max_positions=32768,
         rope_theta=1e6,
         dtype=torch.bfloat16,
     ),

@@ -78,8 +78,8 @@ WEIGHTS = (
 
 def demo_config(p, common: dict) -> GptOssConfig:
     """gpt-oss's layout at the preset's size: sinks, sliding layers alternating with full ones
-    (a window a 128th of the positions, so that short tests slide it), YaRN over a context a
-    32nd as long, biases."""
+    (a window of a quarter of the hidden size: 16 tokens at tiny, so that short tests slide
+    it, and gpt-oss's own 128 at small), YaRN over a context a 32nd as long, biases."""
     original = max(p.max_positions // 32, 64)
     return GptOssConfig(
         **common
@@ -97,7 +97,7 @@ def demo_config(p, common: dict) -> GptOssConfig:
         head_dim=p.head_dim,
         intermediate_size=p.ffn,
         num_local_experts=p.num_experts,
-        sliding_window=max(p.max_positions // 128, 8),
+        sliding_window=max(p.hidden // 4, 8),
         attention_bias=True,
     )
 

@@ -86,7 +86,7 @@ def test_small_preset_size():
     assert (config.intermediate_size, config.vocab_size, config.max_position_embeddings) == (
         1024,
         32000,
-        4096,
+        32768,
     )
     assert config.rope_parameters["rope_theta"] == 1e6 and not config.tie_word_embeddings
     assert p.dtype == torch.bfloat16
