@@ -3,13 +3,19 @@ unmodified, over the local task pack (bench/eval_pack.py) against `moeserve serv
 (model, format) through its `local-completions` model, beside the harness's own `hf` model
 (transformers, float32) on the same checkpoint. Accuracy only: nothing here is timed.
 
+The 8-bit KV rows prefill in chunks of PREFILL_CHUNK tokens: a prompt prefilled whole attends
+to the keys and values it has just computed, never to the cache as stored, so without chunks
+those rows would only measure the cache on generation. Every chunk after a prompt's first
+reads its context back from the 8-bit cache (tests/bench/test_eval_bench.py shows it does).
+
 Both runs score the same windows (local-completions keeps one token of its max_length for
 generation and one for context: the hf run gets max_length - 2).
 
     python -m bench.eval_bench [--models smollm2,demo] [--formats bf16,int8,kv-int8,kv-fp8]
 
 Results: bench/results/eval.json {"date", "cpu", "harness", "rows": [{"model", "format",
-"task", "metric", "ours", "transformers"}]}.
+"task", "metric", "ours", "transformers", "date"}]}. A run of some models or formats replaces
+their rows and keeps the others' (with their own dates) when the harness is the same.
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ FORMATS = {
     "kv-int8": ["--dtype", "bfloat16", "--kv-cache-dtype", "int8"],
     "kv-fp8": ["--dtype", "bfloat16", "--kv-cache-dtype", "fp8_e4m3"],
 }
+# the step budget (--max-num-batched-tokens) of the 8-bit KV rows: a cloze prompt is 2 to 4
+# chunks, a perplexity window about 64
+PREFILL_CHUNK = 8
+CHUNKED = ("kv-int8", "kv-fp8")
 METRICS = {
     "stdlib_cloze": ["acc,none"],
     "stdlib_perplexity": ["word_perplexity,none", "bits_per_byte,none"],
@@ -65,9 +75,16 @@ def evaluate(model: str, model_args: dict, pack: Path) -> dict:
     return {task: {m: out["results"][task][m] for m in METRICS[task]} for task in TASKS}
 
 
-def served(path: Path, fmt: str, pack: Path) -> dict:
+def server_args(fmt: str) -> list[str]:
+    """`moeserve serve` flags (after --model) of one format's row."""
     args = ["--max-model-len", MAX_LENGTH * 2, "--kv-cache-tokens", 16384, *FORMATS[fmt]]
-    with ServerProcess(path, *args, start_timeout=600) as srv:
+    if fmt in CHUNKED:
+        args += ["--max-num-batched-tokens", PREFILL_CHUNK]
+    return [str(a) for a in args]
+
+
+def served(path: Path, fmt: str, pack: Path) -> dict:
+    with ServerProcess(path, *server_args(fmt), start_timeout=600) as srv:
         return evaluate(
             "local-completions",
             {
@@ -120,6 +137,7 @@ def main() -> None:
                             "metric": metric,
                             "ours": got[task][metric],
                             "transformers": want[task][metric],
+                            "date": time.strftime("%Y-%m-%d %H:%M"),
                         }
                         print(json.dumps(row), flush=True)
                         rows.append(row)
@@ -127,10 +145,31 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "cpu": cpu_name(),
         "harness": f"lm-eval {lm_eval.__version__}",
-        "rows": rows,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "eval.json").write_text(json.dumps(record, indent=2) + "\n")
+    path = RESULTS / "eval.json"
+    record["rows"] = merged(json.loads(path.read_text()) if path.exists() else None, record, rows)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def merged(previous: dict | None, record: dict, rows: list[dict]) -> list[dict]:
+    """rows, among the previous file's rows of the (model, format) pairs not run this time, in
+    the previous order (kept only from a run of the same harness on the same CPU; they keep
+    their date)."""
+    if not previous or (previous["harness"], previous["cpu"]) != (record["harness"], record["cpu"]):
+        return rows
+    fresh: dict[tuple, list[dict]] = {}
+    for row in rows:
+        fresh.setdefault((row["model"], row["format"]), []).append(row)
+    out = []
+    for row in previous["rows"]:
+        pair = (row["model"], row["format"])
+        if pair not in fresh:
+            out.append({**row, "date": row.get("date", previous["date"])})
+        elif fresh[pair]:
+            out += fresh[pair]
+            fresh[pair] = []  # placed where the pair's old rows were
+    return out + [row for pair_rows in fresh.values() for row in pair_rows]
 
 
 if __name__ == "__main__":

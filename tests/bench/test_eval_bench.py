@@ -1,0 +1,93 @@
+"""bench/eval_bench.py's 8-bit KV rows read the 8-bit cache back while scoring (issue 39).
+
+A prompt prefilled whole attends to the keys and values it has just computed: its prompt
+logprobs on an 8-bit cache are bit for bit bf16's, whatever the cache stores. Under the rows'
+own `moeserve serve` flags (a small --max-num-batched-tokens), every chunk after the first
+reads its context from the cache: the scores move away from a bf16 cache's under the same
+chunking, by a little. And a run of some formats only (`--formats kv-int8,kv-fp8`) replaces
+just their rows of results/eval.json."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import httpx
+import pytest
+import torch
+
+from bench.eval_bench import CHUNKED, PREFILL_CHUNK, merged, server_args
+from bench.eval_pack import perplexity_items
+from bench.harness import InProcessServer
+from service.cli import build_parser
+from service.settings import from_namespace
+
+# about 170 of the tiny model's tokens: some 20 chunks of PREFILL_CHUNK
+TEXT = perplexity_items()[0]["text"][:400]
+BUDGET = "--max-num-batched-tokens"
+
+
+def scored(model_dir, args: list[str]) -> torch.Tensor:
+    """The served prompt logprobs of TEXT (echo, max_tokens 0, as lm-eval asks)."""
+    ns = build_parser().parse_args(["serve", "--model", str(model_dir), *args])
+    settings = dataclasses.replace(from_namespace(ns), port=0, grpc_port=-1, device="cpu")
+    with InProcessServer(settings) as srv:
+        body = {
+            "model": srv.state.model_name,
+            "prompt": TEXT,
+            "max_tokens": 0,
+            "echo": True,
+            "logprobs": 1,
+        }
+        response = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
+    response.raise_for_status()
+    values = response.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert values[0] is None and len(values) > 8 * PREFILL_CHUNK
+    return torch.tensor(values[1:])
+
+
+def without_budget(args: list[str]) -> list[str]:
+    i = args.index(BUDGET)
+    return args[:i] + args[i + 2 :]
+
+
+@pytest.fixture(scope="module")
+def bf16(tiny_model_dir) -> dict[str, torch.Tensor]:
+    """bf16 cache: prefilled whole, and in the 8-bit rows' chunks."""
+    args = server_args("bf16")
+    assert BUDGET not in args
+    return {
+        "whole": scored(tiny_model_dir, args),
+        "chunked": scored(tiny_model_dir, [*args, BUDGET, str(PREFILL_CHUNK)]),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", CHUNKED)
+def test_the_8bit_kv_rows_score_through_the_8bit_cache(tiny_model_dir, bf16, fmt):
+    args = server_args(fmt)
+    assert args[args.index(BUDGET) + 1] == str(PREFILL_CHUNK)
+    whole = scored(tiny_model_dir, without_budget(args))
+    assert torch.equal(whole, bf16["whole"])  # one chunk never reads the cache
+    chunked = scored(tiny_model_dir, args)
+    moved = (chunked - bf16["chunked"]).abs()
+    assert moved.max().item() > 0  # the later chunks read 8-bit keys and values back
+    # ...rounded as 8 bits round (the random model's logprobs are about -7)
+    assert moved.mean().item() < 0.05 and moved.max().item() < 0.5
+
+
+def test_a_partial_run_replaces_its_rows_and_keeps_the_others_in_place():
+    def row(model, fmt, ours, date=None):
+        return {"model": model, "format": fmt, "task": "t", "metric": "m", "ours": ours} | (
+            {"date": date} if date else {}
+        )
+
+    record = {"harness": "lm-eval 0.4.13", "cpu": "AMD EPYC"}
+    previous = record | {
+        "date": "old",
+        "rows": [row("a", "bf16", 1), row("a", "kv-int8", 2), row("b", "kv-int8", 3)],
+    }
+    rows = [row("a", "kv-int8", 20, "new"), row("b", "kv-int8", 30, "new")]
+    assert merged(previous, record, rows) == [row("a", "bf16", 1, "old"), *rows]
+    # another harness's or CPU's rows are not mixed in
+    assert merged(previous | {"cpu": "Intel Xeon"}, record, rows) == rows
+    assert merged(None, record, rows) == rows
