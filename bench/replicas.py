@@ -44,6 +44,7 @@ class Cluster:
     replicas: list[Replica]
     router: ManagedProcess
     url: str  # the router's
+    router_metrics: str  # the router's own Prometheus endpoint (--prometheus-port)
 
 
 def core_shares(replicas: int, cpus: Sequence[int] | None = None) -> list[set[int]]:
@@ -74,6 +75,8 @@ def replicas(
     port: int = 0,
     serve_args: Sequence[str] = (),
     start_timeout: float = 300.0,
+    metrics_port: int = 0,
+    router_args: Sequence[str | int] = (),
 ) -> Iterator[Cluster]:
     if not ROUTER.exists():
         raise SystemExit("vllm-router is missing: pip install vllm-router (a dev dependency)")
@@ -102,9 +105,11 @@ def replicas(
         for replica in started:
             replica.server.wait_ready()
         router_port = port or free_port()
+        metrics_port = metrics_port or free_port()
         argv = [
             ROUTER, "--host", HOST, "--port", router_port, "--policy", policy,
-            "--worker-urls", *(r.server.url for r in started),
+            "--prometheus-host", HOST, "--prometheus-port", metrics_port,
+            "--worker-urls", *(r.server.url for r in started), *router_args,
         ]  # fmt: skip
         if policy == "kv_aware":
             argv += ["--kv-event-model", model, "--kv-event-block-size", 16]
@@ -116,7 +121,7 @@ def replicas(
         router.start()
         url = f"http://{HOST}:{router_port}"
         wait_until(lambda: httpx.get(url + "/v1/models").status_code == 200, 60, "router ready")
-        yield Cluster(started, router, url)
+        yield Cluster(started, router, url, f"http://{HOST}:{metrics_port}/metrics")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -125,16 +130,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default=os.environ.get("MODEL") or "demo")
     parser.add_argument("--policy", choices=POLICIES, default="cache_aware")
     parser.add_argument("--port", type=int, default=8000, help="the router's port")
+    parser.add_argument(
+        "--metrics-port", type=int, default=29000, help="the router's own Prometheus metrics"
+    )
     args, serve_args = parser.parse_known_args(argv)
     if args.replicas < 1:
         parser.error("--replicas must be >= 1")
     if args.policy == "kv_aware" and not Path(args.model).is_dir():
         parser.error("kv_aware tokenizes with the model's folder: give --model a checkpoint folder")
-    with replicas(args.model, args.replicas, args.policy, args.port, serve_args) as cluster:
+    with replicas(
+        args.model,
+        args.replicas,
+        args.policy,
+        args.port,
+        serve_args,
+        metrics_port=args.metrics_port,
+    ) as cluster:
         for i, r in enumerate(cluster.replicas):
             cores = ",".join(map(str, sorted(r.cpus)))
             print(f"replica {i}: {r.server.url} cores {cores} kv events {r.events}", flush=True)
         print(f"vllm-router ({args.policy}): {cluster.url}/v1  (Ctrl-C stops all)", flush=True)
+        print(f"vllm-router metrics: {cluster.router_metrics}", flush=True)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())

@@ -18,6 +18,7 @@ RATE = "$__rate_interval"
 
 OVERVIEW_UID = "moeserve-overview"
 EXPERTS_UID = "moeserve-moe-experts"
+REPLICAS_UID = "moeserve-replicas"
 
 # Drill-down: the same Explore views from every dashboard (time range of the dashboard).
 # ${model:pipe}: a multi-value selection becomes a|b, "All" its allValue ".*"; unlike

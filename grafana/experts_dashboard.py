@@ -14,6 +14,7 @@ from dashboard_builders import (
     OVERVIEW_UID,
     PROM,
     RATE,
+    REPLICAS_UID,
     SEL,
     Layout,
     common_variables,
@@ -61,7 +62,10 @@ def moe_experts() -> dict[str, Any]:
         "Routing of tokens to experts: load per layer and expert, imbalance over time.",
         g.panels,
         variables,
-        [dashboard_link("moeserve / Overview", OVERVIEW_UID)],
+        [
+            dashboard_link("moeserve / Overview", OVERVIEW_UID),
+            dashboard_link("moeserve / Replicas", REPLICAS_UID),
+        ],
     )
 
 

@@ -8,13 +8,14 @@ them consistent: unique panel ids, a gapless 24-column grid, the same template v
 selectors and drill-down links everywhere. tests/stack checks that the committed files
 match its output and runs every Prometheus query in them against a real Prometheus.
 
-The panels are defined in overview_dashboard.py and experts_dashboard.py, from the
-builders in dashboard_builders.py.
+The panels are defined in overview_dashboard.py, experts_dashboard.py and
+replicas_dashboard.py, from the builders in dashboard_builders.py.
 
 Conventions (tests rely on them):
 - Prometheus targets use the `$datasource` variable; Loki and Tempo panels use the
   provisioned uids `loki` and `tempo` (grafana/provisioning/datasources/datasources.yml).
-- Every moeserve selector carries model=~"$model" and instance=~"$instance".
+- Every moeserve selector carries model=~"$model" and instance=~"$instance" (vLLM-named
+  series model_name=~"$model"; vllm-router's series instance=~"$router").
 - Latency panels request exemplars (trace ids) and link to Tempo and Loki in Explore.
 """
 
@@ -28,6 +29,7 @@ from pathlib import Path
 # Run as a script (grafana/ is no package): its own folder is first on sys.path.
 from experts_dashboard import moe_experts
 from overview_dashboard import overview
+from replicas_dashboard import replicas_dashboard
 
 HERE = Path(__file__).resolve().parent
 OUT_DIR = HERE / "dashboards"
@@ -36,6 +38,7 @@ OUT_DIR = HERE / "dashboards"
 DASHBOARDS = {
     "moeserve-overview.json": overview,
     "moeserve-moe-experts.json": moe_experts,
+    "moeserve-replicas.json": replicas_dashboard,
 }
 
 

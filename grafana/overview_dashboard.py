@@ -15,6 +15,7 @@ from dashboard_builders import (
     OVERVIEW_UID,
     PROM,
     RATE,
+    REPLICAS_UID,
     SEL,
     SLOW_TRACE_LINK,
     TEMPO,
@@ -68,7 +69,10 @@ def overview() -> dict[str, Any]:
         "logs and traces of moeserve.",
         g.panels,
         common_variables(),
-        [dashboard_link("moeserve / MoE experts", EXPERTS_UID)],
+        [
+            dashboard_link("moeserve / MoE experts", EXPERTS_UID),
+            dashboard_link("moeserve / Replicas", REPLICAS_UID),
+        ],
     )
 
 

@@ -11,7 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
+
+from bench.harness import free_port, prometheus_process, wait_for_http
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -176,3 +179,56 @@ def serve_parser():
     from service.cli import build_parser
 
     return build_parser()
+
+
+class Prometheus:
+    """Debian's prometheus on a free loopback port with exemplar storage, scraping each job's
+    targets (job name -> host:port list) every `interval_s` seconds."""
+
+    def __init__(
+        self, binary: str, workdir: Path, jobs: dict[str, list[str]], interval_s: int = 1
+    ) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        config = workdir / "prometheus.yml"
+        every = f"{interval_s}s"
+        config.write_text(
+            json.dumps(
+                {  # JSON is YAML
+                    "global": {
+                        "scrape_interval": every,
+                        "scrape_timeout": every,
+                        "evaluation_interval": every,
+                    },
+                    "storage": {"exemplars": {"max_exemplars": 100000}},
+                    "scrape_configs": [
+                        {
+                            "job_name": job,
+                            "metrics_path": "/metrics",
+                            "static_configs": [{"targets": targets}],
+                        }
+                        for job, targets in jobs.items()
+                    ],
+                }
+            )
+        )
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = prometheus_process(binary, config, workdir, self.port).start()
+        self.http = httpx.Client(base_url=self.url, timeout=10)
+
+    def wait_ready(self) -> None:
+        wait_for_http(f"{self.url}/-/ready", 30, process=self.proc)
+
+    def api(self, path: str, **params) -> dict:
+        r = self.http.get(f"/api/v1/{path}", params=params)
+        body = r.json()
+        assert body.get("status") == "success", (path, params, body)
+        return body["data"]
+
+    def query(self, expr: str) -> dict:
+        r = self.http.get("/api/v1/query", params={"query": expr})
+        return r.json()
+
+    def stop(self) -> None:
+        self.proc.stop()
+        self.http.close()

@@ -283,7 +283,14 @@ DASHBOARD_SCHEMAS = {
 }
 
 DASHBOARDS = dashboards()
-EXPECTED_TITLES = {"moeserve / Overview", "moeserve / MoE experts"}
+EXPECTED_TITLES = {"moeserve / Overview", "moeserve / MoE experts", "moeserve / Replicas"}
+# Each family's selector honours the dashboard's variables: ours (model, instance), vLLM's
+# names (model_name, instance) and vllm-router's own series (its scrape instance: $router).
+SELECTOR_RULES = {
+    r"moeserve_\w+": ('model=~"$model"', 'instance=~"$instance"'),
+    r"vllm:\w+": ('model_name=~"$model"', 'instance=~"$instance"'),
+    r"vllm_router_\w+": ('instance=~"$router"',),
+}
 
 
 def by_title(title: str) -> dict:
@@ -455,16 +462,14 @@ def test_template_variables(name):
         assert variables[var]["type"] == "query"
         assert variables[var]["datasource"]["uid"] == "${datasource}"
         assert variables[var]["allValue"] == ".*"
-    # Every moeserve selector honours the model and instance variables.
+    # Every selector honours the model and instance variables (the router's: $router).
     for panel, target in prometheus_targets(dashboard):
-        for selector in re.findall(r"moeserve_\w+\{([^}]*)\}", target["expr"]):
-            assert 'model=~"$model"' in selector and 'instance=~"$instance"' in selector, (
-                panel["title"],
-                target["expr"],
-            )
-        assert re.findall(r"moeserve_\w+", target["expr"]), panel["title"]
+        for family, matchers in SELECTOR_RULES.items():
+            for selector in re.findall(rf"{family}\{{([^}}]*)\}}", target["expr"]):
+                assert all(m in selector for m in matchers), (panel["title"], target["expr"])
+        assert re.findall("|".join(SELECTOR_RULES), target["expr"]), panel["title"]
         # Runnable once Grafana's variables are substituted.
-        substitute(target["expr"], {"model": "m", "instance": ".*", "layer": ".*"})
+        substitute(target["expr"], {"model": "m", "instance": ".*", "layer": ".*", "router": ".*"})
 
 
 def test_every_exported_metric_appears_in_a_panel():

@@ -1,5 +1,5 @@
 """End to end: every Grafana panel query returns data from a real Prometheus that scraped
-the real service under load.
+the real service under load (the Replicas dashboard's: test_stack_replicas_dashboard.py).
 
 Starts `moeserve serve` (tiny demo model, free ports) as a subprocess, drives a short load
 (REST completions and chat, streamed and not, a few invalid requests, a few gRPC calls),
@@ -35,6 +35,7 @@ import pytest
 from stack_support import (
     COMPOSE_YML,
     K8S_DIR,
+    Prometheus,
     dashboards,
     load_yaml,
     load_yaml_all,
@@ -47,9 +48,7 @@ from stack_support import (
 from bench.harness import (
     ServerProcess,
     free_port,
-    prometheus_process,
     read_sse,
-    wait_for_http,
     wait_until,
 )
 
@@ -75,6 +74,14 @@ STATE_GAUGES = {
     "moeserve_kv_cache_usage_ratio",
     "moeserve_moe_hot_expert",  # an expert id: 0 is expert 0
 }
+
+
+# proven against two replicas and the router in test_stack_replicas_dashboard.py
+REPLICAS_DASHBOARD = "moeserve-replicas.json"
+
+
+def single_replica_dashboards() -> dict[str, dict]:
+    return {name: d for name, d in dashboards().items() if name != REPLICAS_DASHBOARD}
 
 
 def probe_paths() -> set[str]:
@@ -125,54 +132,6 @@ def start_service(model_dir: Path, workdir: Path, rest_port: int) -> ServerProce
         log_path=workdir / "moeserve.log",
         stop_timeout=20,
     ).start()  # fmt: skip
-
-
-class Prometheus:
-    """Debian's prometheus on a free loopback port, scraping `target` every second."""
-
-    def __init__(self, binary: str, workdir: Path, target: str) -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        config = workdir / "prometheus.yml"
-        config.write_text(
-            json.dumps(
-                {  # JSON is YAML
-                    "global": {
-                        "scrape_interval": f"{SCRAPE_INTERVAL_S}s",
-                        "scrape_timeout": f"{SCRAPE_INTERVAL_S}s",
-                        "evaluation_interval": f"{SCRAPE_INTERVAL_S}s",
-                    },
-                    "storage": {"exemplars": {"max_exemplars": 100000}},
-                    "scrape_configs": [
-                        {
-                            "job_name": "moeserve",
-                            "metrics_path": "/metrics",
-                            "static_configs": [{"targets": [target]}],
-                        }
-                    ],
-                }
-            )
-        )
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = prometheus_process(binary, config, workdir, self.port).start()
-        self.http = httpx.Client(base_url=self.url, timeout=10)
-
-    def wait_ready(self) -> None:
-        wait_for_http(f"{self.url}/-/ready", 30, process=self.proc)
-
-    def api(self, path: str, **params) -> dict:
-        r = self.http.get(f"/api/v1/{path}", params=params)
-        body = r.json()
-        assert body.get("status") == "success", (path, params, body)
-        return body["data"]
-
-    def query(self, expr: str) -> dict:
-        r = self.http.get("/api/v1/query", params={"query": expr})
-        return r.json()
-
-    def stop(self) -> None:
-        self.proc.stop()
-        self.http.close()
 
 
 def drive_load(rest: str, grpc_port: int | None) -> dict:
@@ -314,7 +273,9 @@ def test_every_panel_query_returns_data(tiny_model_dir, tmp_path):
     # a few seconds after its start, can come) while the model loads.
     rest_port = free_port()
     service = start_service(tiny_model_dir, tmp_path, rest_port)
-    prometheus = Prometheus(binary, tmp_path / "prometheus", f"127.0.0.1:{rest_port}")
+    prometheus = Prometheus(
+        binary, tmp_path / "prometheus", {"moeserve": [f"127.0.0.1:{rest_port}"]}, SCRAPE_INTERVAL_S
+    )
     try:
         started = service.wait_ready(180)
         assert started["rest_port"] == rest_port
@@ -358,7 +319,7 @@ def test_every_panel_query_returns_data(tiny_model_dir, tmp_path):
         failures: list[str] = []
         exemplar_trace_ids: set[str] = set()
         checked = 0
-        for name, dashboard in dashboards().items():
+        for name, dashboard in single_replica_dashboards().items():
             for panel, target in prometheus_targets(dashboard):
                 where = f"{name} / {panel['title']} / {target['refId']}"
                 expr = substitute(target["expr"], variables)
@@ -398,7 +359,7 @@ def test_every_panel_query_returns_data(tiny_model_dir, tmp_path):
         assert checked >= 40, checked
 
         # Template variables.
-        for name, dashboard in dashboards().items():
+        for name, dashboard in single_replica_dashboards().items():
             for var in dashboard["templating"]["list"]:
                 if var["type"] != "query":
                     continue
