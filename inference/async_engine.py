@@ -96,7 +96,7 @@ class AsyncLLMEngine:
         path = Path(model_dir)
         config = config or EngineConfig()
         self.max_waiting = config.max_waiting
-        self.args = model_args(load_hf_config(path))
+        self.args = model_args(load_hf_config(path, config.hf_overrides))
         self.tokenizer = load_tokenizer(path)
         self._streams: dict[str, RequestStream] = {}
         self._unscheduled: set[str] = set()  # submitted, no output yet: the waiting queue

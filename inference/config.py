@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from inference.errors import InvalidParameterError
+from inference.hf_overrides import hf_overrides
 from inference.kv_events import kv_events_config
 
 QUANTIZATIONS = ("none", "int8", "fp8")  # weights (quantization/qweight.py)
@@ -44,6 +45,9 @@ class EngineConfig:
     # torch.compile the decode steps (pure decode batches; prefill steps stay eager). Compiles
     # at start-up (warm-up generations), so the first request does not pay for it.
     compile: bool = False
+    # vLLM's --hf-overrides (JSON, or a dict): config.json fields replaced at load, e.g. a
+    # RoPE scaling that stretches the context (inference/hf_overrides.py)
+    hf_overrides: str | dict | None = None
     # vLLM's --kv-events-config (JSON): the engine core publishes KV-cache events
     # (inference/kv_events.py); None or disabled: nothing is recorded
     kv_events_config: str | None = None
@@ -65,6 +69,7 @@ class EngineConfig:
                 "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}"
             )
         kv_events_config(self.kv_events_config)  # refuses a malformed one, naming the field
+        hf_overrides(self.hf_overrides)  # the same
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise InvalidParameterError(
                 "quantization", f"must be one of {', '.join(QUANTIZATIONS)}"

@@ -55,7 +55,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.device = resolve_device(device)
         keep_freed_memory()  # every step frees and takes the same big blocks (heap.py)
-        hf_config = load_hf_config(path)
+        hf_config = load_hf_config(path, config.hf_overrides)
         self.args = args = model_args(hf_config)
         self.dtype = resolve_dtype(dtype, self.device, getattr(hf_config, "dtype", None))
         self.tokenizer = load_tokenizer(path)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 
 from inference.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from inference.errors import InvalidParameterError
+from inference.hf_overrides import hf_overrides
 from inference.kv_events import kv_events_config
 from service.parsers.reasoning import REASONING_PARSERS
 from service.parsers.tool_calls import PARSERS
@@ -38,6 +39,7 @@ class Settings:
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
     compile: bool = False
+    hf_overrides: str | None = None  # vLLM's JSON: config.json fields replaced at load
     max_body_bytes: int = 1 << 20
     log_format: str | None = None  # json | console; default: console on a TTY, JSON otherwise
     log_prompts: bool = False
@@ -84,6 +86,10 @@ _HELP = {
     "or fp8 (e4m3, weight-only on the CPU); default: as the checkpoint ships (fp8 for FP8 "
     "checkpoints, else none)",
     "compile": "torch.compile the decode steps at start-up (faster decoding, slower start)",
+    "hf_overrides": "vLLM's, as JSON: config.json fields replaced at load, e.g. "
+    '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": '
+    "8192}} to serve SmolLM2 32K tokens of context (the context length follows the scaling, "
+    "as vLLM derives it)",
     "max_body_bytes": "request body size limit (413 beyond)",
     "log_prompts": "include prompt and output text in logs",
     "demo_preset": "preset of the demo model (tiny|small)",
@@ -151,6 +157,14 @@ def _structured_outputs_config(value: str) -> str:
     return value
 
 
+def _hf_overrides(value: str) -> str:
+    try:
+        hf_overrides(value)
+    except InvalidParameterError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+    return value
+
+
 def _kv_events_config(value: str) -> str:
     try:
         kv_events_config(value)
@@ -163,6 +177,7 @@ _TYPES = {
     "structured_outputs_config": _structured_outputs_config,
     "cost_per_hour": _cost_per_hour,
     "kv_events_config": _kv_events_config,
+    "hf_overrides": _hf_overrides,
 }
 
 

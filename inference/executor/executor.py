@@ -163,7 +163,8 @@ class ModelExecutor:
             raise InvalidParameterError(
                 "max_model_len",
                 f"is {config.max_model_len} but the model and KV cache allow at most "
-                f"{max_model_len} tokens",
+                f"{max_model_len} tokens (a RoPE scaling in --hf-overrides stretches the "
+                "model's context, as vLLM's)",
             )
         per_token = kv_bytes_per_token(args, storage)
         self.kv_cache_bytes = cache_tokens * per_token

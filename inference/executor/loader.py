@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from inference.errors import ModelLoadError
+from inference.hf_overrides import apply_hf_overrides, hf_overrides
 from inference.models.args import Family, ModelArgs
 from inference.quantization import qweight as quant
 from inference.quantization.qweight import QWeight
@@ -28,16 +29,20 @@ _LAYER_PREFIX = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale")
 
 
-def load_hf_config(path: Path):
+def load_hf_config(path: Path, overrides: str | dict | None = None):
+    """The checkpoint's transformers config, with vLLM's --hf-overrides applied
+    (inference/hf_overrides.py)."""
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json: not a Hugging Face checkpoint folder")
     try:
-        return AutoConfig.from_pretrained(path)
+        cfg = AutoConfig.from_pretrained(path)
     except (StrictDataclassError, KeyError, ValueError) as exc:  # transformers validates fields
         raise ModelLoadError(f"{path}/config.json: {exc}") from exc
+    apply_hf_overrides(cfg, hf_overrides(overrides))
+    return cfg
 
 
 def load_tokenizer(path: Path):

@@ -33,7 +33,7 @@ class ModelArgs:
     moe_intermediate_size: int
     norm_topk_prob: bool
     rms_norm_eps: float
-    max_position_embeddings: int
+    max_position_embeddings: int  # the longest context (context_length: with its RoPE scaling)
     qkv_bias: bool = False  # MLA: bias of q_a_proj and kv_a_proj_with_mqa
     o_bias: bool = False
     qk_norm: str = ""  # "head": RMSNorm per head (Qwen3-MoE); "full": whole q/k projection (OLMoE)
@@ -96,10 +96,24 @@ def common_fields(cfg) -> dict:
         "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         "top_k": getattr(cfg, "num_experts_per_tok", 0),
         "rms_norm_eps": cfg.rms_norm_eps,
-        "max_position_embeddings": cfg.max_position_embeddings,
+        "max_position_embeddings": context_length(cfg),
         "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
         "hf_config": cfg,
     }
+
+
+def context_length(cfg) -> int:
+    """The longest context the config allows, as vLLM derives it: max_position_embeddings,
+    stretched by a RoPE scaling's factor (YaRN: its original_max_position_embeddings times
+    the factor); llama3's and longrope's configs already name the stretched length."""
+    length = cfg.max_position_embeddings
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    factor = rope.get("factor")
+    if rope.get("rope_type", "default") in ("default", "llama3", "longrope") or not factor:
+        return length
+    if rope["rope_type"] == "yarn":
+        length = rope.get("original_max_position_embeddings") or length
+    return int(length * factor)
 
 
 # rope scalings whose tables transformers' initialisers give once for every position; the
