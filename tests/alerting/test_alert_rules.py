@@ -98,6 +98,8 @@ def test_every_alert_is_documented():
         "MoeserveExpertLoadImbalance",
         "MoeserveTargetDown",
         "ScrapeTargetDown",
+        "MoeserveReplicaDown",
+        "MoeserveReplicaStarved",
     }
     assert required <= {r["alert"] for r in alert_rules()}
     for rule in alert_rules():
