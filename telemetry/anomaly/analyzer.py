@@ -183,6 +183,14 @@ EXEMPLAR_METRICS = (
 )
 
 
+def replica_of(labels: dict[str, str]) -> str | None:
+    """The moeserve replica an alert concerns: its `instance`, unless the alert names another
+    service (service="moeserve-observability": a part of the monitoring stack)."""
+    if labels.get("service", "moeserve") != "moeserve":
+        return None
+    return labels.get("instance") or None
+
+
 def alert_fingerprint(alert: AlertmanagerAlert) -> str:
     if alert.fingerprint:
         return alert.fingerprint
@@ -247,6 +255,7 @@ class Analyzer:
             labels=dict(alert.labels),
             annotations=dict(alert.annotations),
             starts_at=_timestamp(alert),
+            replica=replica_of(alert.labels),
         )
         try:
             await self._enrich(incident, alert)

@@ -31,7 +31,7 @@ from litestar.params import Parameter
 from litestar.response import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .analyzer import Analyzer, alert_fingerprint
+from .analyzer import Analyzer, alert_fingerprint, replica_of
 from .config import WebhookSettings
 from .forward import Forwarder
 from .incidents import Deduplicator, IncidentStore
@@ -166,6 +166,7 @@ class Webhook:
             fingerprint=incident.fingerprint,
             model=incident.labels.get("model"),
             instance=incident.labels.get("instance"),
+            replica=incident.replica,
             top_metrics=incident.top_metrics,
             causes=[c.cause for c in incident.causes],
             scores={m.name: m.score for m in incident.metrics[:5]},
@@ -195,6 +196,7 @@ def _bare_incident(alert: AlertmanagerAlert, received_at: float, reason: str) ->
         labels=dict(alert.labels),
         annotations=dict(alert.annotations),
         starts_at=None,
+        replica=replica_of(alert.labels),
         prometheus="error",
         reason=reason,
     )

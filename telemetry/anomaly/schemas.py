@@ -78,6 +78,7 @@ class Incident(msgspec.Struct, kw_only=True):
     labels: dict[str, str]
     annotations: dict[str, str]
     starts_at: float | None
+    replica: str | None = None  # the moeserve replica (its `instance`) the alert concerns
     window_start: float | None = None
     window_end: float | None = None
     anomaly_start: float | None = None

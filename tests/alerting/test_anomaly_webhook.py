@@ -488,3 +488,72 @@ def test_live_prometheus_ranks_the_injected_metric_and_carries_exemplars(exporte
     ]
     assert slow and all(e["trace_id"] in exp.anomalous_traces for e in slow)
     assert not math.isnan(incident["metrics"][0]["score"])
+
+
+# --------------------------------------------------------------------- replicas
+
+
+def test_incidents_name_the_replica_an_alert_concerns():
+    """An alert about one replica (its `instance`) names it in the incident, the forwarded
+    incident and the log line; one about the monitoring stack names none."""
+    forwarded: list[dict] = []
+
+    def downstream(request: httpx.Request) -> httpx.Response:
+        forwarded.append(json.loads(request.content))
+        return httpx.Response(200)
+
+    app = create_app(
+        prometheus_url=closed_port_url(),
+        query_timeout_s=1.0,
+        forward_url="http://downstream.test/hook",
+        forward_transport=httpx.MockTransport(downstream),
+    )
+    down = make_alert(
+        "MoeserveReplicaDown",
+        service="moeserve",
+        instance="replica-2:8000",
+        worker="http://replica-2:8000",
+    )
+    starved = make_alert("MoeserveReplicaStarved", service="moeserve", instance="replica-3:8000")
+    stack = make_alert(
+        "ScrapeTargetDown", service="moeserve-observability", instance="alertmanager:9093"
+    )
+    with TestClient(app=app) as c:
+        assert c.post("/alerts", json=make_payload([down, starved, stack])).status_code == 200
+        drain(c)
+        c.blocking_portal.call(c.app.state["webhook"].forwarder.join)
+        incidents = {i["alertname"]: i for i in c.get("/incidents").json()["incidents"]}
+    assert incidents["MoeserveReplicaDown"]["replica"] == "replica-2:8000"
+    assert incidents["MoeserveReplicaStarved"]["replica"] == "replica-3:8000"
+    assert incidents["ScrapeTargetDown"]["replica"] is None
+    assert {f["alertname"]: f["replica"] for f in forwarded} == {
+        "MoeserveReplicaDown": "replica-2:8000",
+        "MoeserveReplicaStarved": "replica-3:8000",
+        "ScrapeTargetDown": None,
+    }
+
+
+async def test_a_replica_alert_is_analysed_on_that_replicas_series():
+    """MoeserveReplicaDown carries no job (the router's is dropped): its analysis selects the
+    replica's own series by instance, and the incident names the replica."""
+    onset = NOW - 200
+    settings = WebhookSettings(prometheus_url="http://prom.test")
+    prom = PrometheusAPI(
+        "http://prom.test", transport=fake_prometheus("num_requests_waiting", onset)
+    )
+    analyzer = Analyzer(settings, prom, clock=lambda: NOW)
+    labels = {
+        "alertname": "MoeserveReplicaDown",
+        "service": "moeserve",
+        "severity": "critical",
+        "instance": "replica-2:8000",
+        "worker": "http://replica-2:8000",
+    }
+    alert = AlertmanagerAlert(
+        status="firing", labels=labels, startsAt=datetime.fromtimestamp(onset + 60, tz=UTC)
+    )
+    incident = await analyzer.analyze(alert, NOW)
+    await prom.aclose()
+    assert incident.replica == "replica-2:8000" and incident.prometheus == "ok"
+    for metric in incident.metrics:
+        assert 'instance="replica-2:8000"' in metric.query and "job=" not in metric.query
