@@ -6,10 +6,18 @@ mounted config, whose profile only names declared plugins."""
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
+
 import pytest
 import yaml
 from jsonschema import Draft202012Validator
-from stack_support import K8S_DIR, load_yaml_all
+from prometheus_client import CollectorRegistry
+from prometheus_client.openmetrics.exposition import generate_latest
+from stack_support import K8S_DIR, load_yaml_all, metric_families_from_text
+
+from telemetry.metrics import ServiceMetrics
 
 POOL_DIR = K8S_DIR / "inference-pool"
 (CRD,) = load_yaml_all(POOL_DIR / "crds" / "inference.networking.k8s.io_inferencepools.yaml")
@@ -17,6 +25,8 @@ MANIFESTS = {p.name: load_yaml_all(p) for p in sorted(POOL_DIR.glob("*.yaml"))}
 OBJECTS = [o for docs in MANIFESTS.values() for o in docs if o["kind"] != "Kustomization"]
 BUILTIN = [o for o in OBJECTS if o["kind"] != "InferencePool"]
 MOESERVE = next(o for o in load_yaml_all(K8S_DIR / "deployment.yaml") if o["kind"] == "Deployment")
+(BASE_HPA,) = load_yaml_all(K8S_DIR / "hpa.yaml")
+(BASE_ADAPTER,) = load_yaml_all(K8S_DIR / "prometheus-adapter.yaml")
 
 
 def _one(kind: str) -> dict:
@@ -72,8 +82,8 @@ def test_the_endpoint_picker_serves_the_pool_with_its_config():
     (mount,) = container["volumeMounts"]
     (volume,) = pod["spec"]["volumes"]
     assert volume["name"] == mount["name"]
-    configmap = _one("ConfigMap")
-    assert volume["configMap"]["name"] == configmap["metadata"]["name"]
+    (configmap,) = [o for o in OBJECTS if o["metadata"]["name"] == volume["configMap"]["name"]]
+    assert configmap["kind"] == "ConfigMap"
     key = config_path.removeprefix(mount["mountPath"] + "/")
     config = yaml.safe_load(configmap["data"][key])
     assert config["kind"] == "EndpointPickerConfig"
@@ -90,3 +100,74 @@ def test_the_kustomization_lists_every_manifest():
     assert sorted(kustomization["resources"]) == sorted(
         name for name in MANIFESTS if name != "kustomization.yaml"
     )
+
+
+def _adapter_rules(configmap: dict) -> list[dict]:
+    return yaml.safe_load(configmap["data"]["config.yaml"])["rules"]
+
+
+def test_the_pool_scales_on_its_queue_depth_through_the_adapter():
+    """One HPA per pool: it replaces the base's (same name, same Deployment: the pods the
+    pool selects) and scales on vllm:num_requests_waiting, which the service exports and the
+    pool's adapter rules serve under that name; the adapter rules keep the base's."""
+    hpa = _one("HorizontalPodAutoscaler")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["metadata"]["name"] == BASE_HPA["metadata"]["name"]
+    assert hpa["spec"]["scaleTargetRef"] == BASE_HPA["spec"]["scaleTargetRef"]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == MOESERVE["metadata"]["name"]
+    assert 1 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods" and metric["pods"]["target"]["type"] == "AverageValue"
+    name = metric["pods"]["metric"]["name"]
+    assert name == "vllm:num_requests_waiting"
+    env = {
+        e["name"]: e.get("value")
+        for e in MOESERVE["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert 0 < float(metric["pods"]["target"]["averageValue"]) < int(env["MOESERVE_MAX_WAITING"])
+
+    adapter = next(o for o in OBJECTS if o["metadata"]["name"] == BASE_ADAPTER["metadata"]["name"])
+    rules = _adapter_rules(adapter)
+    for rule in _adapter_rules(BASE_ADAPTER):
+        assert rule in rules  # the base HPA's metric is still served
+    (rule,) = [r for r in rules if r["name"]["as"] == name]
+    registry = CollectorRegistry()
+    ServiceMetrics(registry, "m", num_layers=2, num_experts=4, max_waiting=8)
+    exported = metric_families_from_text(generate_latest(registry).decode())
+    (series,) = [f for f in exported if re.fullmatch(rule["name"]["matches"], f)]
+    assert series == name and exported[series] == "gauge"
+    assert f'"{series}"' in rule["seriesQuery"] or rule["seriesQuery"].startswith(series + "{")
+    overrides = rule["resources"]["overrides"]
+    assert (overrides["pod"]["resource"], overrides["namespace"]["resource"]) == (
+        "pod",
+        "namespace",
+    )
+
+
+def test_the_adapter_queries_are_valid_promql(tmp_path):
+    """Each rule's metricsQuery, rendered as the adapter renders it for an HPA's pods, passes
+    promtool's PromQL parser (as a recording rule)."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (apt-get install prometheus); check not run")
+    adapter = next(o for o in OBJECTS if o["metadata"]["name"] == BASE_ADAPTER["metadata"]["name"])
+    rules = []
+    for i, rule in enumerate(_adapter_rules(adapter)):
+        series = rule["name"]["as"]
+        expr = (
+            rule["metricsQuery"]
+            .replace("<<.Series>>", series)
+            .replace("<<.LabelMatchers>>", 'namespace="default",pod=~"moeserve-a|moeserve-b"')
+            .replace("<<.GroupBy>>", "pod")
+        )
+        rules.append({"record": f"adapter:rule{i}", "expr": expr})
+    path = tmp_path / "adapter.rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "adapter", "rules": rules}]}))
+    proc = subprocess.run(
+        [promtool, "check", "rules", str(path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and "SUCCESS" in proc.stdout, proc.stdout + proc.stderr
