@@ -19,6 +19,13 @@ tokens, EOS ignored. Three measures:
   serving          32 concurrent streaming `/v1/completions` (SSE) with token-id prompts over HTTP
                    on loopback: `moeserve serve` vs vLLM's OpenAI server vs llama.cpp's
                    `llama-server -np 32` (continuous batching); output tokens / wall time.
+  ttft_ctx_N,      one user's latency at long contexts (issue 38), on the same server after the
+  tpot_ctx_N       serving measure: one streamed request whose prompt fills N tokens of context
+                   with its 32 output tokens (N = 4,096, 8,192, 32,768: the demo presets' whole
+                   context), alone; seconds to its first token, and the mean time between the
+                   later tokens. moeserve and vLLM (each at its default max_model_len, the
+                   config's 32,768); llama.cpp's server splits its context over 32 slots, so
+                   it has no row.
 
 Each engine runs in its own process (its own venv, set up by setup_peers.sh under
 ~/.cache/moeserve/peers), one at a time, so the idle engines hold no cores. Rounds alternate the
@@ -63,14 +70,22 @@ NOTES = REPO / "bench" / "PEERS.md"
 # moeserve-int8: moeserve with --quantization int8 (W8A8), against the peers' bf16 (issue 19)
 ENGINES = ("moeserve", "moeserve-int8", "vllm", "llamacpp")
 QUANTIZED = {"moeserve-int8": "int8"}
-METRICS = ("offline_batched", "single_stream", "serving", "ttft_2048")
+LONG_CONTEXTS = (4096, 8192, 32768)  # the long-context rows (issue 38's table)
+LONG_OUTPUT = 32  # tokens each long-context request generates
+LONG_METRICS = tuple(f"{kind}_ctx_{n}" for n in LONG_CONTEXTS for kind in ("ttft", "tpot"))
+METRICS = ("offline_batched", "single_stream", "serving", "ttft_2048", *LONG_METRICS)
 LABELS = {
     "offline_batched": "offline batched ({n} req)",
     "single_stream": "single stream",
     "serving": "serving, {n} streams (HTTP)",
     "ttft_2048": "TTFT, one 2,048-token prompt",
+    **{
+        f"{kind}_ctx_{n}": f"{kind.upper()}, {n // 1024}K-token context (HTTP)"
+        for n in LONG_CONTEXTS
+        for kind in ("ttft", "tpot")
+    },
 }
-SECONDS = {"ttft_2048"}  # measured in seconds, lower is better
+SECONDS = {"ttft_2048", *LONG_METRICS}  # measured in seconds, lower is better
 MARK_START, MARK_END = "<!-- peers-table:start -->", "<!-- peers-table:end -->"
 WORKER_TIMEOUT_S = 1800
 SERVER_START_TIMEOUT_S = 900
@@ -682,6 +697,23 @@ async def _fire(base: str, model_id: str, prompts: list[list[int]], n: int) -> d
     }
 
 
+def seconds(metric: str, value: float) -> str:
+    """A time measure as the tables print it: TPOTs in milliseconds, the rest in seconds."""
+    return f"{value * 1e3:,.1f} ms" if metric.startswith("tpot_") else f"{value:,.2f} s"
+
+
+def long_context_latency(server: Server, prompts: dict[int, list[int]], n: int) -> dict:
+    """ttft_ctx_N and tpot_ctx_N: each prompt alone, streamed, `n` tokens (module docstring)."""
+    result = {}
+    for context, prompt in prompts.items():
+        r = asyncio.run(_fire(server.base, server.model_id, [prompt], n))
+        if r["tokens"] != n:
+            raise RuntimeError(f"{server.engine} context {context}: {r['tokens']} tokens, not {n}")
+        result[f"ttft_ctx_{context}"] = r["ttft_p50_s"]
+        result[f"tpot_ctx_{context}"] = (r["wall_s"] - r["ttft_p50_s"]) / (n - 1)
+    return result
+
+
 def run_serving(
     engine: str, spec: dict, model_dir: Path, gguf: Path | None, log_dir: Path, tag: str
 ) -> dict:
@@ -699,6 +731,8 @@ def run_serving(
         before = steal_ticks()
         result = asyncio.run(_fire(server.base, server.model_id, spec["batch"], n))
         result["steal"] = stolen_share(before, steal_ticks())
+        if spec.get("contexts") and engine != "llamacpp":
+            result |= long_context_latency(server, spec["contexts"], spec["context_output"])
     expected = len(spec["batch"]) * n
     if result["tokens"] != expected:
         raise RuntimeError(
@@ -772,7 +806,7 @@ def table(median: dict, ratios: dict, engines: list[str], n_req: int) -> str:
             if v is None:  # a skipped measure
                 cells.append("—")
                 continue
-            unit = f"{v:,.2f} s" if m in SECONDS else f"{v:,.1f} tok/s"
+            unit = seconds(m, v) if m in SECONDS else f"{v:,.1f} tok/s"
             cells.append(unit + ("" if e == "moeserve" or r is None else f" ({r:.2f}×)"))
         lines.append(f"| {LABELS[m].format(n=n_req)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -789,7 +823,7 @@ def write_notes(report: dict, md_table: str) -> None:
             + "; ".join(
                 f"{e} "
                 + ", ".join(
-                    f"{m} {r[e][m]:.2f} s" if m in SECONDS else f"{m} {r[e][m]:.1f}"
+                    f"{m} {seconds(m, r[e][m])}" if m in SECONDS else f"{m} {r[e][m]:.1f}"
                     for m in METRICS
                     if m in r[e]
                 )
@@ -953,7 +987,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=None, help="default 128 (smoke: 8)")
     parser.add_argument("--preset", default="small")
-    parser.add_argument("--skip", default="", help="measures to skip: offline,serving,ttft")
+    parser.add_argument("--skip", default="", help="measures to skip: offline,serving,ttft,long")
+    parser.add_argument(
+        "--long-contexts",
+        default=None,
+        help="context lengths of the long-context rows (default 4096,8192,32768; smoke: "
+        "512,1024, which the table does not show)",
+    )
     parser.add_argument(
         "--long-len", type=int, default=2048, help="prompt tokens of the TTFT measure"
     )
@@ -993,6 +1033,16 @@ def main(argv: list[str] | None = None) -> int:
         "single": make_prompts(1, ns.prompt_len, vocab, seed=1),
         "warmup": make_prompts(2, ns.prompt_len, vocab, seed=2),
     }
+    if "long" not in skip and "serving" not in skip:
+        contexts = ns.long_contexts or (
+            "512,1024" if ns.smoke else ",".join(map(str, LONG_CONTEXTS))
+        )
+        out = min(LONG_OUTPUT, ns.output_len)
+        spec["context_output"] = out
+        spec["contexts"] = {
+            n: make_prompts(1, n - out, vocab, seed=10 + i)[0]
+            for i, n in enumerate(int(c) for c in contexts.split(","))
+        }
     if "ttft" not in skip:
         spec.update(
             long=make_prompts(1, ns.long_len, vocab, seed=3),
@@ -1041,9 +1091,16 @@ def main(argv: list[str] | None = None) -> int:
                     steal_serving=r["steal"],
                     serving_ttft_p50_s=r["ttft_p50_s"],
                     usage_reported=r["usage_reported"],
+                    **{k: v for k, v in r.items() if k.startswith(("ttft_ctx_", "tpot_ctx_"))},
+                )
+                long = ", ".join(
+                    f"{k} {seconds(k, v)}"
+                    for k, v in r.items()
+                    if k.startswith(("ttft_ctx_", "tpot_ctx_"))
                 )
                 print(
                     f"  {e}: {r['tok_s']:.1f} tok/s over HTTP, ttft p50 {r['ttft_p50_s']:.2f}s, "
+                    f"{long + ', ' if long else ''}"
                     f"cores busy before {r['busy_before']:.0%}, stolen {r['steal']:.0%}, "
                     f"usage reported: {r['usage_reported']}, text {r['first_text']!r}",
                     flush=True,
