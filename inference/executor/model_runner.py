@@ -86,8 +86,9 @@ class ModelRunner:
                 decode_mask = (torch.arange(context).unsqueeze(0) < lens.unsqueeze(1)).view(
                     len(decode), 1, 1, context
                 )
-        sample_rows = list(range(len(decode)))
-        sampled = list(decode)
+        # a one-token chunk inside a prompt runs as a decode row too, but samples nothing
+        sample_rows = [i for i, s in enumerate(decode) if s.num_computed_tokens + 1 == s.num_tokens]
+        sampled = [decode[i] for i in sample_rows]
         chunks = []
         for s, n in prefill:
             start, p0 = len(input_ids), s.num_computed_tokens

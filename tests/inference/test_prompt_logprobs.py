@@ -124,3 +124,28 @@ def test_bf16_on_the_cpu_kernels_is_within_bf16_rounding(model_dirs, path):
         exact = want.gather(1, torch.tensor(prompt[1:]).unsqueeze(1))[:, 0]
         assert (got - exact).abs().max().item() < 0.1
         assert (got - exact).abs().mean().item() < 0.03
+
+
+def test_a_one_token_chunk_inside_a_prompt_samples_nothing(model_dirs):
+    """A 64-token step budget gives the second of two 127-token prompts a first chunk of one
+    token (beside the first prompt's last 63): it runs as a decode row, yet it is no decode.
+    Both prompts are scored and generate as without chunks."""
+    path = model_dirs("mixtral")
+    eng = engine(path, max_num_batched_tokens=64)
+    batch = prompts(eng.args.vocab_size, [127, 127])
+    chunks = []  # (tokens computed before, tokens scheduled, prompt length)
+    schedule = eng.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        chunks.extend((s.num_computed_tokens, n, s.num_prompt_tokens) for s, n in out.scheduled)
+        return out
+
+    eng.scheduler.schedule = recorded
+    params = scored(max_tokens=4, ignore_eos=True)
+    outs = eng.generate(batch, params)
+    assert (0, 1, 127) in chunks
+    whole = engine(path).generate(batch, params)
+    for prompt, out, want in zip(batch, outs, whole):
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in want.outputs]
+        check(out.prompt_logprobs, prompt, reference(path, prompt), 1e-4)
