@@ -4,9 +4,14 @@ against bf16 measured in the same run (a benchmark, not a test).
 Accuracy (`--accuracy`): perplexity of SmolLM2-135M-Instruct (the trained model `--model
 smollm2` serves) on a fixed English text every machine has, CPython's own
 `pydoc_data/topics.py` (the stdlib's documentation topics): its first 32,768 tokens in 32
-windows of 1,024, each window scored through the engine's prompt_logprobs. Windows are
-prefilled in chunks of 64 tokens, so every chunk after a window's first attends over the KV
-cache as stored (quantized, for the 8-bit caches). Configurations: bf16; int8 and fp8
+windows of 1,024 scored tokens, each window scored through the engine's prompt_logprobs.
+The windows are lm-eval's loglikelihood_rolling ones (`rolling_windows`): each scores its
+tokens after one token of context (the one before it; the BOS, or EOS, for the first), so
+lm-eval's rolling perplexity over the same text, with its `hf` model at max_length 1,024 or
+its `local-completions` at 1,026 (LM_EVAL_MAX_LENGTH), is the same number
+(tests/service/test_lm_eval.py checks that through the API). Windows are prefilled in chunks
+of 64 tokens, so every chunk after a window's first attends over the KV cache as stored
+(quantized, for the 8-bit caches). Configurations: bf16; int8 and fp8
 weights; int8, fp8_e4m3 and fp8_e5m2 KV caches. Each gets its relative perplexity increase
 over bf16 and its greedy agreement with bf16 over 16 prompts x 128 tokens (prompts: 16 runs
 of 64 tokens from later in the same text; agreement: the share of tokens generated before
@@ -34,7 +39,10 @@ from inference import LLMEngine, SamplingParams
 from inference.checkpoints.demo_model import ensure_demo_model
 
 RESULTS = Path(__file__).parent / "results"
-WINDOW, TOKENS, CHUNK = 1024, 32768, 64
+WINDOW, TOKENS, CHUNK = 1024, 32768, 64  # WINDOW: the tokens each window scores
+# the lm-eval max_length giving the same windows: local-completions keeps one token of it for
+# generation and one for context, the hf model one for context beyond it
+LM_EVAL_MAX_LENGTH = {"hf": WINDOW, "local-completions": WINDOW + 2}
 ACCURACY_CONFIGS = {
     "bf16": {},
     "int8_weights": {"quantization": "int8"},
@@ -55,15 +63,36 @@ def corpus_ids(tokenizer) -> list[int]:
     return ids
 
 
-def perplexity(engine: LLMEngine, ids: list[int]) -> float:
-    windows = [ids[i : i + WINDOW] for i in range(0, TOKENS, WINDOW)]
+def prefix_token(tokenizer) -> int:
+    """What the first window's first token is scored after: lm-eval's prefix_token_id for a
+    Hugging Face tokenizer (its BOS, or its EOS where it has none)."""
+    return tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+
+
+def rolling_windows(
+    ids: list[int], prefix: int, scored: int = WINDOW
+) -> list[tuple[list[int], list[int]]]:
+    """lm-eval's loglikelihood_rolling windows (get_rolling_token_windows with context_len 1,
+    made disjoint): (context, tokens scored after it), every token scored once, `scored` to a
+    window. The first window's context is `prefix`, a full window's the one token before it;
+    a last, shorter one is read after as many earlier tokens as fill a full window's length."""
+    windows = []
+    for start in range(0, len(ids), scored):
+        end = min(start + scored, len(ids))
+        context = [prefix] if start == 0 else ids[end - scored - 1 : start]
+        windows.append((context, ids[start:end]))
+    return windows
+
+
+def perplexity(engine: LLMEngine, ids: list[int], prefix: int, scored: int = WINDOW) -> float:
+    """Per-token perplexity of ids over rolling_windows(ids, prefix, scored)."""
+    windows = rolling_windows(ids, prefix, scored)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
-    nll, count = 0.0, 0
-    for out in engine.generate(windows, params):
-        values = [lp.logprob for lp in out.prompt_logprobs[1:]]
-        nll -= sum(values)
-        count += len(values)
-    return math.exp(nll / count)
+    outs = engine.generate([context + tokens for context, tokens in windows], params)
+    nll = 0.0
+    for (context, _), out in zip(windows, outs, strict=True):
+        nll -= sum(lp.logprob for lp in out.prompt_logprobs[len(context) :])
+    return math.exp(nll / len(ids))
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
@@ -103,7 +132,8 @@ def bench_accuracy() -> dict:
             later = ids[TOKENS:]
             prompts = [later[i * 64 : (i + 1) * 64] for i in range(16)]
         started = time.monotonic()
-        row = {"perplexity": perplexity(engine, ids), "weight_bytes": engine.weight_bytes}
+        ppl = perplexity(engine, ids[:TOKENS], prefix_token(engine.tokenizer))
+        row = {"perplexity": ppl, "weight_bytes": engine.weight_bytes}
         outputs = greedy(engine, prompts)
         row["seconds"] = round(time.monotonic() - started, 1)
         if reference is None:

@@ -123,3 +123,45 @@ def test_lm_eval_local_chat_completions_generates_as_its_hf_model_does(
     generated = by_doc(ours, "stdlib_generate")
     assert len(generated) == 12 and sum(bool(doc[0][0]) for doc in generated) >= 6
     assert generated == unfinished_character_dropped(hf, "stdlib_generate")
+
+
+@pytest.mark.slow
+def test_quant_bench_perplexity_is_lm_evals_rolling_perplexity(server, tiny_model_dir, tmp_path):
+    """The same text, the same windows: bench/quant_bench.py's perplexity (the engine's prompt
+    logprobs over rolling_windows) and lm-eval's loglikelihood_rolling through the served
+    model's API (local-completions at the max_length giving those windows), per document."""
+    import math
+
+    from bench.quant_bench import CHUNK, perplexity, prefix_token
+    from inference import LLMEngine
+
+    ours = evaluate(
+        "local-completions",
+        {
+            "model": server.state.model_name,
+            "base_url": f"{server.url}/v1/completions",
+            "tokenizer": str(tiny_model_dir),
+            "tokenizer_backend": "huggingface",
+            "max_length": MAX_LENGTH,
+            "max_retries": 1,
+        },
+        write_pack(tmp_path / "pack"),
+        ["stdlib_perplexity"],
+    )
+    engine = LLMEngine.from_pretrained(
+        tiny_model_dir,
+        device="cpu",
+        dtype="float32",
+        max_num_batched_tokens=CHUNK,
+        kv_cache_tokens=4096,
+        enable_prefix_caching=False,
+    )
+    samples = sorted(ours["samples"]["stdlib_perplexity"], key=lambda s: s["doc_id"])
+    assert len(samples) == 4
+    for sample in samples:
+        [text] = sample["arguments"][0]  # the string lm-eval scored
+        ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert len(ids) > 2 * MAX_LENGTH  # several windows, the last a short one
+        served = math.exp(-sample["resps"][0][0] / len(ids))
+        bench = perplexity(engine, ids, prefix_token(engine.tokenizer), scored=MAX_LENGTH - 2)
+        assert bench == pytest.approx(served, rel=1e-4)
