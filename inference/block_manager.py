@@ -147,6 +147,20 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_hashed_blocks = 0
 
+    def release_uncomputed(self, seq: Sequence) -> None:
+        """Frees the blocks past the sequence's computed tokens (speculative decoding: those
+        taken for draft tokens that were rejected). They were never full, so they carry no
+        hash and no event; they go to the front of the free list, to be reused before any
+        cached block is evicted."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.num_used -= 1
+                self.free[block] = None
+                self.free.move_to_end(block, last=False)
+
     def _ref(self, block: int) -> None:
         if self.ref_counts[block] == 0:
             self.num_used += 1

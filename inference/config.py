@@ -17,6 +17,7 @@ import torch
 from inference.errors import InvalidParameterError
 from inference.hf_overrides import hf_overrides
 from inference.kv_events import kv_events_config
+from inference.spec_decode.config import speculative_config
 
 QUANTIZATIONS = ("none", "int8", "fp8")  # weights (quantization/qweight.py)
 KV_CACHE_DTYPES = (
@@ -51,6 +52,9 @@ class EngineConfig:
     # vLLM's --kv-events-config (JSON): the engine core publishes KV-cache events
     # (inference/kv_events.py); None or disabled: nothing is recorded
     kv_events_config: str | None = None
+    # vLLM's --speculative-config (JSON, or a dict): {"method": "ngram", "num_speculative_tokens":
+    # k, "prompt_lookup_min": a, "prompt_lookup_max": b} (inference/spec_decode/config.py)
+    speculative_config: str | dict | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size"):
@@ -70,6 +74,7 @@ class EngineConfig:
             )
         kv_events_config(self.kv_events_config)  # refuses a malformed one, naming the field
         hf_overrides(self.hf_overrides)  # the same
+        speculative_config(self.speculative_config)  # the same, naming the key
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise InvalidParameterError(
                 "quantization", f"must be one of {', '.join(QUANTIZATIONS)}"

@@ -7,6 +7,7 @@ Single-threaded by design; AsyncLLMEngine drives it in a process of its own (eng
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -32,6 +33,10 @@ from inference.prompts import Prompt
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler
 from inference.sequence import Sequence, SequenceStatus, request_output
+from inference.spec_decode.config import check_servable
+from inference.spec_decode.config import speculative_config as speculative_config_of
+from inference.spec_decode.metrics import SpecStepCounts
+from inference.spec_decode.speculator import NgramSpeculator
 from inference.startup import StartupClock
 from inference.stop_check import stop_reason
 from inference.structured import CompileJob, StructuredOutputManager
@@ -47,15 +52,24 @@ class LLMEngine:
         dtype: str = "auto",
         config: EngineConfig | None = None,
         startup: StartupClock | None = None,
+        *,
+        speculative_config: str | dict | None = None,
     ) -> None:
-        """`startup`: the clock the start's phases are marked on (inference/startup.py)."""
+        """`startup`: the clock the start's phases are marked on (inference/startup.py).
+        `speculative_config`: vLLM's (inference/spec_decode/config.py), in place of the
+        config's."""
         self.startup = clock = startup or StartupClock()
         clock.mark("load_weights")  # the config, tokenizer and model too
         path = self.model_path = Path(model_dir)
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
+        if speculative_config is not None:
+            config = dataclasses.replace(config, speculative_config=speculative_config)
+        self.config = config
+        spec = speculative_config_of(config.speculative_config)
         self.device = resolve_device(device)
         keep_freed_memory()  # every step frees and takes the same big blocks (heap.py)
         hf_config = load_hf_config(path, config.hf_overrides)
+        check_servable(spec, hf_config, str(path))  # before the weights load
         self.args = args = model_args(hf_config)
         self.dtype = resolve_dtype(dtype, self.device, getattr(hf_config, "dtype", None))
         self.tokenizer = load_tokenizer(path)
@@ -86,6 +100,7 @@ class LLMEngine:
             self.tokenizer, args.vocab_size, self.max_model_len, self.device, self.structured
         )
         self._aborted: list = []  # FinishedSequence records, reported with the next step's stats
+        self.speculator = None if spec is None else NgramSpeculator(spec, self.max_model_len)
         if ex.compiles:
             clock.mark("warmup")  # compiles the decode graphs on their first calls
             warm_up(self)
@@ -183,8 +198,11 @@ class LLMEngine:
     def step(self) -> tuple[list[RequestOutput], StepStats]:
         started, started_ns = time.monotonic(), time.time_ns()
         self._poll_grammars()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         result = self.runner.run(sched) if sched.scheduled else None
+        spec = SpecStepCounts.of(result.verified if result else [], self.speculator)
         finished, self._aborted = self._aborted, []
         touched = self._update(sched, result, finished)
         outputs = []
@@ -206,9 +224,10 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + self.pending_grammars.num_sequences,
             batch_size=len(sched.scheduled),
-            num_prefill_tokens=sum(n for _, n in sched.scheduled if n > 1),
-            num_decode_tokens=sum(1 for _, n in sched.scheduled if n == 1),
-            num_generated_tokens=len(result.sampled) if result else 0,
+            # a verified sequence's positions (its last token and drafts) count as decode
+            num_prefill_tokens=sum(n for _, n in sched.scheduled if n > 1) - spec.positions,
+            num_decode_tokens=sum(1 for _, n in sched.scheduled if n == 1) + spec.positions,
+            num_generated_tokens=(len(result.sampled) if result else 0) + spec.generated,
             kv_usage=self.block_manager.usage,
             kv_blocks_used=self.block_manager.num_used,
             num_requests=len(self.requests),
@@ -219,6 +238,10 @@ class LLMEngine:
             expert_tokens=expert_tokens,
             finished=finished,
             bitmask_s=self.structured.take_step_time(),
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_pos=spec.accepted_per_pos,
         )
         return outputs, stats
 
@@ -228,10 +251,12 @@ class LLMEngine:
         requests touched, in order."""
         now = time.monotonic()
         touched: dict[str, None] = {}
+        verified = result.verified if result is not None else []
         for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
             touched[seq.request_id] = None
+            if not seq.spec_token_ids:  # a verified one advances by what it accepted (below)
+                seq.num_computed_tokens += n
+                self.block_manager.cache_full_blocks(seq)
         for seq, first, values in result.prompt_logprobs if result is not None else ():
             # a recomputed prompt (after a preemption) adds only what is new
             seq.prompt_logprobs.extend(values[len(seq.prompt_logprobs) - first :])
@@ -240,8 +265,25 @@ class LLMEngine:
                 result.sampled, result.sample.token_ids, result.sample.logprobs
             ):
                 self._append_token(seq, token, lp, now)
+        for seq, drafts, tokens in verified:
+            self._accept(seq, drafts, tokens, now)
         finished.extend(seq.finished_record() for seq, _ in sched.scheduled if seq.is_finished)
         return touched
+
+    def _accept(self, seq: Sequence, drafts: list[int], tokens: list[int], now: float) -> None:
+        """A verified sequence keeps the KV of its last token and its accepted drafts; the
+        blocks taken for rejected ones are freed before any block is registered in the prefix
+        cache, so none holds a rejected token. Then its new tokens are appended one by one,
+        each checked for a stop (the rest are dropped once one stops it)."""
+        seq.spec_token_ids = []
+        self.speculator.record(seq, len(drafts), len(tokens) - 1)
+        seq.num_computed_tokens += len(tokens)
+        self.block_manager.release_uncomputed(seq)
+        for token in tokens:
+            self._append_token(seq, token, None, now)
+            if seq.is_finished:
+                return
+        self.block_manager.cache_full_blocks(seq)
 
     def _append_token(self, seq: Sequence, token: int, lp, now: float) -> None:
         seq.append_token(token, lp, now)

@@ -36,6 +36,9 @@ class RequestTimes(msgspec.Struct):
     # compiled grammar came from the cache
     grammar_compile_s: float | None = None
     grammar_cache_hit: bool | None = None
+    # speculative decoding: draft tokens verified for this sequence, and those accepted
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class CompletionOutput(msgspec.Struct):
@@ -112,6 +115,12 @@ class StepStats(msgspec.Struct):
     prefix_cache_hits: int = 0
     expert_tokens: list[list[int]] | None = None  # [layer][expert] routed token counts
     bitmask_s: float = 0.0  # grammar masks and logit_bias this step cost the step
+    # speculative decoding, vLLM's meanings: sequences whose drafts this step verified, their
+    # draft tokens, those accepted, and accepted ones by draft position (index 0: the first)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
     finished: list[FinishedSequence] = []
     # (trace_id, JSON line) of the lines the engine core logged on requests' behalf since
     # its previous step, when its process_init captures them (the inspector shows them)

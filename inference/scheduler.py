@@ -63,8 +63,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # a decoding sequence's drafts (speculative decoding) ride after its last token,
+            # as many as the budget leaves room for
+            n = min(seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids), budget)
+            del seq.spec_token_ids[max(n - 1, 0) :]
             while not self.bm.can_allocate(seq, n):
+                if seq.spec_token_ids:  # drafts are given up before anyone is preempted
+                    n -= len(seq.spec_token_ids)
+                    seq.spec_token_ids = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.num_preempted += 1
@@ -126,6 +133,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free_sequence(seq)
+        seq.spec_token_ids = []
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.times.num_preemptions += 1

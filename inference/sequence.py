@@ -61,6 +61,10 @@ class Sequence:
         self.detok = None  # inference.detokenizer.IncrementalDetokenizer, set by the engine
         self.matcher = None  # llguidance.LLMatcher of a constrained sequence (structured.py)
         self.reasoning_matcher = None  # the matcher while it waits for params.reasoning_end
+        # speculative decoding: the draft tokens the coming step verifies after the last token,
+        # and the sequence's adaptive draft length (inference/spec_decode/speculator.py)
+        self.spec_token_ids: list[int] = []
+        self.draft_length = None
         # what the consumer has been sent so far
         self.sent_tokens = 0
         self.sent_text = 0

@@ -11,6 +11,7 @@ from inference.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from inference.errors import InvalidParameterError
 from inference.hf_overrides import hf_overrides
 from inference.kv_events import kv_events_config
+from inference.spec_decode.config import speculative_config
 from service.parsers.reasoning import REASONING_PARSERS
 from service.parsers.tool_calls import PARSERS
 from service.reasoning import enable_in_reasoning
@@ -48,6 +49,7 @@ class Settings:
     reasoning_parser: str = "auto"  # how the model marks its reasoning; auto: from the checkpoint
     structured_outputs_config: str | None = None  # vLLM's JSON: {"enable_in_reasoning": bool}
     kv_events_config: str | None = None  # vLLM's JSON: publish KV-cache events (ZMQ)
+    speculative_config: str | None = None  # vLLM's JSON: speculative decoding (ngram)
     drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     inspector_requests: int = 1000  # requests the inspector (/inspect) keeps
     no_inspector: bool = False
@@ -115,6 +117,10 @@ _HELP = {
     'true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}: the '
     "prefix cache's BlockStored / BlockRemoved / AllBlocksCleared events published over ZMQ "
     "in vLLM's wire format, for prefix-aware routers",
+    "speculative_config": 'vLLM\'s SpeculativeConfig as JSON, e.g. {"method": "ngram", '
+    '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}: prompt '
+    "lookup drafts verified k + 1 positions per step (k adapts per sequence; off past "
+    '"disable_by_batch_size" running sequences, default 8). "mtp" is refused (not served yet)',
     "trace_url_template": "the inspector's link to a request's trace: a URL containing "
     "{trace_id} (e.g. a Grafana Explore or Tempo URL)",
 }
@@ -173,11 +179,20 @@ def _kv_events_config(value: str) -> str:
     return value
 
 
+def _speculative_config(value: str) -> str:
+    try:
+        speculative_config(value)
+    except InvalidParameterError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+    return value
+
+
 _TYPES = {
     "structured_outputs_config": _structured_outputs_config,
     "cost_per_hour": _cost_per_hour,
     "kv_events_config": _kv_events_config,
     "hf_overrides": _hf_overrides,
+    "speculative_config": _speculative_config,
 }
 
 

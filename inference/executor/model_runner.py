@@ -12,6 +12,7 @@ from inference.models.attention import AttentionMetadata, PrefillChunk
 from inference.outputs import TokenLogprob, TokenLogprobs
 from inference.scheduler import SchedulerOutput
 from inference.sequence import Sequence
+from inference.spec_decode.rejection_sampler import verify
 from inference.structured import StructuredOutputManager
 
 
@@ -22,6 +23,8 @@ class RunnerOutput:
     expert_counts: torch.Tensor  # [moe layers, E]
     # SamplingParams.prompt_logprobs: (sequence, prompt position of the first, logprobs)
     prompt_logprobs: list[tuple[Sequence, int, list[TokenLogprobs]]] = field(default_factory=list)
+    # speculative decoding: (sequence, its drafts, the tokens it gains: accepted drafts and one)
+    verified: list[tuple[Sequence, list[int], list[int]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -90,14 +93,19 @@ class ModelRunner:
         sample_rows = [i for i, s in enumerate(decode) if s.num_computed_tokens + 1 == s.num_tokens]
         sampled = [decode[i] for i in sample_rows]
         chunks = []
+        verify_rows: list[tuple[Sequence, int, int]] = []  # (sequence, first row, rows)
         for s, n in prefill:
             start, p0 = len(input_ids), s.num_computed_tokens
-            input_ids.extend(s.token_ids[p0 : p0 + n])
+            if s.spec_token_ids:  # its last token and drafts: k + 1 positions verified at once
+                input_ids.extend(s.token_ids[p0:] + s.spec_token_ids)
+                verify_rows.append((s, start, n))
+            else:
+                input_ids.extend(s.token_ids[p0 : p0 + n])
             positions.extend(range(p0, p0 + n))
             slots = self._slots([s.block_table], p0 + n)[0]
             slot_parts.append(slots[p0:])
             chunks.append(PrefillChunk(start, n, p0, slots.to(self.device) if p0 else None))
-            if p0 + n == s.num_tokens:  # the chunk reaches the end: sample the next token
+            if p0 + n == s.num_tokens and not s.spec_token_ids:  # reaches the end: sample
                 sample_rows.append(start + n - 1)
                 sampled.append(s)
         dev = self.device
@@ -137,7 +145,14 @@ class ModelRunner:
                 else hidden[torch.tensor(sample_rows, device=dev)]
             )
             sample = self.sampler(self.model.logits(rows), sampled, constraints)
-        return RunnerOutput(sampled, sample, expert_counts, prompt_logprobs)
+        verified = []
+        if verify_rows:
+            index = torch.cat([torch.arange(start, start + n) for _, start, n in verify_rows])
+            drafts = [(s, s.spec_token_ids) for s, _, _ in verify_rows]
+            logits = self.model.logits(hidden[index.to(dev)])
+            tokens = verify(self.sampler, logits, drafts)
+            verified = [(s, d, t) for (s, d), t in zip(drafts, tokens)]
+        return RunnerOutput(sampled, sample, expert_counts, prompt_logprobs, verified)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, start: int, n: int, seq: Sequence

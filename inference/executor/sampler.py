@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from inference.outputs import TokenLogprob, TokenLogprobs
+from inference.sampling_params import SamplingParams
 from inference.sequence import Sequence
 from inference.structured import Constraints
 
@@ -90,7 +91,22 @@ class Sampler:
     def _sample(
         self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]
     ) -> torch.Tensor:
-        params = [s.params for s in seqs]
+        probs = self.probs(logits, [s.params for s in seqs], greedy)
+        noise = torch.empty_like(probs).exponential_()
+        for i, s in enumerate(seqs):
+            if s.generator is not None and not greedy[i]:
+                noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(
+                    generator=s.generator
+                )
+        sampled = (probs / noise).argmax(dim=-1)
+        greedy_rows = torch.tensor(greedy, device=logits.device)
+        return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+
+    def probs(
+        self, logits: torch.Tensor, params: list[SamplingParams], greedy: list[bool]
+    ) -> torch.Tensor:
+        """The distribution each row samples from (float logits): temperature, then top-k,
+        top-p and min-p truncation (speculative decoding's rejection sampler keeps it)."""
         temps = _column(
             [1.0 if g else p.temperature for g, p in zip(greedy, params)], logits.device
         )
@@ -124,15 +140,7 @@ class Sampler:
                 [params[i].min_p for i in min_p_rows], probs.device
             )
             probs[min_p_rows] = sub.masked_fill(sub < floor, 0.0)
-        noise = torch.empty_like(probs).exponential_()
-        for i, s in enumerate(seqs):
-            if s.generator is not None and not greedy[i]:
-                noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(
-                    generator=s.generator
-                )
-        sampled = (probs / noise).argmax(dim=-1)
-        greedy_rows = torch.tensor(greedy, device=logits.device)
-        return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+        return probs
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """OpenAI presence/frequency penalties over output tokens; repetition penalty (CTRL /
