@@ -42,7 +42,8 @@ def test_each_replica_publishes_its_kv_events(name):
     assert {"8000", "5557", "5558"} <= exposed and args.port == 8000
     env = SERVICES[name]["environment"]
     assert env["OMP_NUM_THREADS"] == SERVICES[name]["cpus"]  # threads match the cpu share
-    assert env["OTEL_RESOURCE_ATTRIBUTES"] == f"service.instance.id={name}"
+    # named as Prometheus' instance label and the router's worker URL name it
+    assert env["OTEL_RESOURCE_ATTRIBUTES"] == f"service.instance.id={name}:{args.port}"
 
 
 def test_the_routers_command_is_vllm_routers_own():
@@ -55,6 +56,8 @@ def test_the_routers_command_is_vllm_routers_own():
     ns = parser.parse_args(command)
     args = router_args.RouterArgs.from_cli_args(ns)
     assert args.policy == "kv_aware" and args.port == 8000
+    assert (args.prometheus_host, args.prometheus_port) == ("0.0.0.0", 29000)
+    assert str(args.prometheus_port) in SERVICES["router"]["expose"]
     assert args.worker_urls == [f"http://{r}:8000" for r in REPLICAS]
     sources = dict(s.split("=", 1) for s in args.kv_event_source)
     replays = dict(s.split("=", 1) for s in args.kv_event_replay_source)
