@@ -7,7 +7,8 @@ them with --policy (kv_aware subscribes to the replicas' events). Ctrl-C stops e
 
     python -m bench.replicas --replicas 2 --model demo --policy cache_aware --port 8000
 
-`replicas(...)` is the same as a context manager, for benchmarks and tests.
+`replicas(...)` is the same as a context manager, for benchmarks and tests; `start_router(...)`
+puts one more router (another policy) in front of replicas already running.
 """
 
 from __future__ import annotations
@@ -104,24 +105,47 @@ def replicas(
             )
         for replica in started:
             replica.server.wait_ready()
-        router_port = port or free_port()
-        metrics_port = metrics_port or free_port()
-        argv = [
-            ROUTER, "--host", HOST, "--port", router_port, "--policy", policy,
-            "--prometheus-host", HOST, "--prometheus-port", metrics_port,
-            "--worker-urls", *(r.server.url for r in started), *router_args,
-        ]  # fmt: skip
-        if policy == "kv_aware":
-            argv += ["--kv-event-model", model, "--kv-event-block-size", 16]
-            for r in started:
-                argv += ["--kv-event-source", f"{r.server.url}={r.events}"]
-                argv += ["--kv-event-replay-source", f"{r.server.url}={r.replay}"]
-        router = ManagedProcess(argv, stop_timeout=10, name="vllm-router")
+        router, url, metrics = start_router(started, model, policy, port, metrics_port, router_args)
         stack.callback(router.stop)
-        router.start()
-        url = f"http://{HOST}:{router_port}"
+        yield Cluster(started, router, url, metrics)
+
+
+def start_router(
+    workers: Sequence[Replica],
+    model: str,
+    policy: str,
+    port: int = 0,
+    metrics_port: int = 0,
+    router_args: Sequence[str | int] = (),
+) -> tuple[ManagedProcess, str, str]:
+    """vllm-router with `policy` in front of `workers` (kv_aware: subscribed to their KV events,
+    tokenizing with `model`'s folder), ready: (its process, its URL, its own /metrics URL). The
+    caller stops it; a benchmark starts one per policy in front of the same replicas."""
+    router_port = port or free_port()
+    metrics_port = metrics_port or free_port()
+    argv = [
+        ROUTER, "--host", HOST, "--port", router_port, "--policy", policy,
+        "--prometheus-host", HOST, "--prometheus-port", metrics_port,
+        "--worker-urls", *(r.server.url for r in workers), *router_args,
+    ]  # fmt: skip
+    if policy == "kv_aware":
+        argv += ["--kv-event-model", model, "--kv-event-block-size", 16]
+        for r in workers:
+            argv += ["--kv-event-source", f"{r.server.url}={r.events}"]
+            argv += ["--kv-event-replay-source", f"{r.server.url}={r.replay}"]
+    router = ManagedProcess(argv, stop_timeout=10, name="vllm-router")
+    router.start()
+    url = f"http://{HOST}:{router_port}"
+    try:
         wait_until(lambda: httpx.get(url + "/v1/models").status_code == 200, 60, "router ready")
-        yield Cluster(started, router, url, f"http://{HOST}:{metrics_port}/metrics")
+    except AssertionError as exc:
+        tail = router.tail()
+        router.stop()
+        raise AssertionError(f"{exc}; vllm-router's log:\n{tail}") from None
+    except BaseException:
+        router.stop()
+        raise
+    return router, url, f"http://{HOST}:{metrics_port}/metrics"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
