@@ -37,6 +37,7 @@ bench: setup
 	$(BIN)/python -m bench.telemetry_bench --compare inspector
 	$(BIN)/python -m bench.kv_events_bench
 	$(BIN)/python -m bench.scoring_bench
+	$(BIN)/python -m bench.replicas_bench
 	$(BIN)/python -m bench.structured_bench
 	$(BIN)/python -m bench.quant_bench
 	$(BIN)/python -m bench.access_bench

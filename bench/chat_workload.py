@@ -1,0 +1,178 @@
+"""A multi-turn chat workload (bench/replicas_bench.py): many conversations in flight at once,
+all opening with one short system prompt, each turn adding a user message of a few hundred
+tokens and then the reply to the conversation's own history. Bounded: every conversation runs
+its turns one after another and stops. Each turn is one streamed chat completion, recorded with
+where it went, its TTFT (first streamed token, as the client sees it), its tokens, and how it
+ended (a clean error or a stream cut short).
+
+The text is drawn from a fixed word list by a seeded generator: a `salt` gives another set of
+conversations of the same shape (benchmark arms that share replicas share no prefix).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from bench.harness import SseError, aiter_sse
+
+WORDS = (
+    "the", "of", "and", "to", "in", "is", "it", "that", "for", "on", "was", "with", "as", "be",
+    "at", "by", "this", "had", "not", "are", "but", "from", "or", "have", "an", "they", "which",
+    "one", "you", "were", "her", "all", "she", "there", "would", "their", "we", "him", "been",
+    "has", "when", "who", "will", "more", "no", "if", "out", "so", "said", "what", "up", "its",
+    "about", "into", "than", "them", "can", "only", "other", "new", "some", "could", "time",
+    "these", "two", "may", "then", "do", "first", "any", "my", "now", "such", "like", "our",
+    "over", "man", "me", "even", "most", "made", "after", "also", "did", "many", "before", "must",
+    "through", "back", "years", "where", "much", "your", "way", "well", "down", "should",
+    "because", "each", "just", "those", "people", "how", "too", "little", "state", "good", "very",
+    "make", "world", "still", "own", "see", "men", "work", "long", "get", "here", "between",
+    "both", "life", "being", "under", "never", "day", "same", "another", "know", "while", "last",
+    "might", "us", "great", "old", "year", "off", "come", "since", "against", "go", "came",
+    "right", "used", "take", "three", "replica", "cache", "router", "block", "token", "prefix",
+    "engine", "expert", "batch", "queue", "stream", "model", "layer", "kernel", "memory",
+    "request", "reply", "history", "turn",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Workload:
+    conversations: int = 16  # all in flight at once
+    turns: int = 4
+    user_words: int = 130  # about 200 tokens with the demo model's tokenizer
+    system_words: int = 24
+    max_tokens: int = 32  # each reply (ignore_eos: every reply has this many)
+    seed: int = 0
+
+    @property
+    def requests(self) -> int:
+        return self.conversations * self.turns
+
+
+@dataclass
+class Turn:
+    """One turn's request, as the client saw it. Times in seconds from the run's start."""
+
+    conversation: int
+    turn: int
+    request_id: str  # sent as x-request-id: each replica's inspector lists the ids it served
+    target: str  # the URL it was sent to (the router, or a replica)
+    sent: float
+    ttft: float | None = None
+    e2e: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    status: int | None = None  # HTTP status; None: no response at all
+    outcome: str = "ok"  # ok | http_error | stream_error | cut | transport_error
+    error: str | None = None
+    got_tokens: bool = False  # some tokens arrived (a failure then came mid-stream)
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "ok"
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def system_prompt(workload: Workload, salt: str) -> str:
+    return "You are a terse assistant. " + _words(
+        random.Random(f"{workload.seed}:{salt}:system"), workload.system_words
+    )
+
+
+def user_messages(workload: Workload, salt: str, conversation: int) -> list[str]:
+    rng = random.Random(f"{workload.seed}:{salt}:{conversation}")
+    return [_words(rng, workload.user_words) for _ in range(workload.turns)]
+
+
+async def chat_turn(
+    client: httpx.AsyncClient, url: str, body: dict, turn: Turn, t0: float
+) -> tuple[Turn, str]:
+    """Streams one chat completion from `url`; fills `turn` in and returns it with the reply."""
+    text: list[str] = []
+    try:
+        async with client.stream(
+            "POST",
+            url + "/v1/chat/completions",
+            json=body,
+            headers={"x-request-id": turn.request_id},
+        ) as response:
+            turn.status = response.status_code
+            if response.status_code != 200:
+                turn.outcome = "http_error"
+                turn.error = (await response.aread()).decode(errors="replace")[:300]
+                return turn, ""
+            async for at, event in aiter_sse(response.aiter_lines()):
+                if "error" in event:  # an error event in place of the rest of the stream
+                    turn.outcome, turn.error = "stream_error", str(event["error"])[:300]
+                    return turn, ""
+                for choice in event.get("choices") or ():
+                    content = (choice.get("delta") or {}).get("content")
+                    if content:
+                        text.append(content)
+                        if turn.ttft is None:
+                            turn.ttft = at - t0 - turn.sent
+                            turn.got_tokens = True
+                if event.get("usage"):
+                    turn.prompt_tokens = event["usage"]["prompt_tokens"]
+                    turn.completion_tokens = event["usage"]["completion_tokens"]
+    except SseError as exc:  # the stream ended without data: [DONE]
+        turn.outcome, turn.error = "cut", str(exc)[:300]
+        return turn, ""
+    except httpx.HTTPError as exc:
+        turn.outcome, turn.error = "transport_error", repr(exc)[:300]
+        return turn, ""
+    turn.e2e = time.perf_counter() - t0 - turn.sent
+    return turn, "".join(text)
+
+
+async def run_conversations(
+    workload: Workload,
+    model: str,
+    target: Callable[[int, int], str],
+    *,
+    salt: str = "",
+    on_turn: Callable[[Turn], None] | None = None,
+    timeout: float = 600.0,
+) -> tuple[list[Turn], float]:
+    """Runs every conversation to its end, all at once; turn k of conversation c goes to
+    `target(c, k)` (a URL). `on_turn(turn)` hears each finished turn as it finishes. Returns the
+    turns (in finishing order) and the run's wall time. A failed turn leaves its user message in
+    the history without a reply, and the conversation goes on."""
+    system = system_prompt(workload, salt)
+    turns: list[Turn] = []
+    t0 = time.perf_counter()
+    limits = httpx.Limits(max_connections=workload.conversations + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
+        async def conversation(c: int) -> None:
+            history = [{"role": "system", "content": system}]
+            for k, message in enumerate(user_messages(workload, salt, c)):
+                history.append({"role": "user", "content": message})
+                body = {
+                    "model": model,
+                    "messages": history,
+                    "max_tokens": workload.max_tokens,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                url = target(c, k)
+                turn = Turn(c, k, f"{salt or 'run'}-c{c}-t{k}", url, time.perf_counter() - t0)
+                turn, reply = await chat_turn(client, url, body, turn, t0)
+                if turn.ok:
+                    history.append({"role": "assistant", "content": reply})
+                turns.append(turn)
+                if on_turn is not None:
+                    on_turn(turn)
+
+        await asyncio.gather(*(conversation(c) for c in range(workload.conversations)))
+    return turns, time.perf_counter() - t0
