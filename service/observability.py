@@ -275,6 +275,16 @@ class RequestTelemetry:
         )
         if span.is_recording() and len(reasons) > 1:
             span.set_attribute("gen_ai.response.finish_reasons", [r or "abort" for r in reasons])
+        drafted = sum(c.times.spec_draft_tokens for c in out.outputs if c.times is not None)
+        if drafted and span.is_recording():  # speculative decoding: what its drafts achieved
+            accepted = sum(c.times.spec_accepted_tokens for c in out.outputs if c.times)
+            span.set_attributes(
+                {
+                    "moeserve.spec_decode.num_draft_tokens": drafted,
+                    "moeserve.spec_decode.num_accepted_tokens": accepted,
+                    "moeserve.spec_decode.acceptance_rate": accepted / drafted,
+                }
+            )
         if obs.genai_metrics is not None:
             failure = self.failure
             error = None if status == "ok" else type(failure).__name__ if failure else status

@@ -187,6 +187,7 @@ class ServiceMetrics:
         self.vllm = VllmProtocolGauges(registry, model, *(kv_cache_blocks or (None, None)))
         self._add_prefix_cache_counters()
         self._add_structured_output_instruments()
+        self._add_spec_decode_counters()
         self._add_model_instruments(info or {}, weight_bytes, kv_cache_bytes)
         # moeserve_moe_expert_tokens_total, moeserve_moe_expert_imbalance and the other
         # per-layer expert-load gauges.
@@ -398,6 +399,52 @@ class ServiceMetrics:
         self._structured = {k: self.structured_requests.labels(model, k) for k in STRUCTURED_KINDS}
         self._compile = {c: self.grammar_compile.labels(model, c) for c in GRAMMAR_CACHE}
 
+    def _add_spec_decode_counters(self) -> None:
+        """Speculative decoding, with vLLM's meanings (vllm:spec_decode_*): drafts verified
+        (one per sequence and step), their tokens, those accepted, and accepted ones by draft
+        position (0: the first draft token; a series per position, created as seen)."""
+        r, model = self.registry, self.model
+        self.spec_drafts = Counter(
+            "moeserve_spec_decode_num_drafts",
+            "Speculative drafts verified (one per sequence and step).",
+            ("model",),
+            registry=r,
+        )
+        self.spec_draft_tokens = Counter(
+            "moeserve_spec_decode_num_draft_tokens",
+            "Draft tokens verified.",
+            ("model",),
+            registry=r,
+        )
+        self.spec_accepted_tokens = Counter(
+            "moeserve_spec_decode_num_accepted_tokens",
+            "Draft tokens accepted (the bonus or replacement token is not counted).",
+            ("model",),
+            registry=r,
+        )
+        self.spec_accepted_per_pos = Counter(
+            "moeserve_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0: the first).",
+            ("model", "position"),
+            registry=r,
+        )
+        self._spec_drafts = self.spec_drafts.labels(model)
+        self._spec_draft_tokens = self.spec_draft_tokens.labels(model)
+        self._spec_accepted = self.spec_accepted_tokens.labels(model)
+        self._spec_per_pos: list[Any] = []
+
+    def _observe_spec_decode(self, step: Any) -> None:
+        self._spec_drafts.inc(step.spec_num_drafts)
+        self._spec_draft_tokens.inc(step.spec_num_draft_tokens)
+        self._spec_accepted.inc(step.spec_num_accepted_tokens)
+        per_pos = step.spec_accepted_per_pos
+        while len(self._spec_per_pos) < len(per_pos):  # k is at most 32: bounded series
+            position = str(len(self._spec_per_pos))
+            self._spec_per_pos.append(self.spec_accepted_per_pos.labels(self.model, position))
+        for child, count in zip(self._spec_per_pos, per_pos):
+            if count:
+                child.inc(count)
+
     def _add_model_instruments(
         self, info: dict[str, str], weight_bytes: int, kv_cache_bytes: int
     ) -> None:
@@ -440,6 +487,8 @@ class ServiceMetrics:
             self.vllm_prefix_cache.observe(step.prefix_cache_queries, step.prefix_cache_hits)
         if step.expert_tokens is not None:
             self.experts.observe(step.expert_tokens)
+        if getattr(step, "spec_num_drafts", 0):
+            self._observe_spec_decode(step)
 
     # ------------------------------------------------------------------ requests
 
