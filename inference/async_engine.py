@@ -36,7 +36,7 @@ from inference.engine_core import (
 from inference.errors import EngineDeadError, InvalidParameterError, ModelLoadError, QueueFullError
 from inference.executor.loader import load_hf_config, load_tokenizer
 from inference.models.registry import model_args
-from inference.outputs import RequestOutput, StepStats
+from inference.outputs import RequestOutput, StepStats, decode_array
 from inference.prompts import Prompt, tokenize_prompt
 from inference.sampling_params import SamplingParams
 from inference.startup import PhaseMark
@@ -108,7 +108,7 @@ class AsyncLLMEngine:
         self._stats: StepStats | None = None
         self._send_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(FromCore)
+        self._decoder = msgspec.msgpack.Decoder(FromCore, dec_hook=decode_array)
         self._process, self._conn = spawn_engine_core(
             str(path), device, dtype, config, process_init
         )

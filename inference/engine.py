@@ -216,7 +216,7 @@ class LLMEngine:
             outputs.append(out)
         expert_tokens = None
         if result is not None and result.expert_counts.numel():
-            expert_tokens = result.expert_counts.tolist()
+            expert_tokens = result.expert_counts.numpy()
         stats = StepStats(
             started=started,
             started_unix_ns=started_ns,

@@ -7,6 +7,7 @@ is data"): the engine never imports prometheus or OTel.
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -113,7 +114,7 @@ class StepStats(msgspec.Struct):
     # one resumed after a preemption): prompt tokens looked up, and those found cached
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    expert_tokens: list[list[int]] | None = None  # [layer][expert] routed token counts
+    expert_tokens: np.ndarray | None = None  # int64 [layer, expert] routed token counts
     bitmask_s: float = 0.0  # grammar masks and logit_bias this step cost the step
     # speculative decoding, vLLM's meanings: sequences whose drafts this step verified, their
     # draft tokens, those accepted, and accepted ones by draft position (index 0: the first)
@@ -125,3 +126,21 @@ class StepStats(msgspec.Struct):
     # (trace_id, JSON line) of the lines the engine core logged on requests' behalf since
     # its previous step, when its process_init captures them (the inspector shows them)
     log_lines: list[tuple[str, str]] = []
+
+
+# Arrays cross the engine core's pipe as one buffer (msgspec's hooks for a type it does not
+# know): expert_tokens at 256 experts x 60 layers took ~1 ms a step as nested lists (built,
+# encoded, decoded, turned back into an array), ~20 us as bytes.
+def encode_array(obj: object) -> object:
+    """msgspec enc_hook: an ndarray -> (dtype, shape, bytes)."""
+    if isinstance(obj, np.ndarray):
+        return (obj.dtype.str, obj.shape, obj.tobytes())
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def decode_array(kind: type, obj: object) -> object:
+    """msgspec dec_hook: (dtype, shape, bytes) -> the ndarray (read-only, on the message)."""
+    if kind is np.ndarray:
+        dtype, shape, data = obj
+        return np.frombuffer(data, dtype=dtype).reshape(shape)
+    raise NotImplementedError(f"cannot decode {kind}")
