@@ -36,6 +36,7 @@ bench: setup
 	$(BIN)/python -m bench.telemetry_bench
 	$(BIN)/python -m bench.telemetry_bench --compare inspector
 	$(BIN)/python -m bench.kv_events_bench
+	$(BIN)/python -m bench.spec_bench
 	$(BIN)/python -m bench.scoring_bench
 	$(BIN)/python -m bench.replicas_bench
 	$(BIN)/python -m bench.structured_bench

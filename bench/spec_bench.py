@@ -1,0 +1,173 @@
+"""`make bench`, speculative decoding (issue 38): the same engine with and without n-gram drafts
+(--speculative-config), greedy, on three workloads, in alternating rounds (ABBA: the drift of
+a shared VM hits both arms of each pair); each figure is the ratio of the median tokens/s with
+speculation to the median without. Targets: >= 1.6x where the answer repeats the prompt,
+>= 0.97x on free prose, >= 0.95x at 32 concurrent streams.
+
+  repeat:    one stream asked to rewrite a given function (the answer copies most of it)
+  prose:     one stream writing a story (little to look up)
+  streams32: 32 concurrent prose streams (past disable_by_batch_size: no speculation)
+
+Models: SmolLM2-135M-Instruct (trained: its answers do repeat the prompt) and the small demo
+MoE (random weights: its text means nothing, what it accepts comes from its own loops). Greedy
+outputs are compared too (they must be identical). Writes bench/results/spec.json; `--quick`
+runs the tiny demo model for a few tokens (a function check, no figures worth keeping).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+from inference import LLMEngine, SamplingParams
+from inference.checkpoints.demo_model import ensure_demo_model
+
+RESULTS = Path(__file__).resolve().parent / "results" / "spec.json"
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 5,
+}
+TARGETS = {"repeat": 1.6, "prose": 0.97, "streams32": 0.95}
+
+CODE = '''def moving_average(values, window):
+    """The mean of each run of `window` consecutive values."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    averages = []
+    total = sum(values[:window])
+    averages.append(total / window)
+    for i in range(window, len(values)):
+        total += values[i] - values[i - window]
+        averages.append(total / window)
+    return averages
+'''
+REPEAT = (
+    "Here is a Python function:\n\n" + CODE + "\nRewrite it with the parameter `values` "
+    "renamed to `samples`, changing nothing else.\n\n"
+)
+OPENINGS = [
+    "The lighthouse keeper had not seen a ship in",
+    "On the morning the river froze, the children of the village",
+    "Nobody in the city remembered who had built the tower, but",
+    "The letter arrived forty years late, addressed to",
+]
+
+
+def workloads(engine: LLMEngine) -> dict[str, list[list[int]]]:
+    tok = engine.tokenizer
+    prose = [tok.encode(f"Write a short story. {o}") for o in OPENINGS]
+    return {
+        "repeat": [tok.encode(REPEAT)],
+        "prose": prose[:1],
+        "streams32": [prose[i % len(prose)] + tok.encode(f" ({i})") for i in range(32)],
+    }
+
+
+def _round(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Decodes the prompts to completion: tokens/s, the outputs, the drafts' counts."""
+    ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, None, params, prompt_token_ids=prompt)
+    outputs, drafted, accepted, tokens = {}, 0, 0, 0
+    start = time.perf_counter()
+    while engine.has_unfinished:
+        step_outputs, stats = engine.step()
+        tokens += stats.num_generated_tokens
+        drafted += stats.spec_num_draft_tokens
+        accepted += stats.spec_num_accepted_tokens
+        outputs.update({o.request_id: o.token_ids for o in step_outputs if o.finished})
+    seconds = time.perf_counter() - start
+    return {
+        "tokens_per_s": tokens / seconds,
+        "outputs": [outputs[rid] for rid in ids],
+        "drafted": drafted,
+        "accepted": accepted,
+    }
+
+
+def measure(model_dir: str, rounds: int, max_tokens: int, dtype: str) -> dict:
+    limits = {"kv_cache_tokens": 65536, "max_num_seqs": 32}
+    engines = {
+        "off": LLMEngine.from_pretrained(model_dir, "cpu", dtype, **limits),
+        "on": LLMEngine.from_pretrained(model_dir, "cpu", dtype, speculative_config=SPEC, **limits),
+    }
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    rows = {}
+    for name, prompts in workloads(engines["off"]).items():
+        for engine in engines.values():  # warm-up, untimed
+            _round(engine, prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))
+        rates: dict[str, list[float]] = {"off": [], "on": []}
+        identical, drafted, accepted = True, 0, 0
+        for i in range(rounds):
+            order = ("off", "on") if i % 2 == 0 else ("on", "off")
+            results = {arm: _round(engines[arm], prompts, params) for arm in order}
+            for arm, r in results.items():
+                rates[arm].append(r["tokens_per_s"])
+            identical &= results["on"]["outputs"] == results["off"]["outputs"]
+            drafted += results["on"]["drafted"]
+            accepted += results["on"]["accepted"]
+        rows[name] = {
+            "streams": len(prompts),
+            "tokens_per_s": {arm: statistics.median(v) for arm, v in rates.items()},
+            "rounds": rates,
+            "on_over_off": statistics.median(rates["on"]) / statistics.median(rates["off"]),
+            "target": TARGETS[name],
+            "identical_outputs": identical,
+            "draft_tokens": drafted,
+            "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+        }
+    return rows
+
+
+def run(models: dict[str, str], rounds: int, max_tokens: int, dtype: str) -> dict:
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": len(os.sched_getaffinity(0)),
+        "speculative_config": SPEC,
+        "workload": {"greedy": True, "max_tokens": max_tokens, "dtype": dtype, "rounds": rounds},
+        "models": {name: measure(path, rounds, max_tokens, dtype) for name, path in models.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--quick", action="store_true", help="tiny demo model, a few tokens")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.quick:
+        models = {"demo-tiny": str(ensure_demo_model("tiny"))}
+        result = run(models, rounds=2, max_tokens=8, dtype="float32")
+    else:
+        from inference.checkpoints.model_zoo import resolve_model
+
+        models = {
+            "smollm2": str(resolve_model("smollm2")),
+            "demo-small": str(ensure_demo_model("small")),
+        }
+        result = run(models, args.rounds, args.max_tokens, "bfloat16")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    for model, rows in result["models"].items():
+        for name, row in rows.items():
+            rate = row["acceptance_rate"]
+            print(
+                f"{model} {name}: {row['on_over_off']:.3f}x (target >= {row['target']}), "
+                f"identical {row['identical_outputs']}, acceptance "
+                f"{'-' if rate is None else f'{rate:.2f}'}"
+            )
+    print(f"-> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
