@@ -8,6 +8,10 @@ evaluation needs nothing from a hub (issue 39):
 - stdlib_generate (generate_until): a docstring line and `>>> module.`; the first
   identifier generated (a regex filter) must be the function's name (exact_match).
 
+`write_evalscope_pack(folder)` writes the cloze's items as EvalScope's general_mcq custom
+dataset (subset `stdlib`: a question, choices A-D, the answer's letter), which EvalScope asks
+as a generative multiple choice through the chat API.
+
 `write_pack(folder)` writes each task's YAML and JSON-lines data there (absolute paths in the
 YAML: lm-eval reads `dataset_path: json` files through datasets' packaged JSON builder, which
 reads no hub); pass the folder as lm-eval's --include_path. The items are the same on every
@@ -148,6 +152,22 @@ def write_pack(folder: Path) -> Path:
         path = folder / f"{task}.jsonl"
         path.write_text("".join(json.dumps(item) + "\n" for item in items))
         (folder / f"{task}.yaml").write_text(_yaml(task, path, body))
+    return folder
+
+
+def write_evalscope_pack(folder: Path, limit: int = NUM_CLOZE) -> Path:
+    """The first `limit` cloze items as EvalScope's general_mcq data (`{subset}_val.jsonl`,
+    no few-shot `_dev` items) in `folder`; returns it (general_mcq's local_path)."""
+    folder = Path(folder).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    items = cloze_items(random.Random(39))[:limit]  # write_pack's cloze items, in its order
+    rows = [
+        {"id": i, "question": item["context"], **dict(zip("ABCD", item["choices"]))}
+        | {"answer": "ABCD"[item["label"]]}
+        for i, item in enumerate(items)
+    ]
+    (folder / "stdlib_val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "stdlib_dev.jsonl").write_text("")
     return folder
 
 
