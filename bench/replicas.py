@@ -31,6 +31,17 @@ from bench.harness import HOST, ManagedProcess, ServerProcess, free_port, wait_u
 ROUTER = Path(sys.executable).with_name("vllm-router")
 POLICIES = ("cache_aware", "kv_aware", "power_of_two", "round_robin", "random")
 
+# What the router does when a replica dies (vllm-router 0.1.17's defaults: a health check a
+# minute, the circuit opening after 10 failures): a retry could pick the dead replica again
+# (cache_aware sends a conversation where its prefix is) and fail the request. Two failures
+# open the circuit, and retries, chosen again by the policy, then skip it; health checks every
+# 5 s take it out of the worker list. deploy/k8s/router and docker-compose.replicas.yml run
+# the router with the same flags.
+FAILOVER_ARGS = (
+    "--retry-max-retries", 4, "--cb-failure-threshold", 2, "--cb-timeout-duration-secs", 30,
+    "--health-check-interval-secs", 5, "--health-failure-threshold", 2,
+)  # fmt: skip
+
 
 @dataclass
 class Replica:
@@ -77,7 +88,7 @@ def replicas(
     serve_args: Sequence[str] = (),
     start_timeout: float = 300.0,
     metrics_port: int = 0,
-    router_args: Sequence[str | int] = (),
+    router_args: Sequence[str | int] = FAILOVER_ARGS,
 ) -> Iterator[Cluster]:
     if not ROUTER.exists():
         raise SystemExit("vllm-router is missing: pip install vllm-router (a dev dependency)")
@@ -116,7 +127,7 @@ def start_router(
     policy: str,
     port: int = 0,
     metrics_port: int = 0,
-    router_args: Sequence[str | int] = (),
+    router_args: Sequence[str | int] = FAILOVER_ARGS,
 ) -> tuple[ManagedProcess, str, str]:
     """vllm-router with `policy` in front of `workers` (kv_aware: subscribed to their KV events,
     tokenizing with `model`'s folder), ready: (its process, its URL, its own /metrics URL). The

@@ -10,6 +10,8 @@ import argparse
 import pytest
 from stack_support import K8S_DIR, load_yaml_all
 
+from bench.replicas import FAILOVER_ARGS
+
 ROUTER_DIR = K8S_DIR / "router"
 MANIFESTS = {p.name: load_yaml_all(p) for p in sorted(ROUTER_DIR.glob("*.yaml"))}
 OBJECTS = [o for docs in MANIFESTS.values() for o in docs if o["kind"] != "Kustomization"]
@@ -21,13 +23,25 @@ def _one(kind: str, objects=OBJECTS) -> dict:
     return found
 
 
-def _router_args():
+FAILOVER_SETTINGS = (
+    "retry_max_retries",
+    "cb_failure_threshold",
+    "cb_timeout_duration_secs",
+    "health_check_interval_secs",
+    "health_failure_threshold",
+)
+
+
+def _router_args_of(argv: list[str]):
     router_args = pytest.importorskip("vllm_router.router_args", reason="vllm-router missing")
     parser = argparse.ArgumentParser()
     router_args.RouterArgs.add_cli_args(parser)
+    return router_args.RouterArgs.from_cli_args(parser.parse_args(argv))
+
+
+def _router_args():
     container = _one("Deployment")["spec"]["template"]["spec"]["containers"][0]
-    args = [a.replace("$(POD_NAMESPACE)", "moeserve") for a in container["args"]]
-    return router_args.RouterArgs.from_cli_args(parser.parse_args(args))
+    return _router_args_of([a.replace("$(POD_NAMESPACE)", "moeserve") for a in container["args"]])
 
 
 @pytest.mark.parametrize("obj", BUILTIN, ids=lambda o: f"{o['kind']}/{o['metadata']['name']}")
@@ -47,6 +61,15 @@ def test_the_router_finds_the_moeserve_pods():
     assert args.service_discovery_port == http
     assert args.service_discovery_namespace == "moeserve"  # its own, from the downward API
     assert args.policy == "cache_aware"
+
+
+def test_the_router_fails_over_as_the_benchmark_measured():
+    """A dead replica: the same retry, circuit-breaker and health-check settings as
+    bench/replicas.py runs (and bench/replicas_bench.py's kill run measures)."""
+    args = _router_args()
+    expected = _router_args_of([str(a) for a in FAILOVER_ARGS])
+    for name in FAILOVER_SETTINGS:
+        assert getattr(args, name) == getattr(expected, name), name
 
 
 def test_the_router_may_watch_pods_and_is_served():

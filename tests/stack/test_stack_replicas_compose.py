@@ -13,6 +13,7 @@ import pytest
 import yaml
 from stack_support import serve_parser
 
+from bench.replicas import FAILOVER_ARGS
 from inference.config import EngineConfig
 from inference.kv_events import kv_events_config
 
@@ -56,6 +57,12 @@ def test_the_routers_command_is_vllm_routers_own():
     ns = parser.parse_args(command)
     args = router_args.RouterArgs.from_cli_args(ns)
     assert args.policy == "kv_aware" and args.port == 8000
+    # a dead replica is handled as bench/replicas.py's router handles it (FAILOVER_ARGS)
+    failover = router_args.RouterArgs.from_cli_args(
+        parser.parse_args([str(a) for a in FAILOVER_ARGS])
+    )
+    for name in ("retry_max_retries", "cb_failure_threshold", "health_check_interval_secs"):
+        assert getattr(args, name) == getattr(failover, name), name
     assert (args.prometheus_host, args.prometheus_port) == ("0.0.0.0", 29000)
     assert str(args.prometheus_port) in SERVICES["router"]["expose"]
     assert args.worker_urls == [f"http://{r}:8000" for r in REPLICAS]
