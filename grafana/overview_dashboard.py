@@ -49,6 +49,7 @@ def overview() -> dict[str, Any]:
     g.row("Engine and KV cache")
     for panel in [*engine_load_panels(), *engine_pressure_panels(), *model_panels()]:
         g.add(panel, 8, 8)
+    g.add(prefix_cache_panel(), 24, 6)
     g.row("Start-up and cost")
     for panel in [*startup_panels(), cost_panel()]:
         g.add(panel, 8, 8)
@@ -361,6 +362,26 @@ def engine_load_panels() -> list[dict[str, Any]]:
             thresholds=[("green", None), ("orange", 0.9), ("red", 0.98)],
         ),
     ]
+
+
+def prefix_cache_panel() -> dict[str, Any]:
+    """What the prefix cache saves; per replica on moeserve / Replicas (vLLM's names)."""
+    hits = f"moeserve_prefix_cache_hits_total{{{SEL}}}"
+    queries = f"moeserve_prefix_cache_queries_total{{{SEL}}}"
+    return timeseries(
+        "Prefix-cache hit ratio",
+        "Prompt tokens found in the prefix cache / prompt tokens looked up at admission, per "
+        "instance (the twins of vLLM's vllm:prefix_cache_hits / _queries).",
+        [
+            prom(
+                f"sum by (instance) (rate({hits}[{RATE}])) "
+                f"/ sum by (instance) (rate({queries}[{RATE}]))",
+                "{{instance}}",
+            )
+        ],
+        "percentunit",
+        max_=1,
+    )
 
 
 def engine_pressure_panels() -> list[dict[str, Any]]:

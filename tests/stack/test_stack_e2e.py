@@ -222,6 +222,12 @@ def drive_load(rest: str, grpc_port: int | None) -> dict:
     with ThreadPoolExecutor(8) as pool:
         for future in [pool.submit(fn, i) for fn, i in jobs]:
             future.result()
+    # the prefix cache: one after the other, prompts sharing several blocks' worth of text
+    preamble = "Every answer starts from the same long shared preamble. " * 8
+    with httpx.Client(base_url=rest, timeout=60, headers=AUTH) as c:
+        for i in range(3):
+            body = {"model": MODEL, "prompt": f"{preamble} Question {i}:", "max_tokens": 2}
+            note(c.post("/v1/completions", json=body), 200)
 
     if grpc_port:
         import grpc
