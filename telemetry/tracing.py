@@ -393,6 +393,11 @@ def record_step_span(
     bitmask_s = getattr(step_stats, "bitmask_s", 0.0)
     if bitmask_s > 0:  # grammar masks and logit_bias: only on steps that had any
         attributes["moeserve.step.bitmask_s"] = float(bitmask_s)
+    drafted = getattr(step_stats, "spec_num_draft_tokens", 0)
+    if drafted:  # speculative decoding: this step's verified drafts and what they kept
+        attributes["moeserve.spec_decode.num_drafts"] = step_stats.spec_num_drafts
+        attributes["moeserve.spec_decode.num_draft_tokens"] = drafted
+        attributes["moeserve.spec_decode.num_accepted_tokens"] = step_stats.spec_num_accepted_tokens
     if len(step_stats.request_ids) > max_links:
         attributes["moeserve.engine.links_dropped"] = len(step_stats.request_ids) - max_links
     span = tracer.start_span(

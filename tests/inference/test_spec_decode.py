@@ -282,3 +282,31 @@ def test_the_flag_is_checked_when_parsed():
     good = '{"method": "ngram", "num_speculative_tokens": 3}'
     settings = from_namespace(build_parser().parse_args(["serve", "--speculative-config", good]))
     assert settings.engine_limits()["speculative_config"] == good
+
+
+def test_stops_max_tokens_and_sampling_with_speculation(model_dirs):
+    """A stop token met among accepted drafts ends the output there, max_tokens is never
+    passed, as without speculation; sampled requests (temperature, top-p) speculate and
+    finish too, with every block returned."""
+    path = model_dirs("mixtral")
+    limits = {"device": DEVICE, "dtype": "float32", "kv_cache_tokens": 1024}
+    plain = LLMEngine.from_pretrained(path, **limits)
+    spec = LLMEngine.from_pretrained(path, speculative_config=NGRAM, **limits)
+    prompt = prompts(plain.args.vocab_size, [12])[0] * 3
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    full = plain.generate([prompt], greedy)[0].token_ids
+    stop = full[20]
+    cut = full.index(stop) + 1
+    for params in (
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]),
+        SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True),
+    ):
+        [expected] = plain.generate([prompt], params)
+        [got] = spec.generate([prompt], params)
+        assert got.token_ids == expected.token_ids
+        assert got.finish_reason == expected.finish_reason
+    assert len(expected.token_ids) == 13 and cut <= 21
+    sampled = SamplingParams(max_tokens=30, temperature=0.7, top_p=0.9, ignore_eos=True, n=2)
+    [out] = spec.generate([prompt], sampled)
+    assert [len(c.token_ids) for c in out.outputs] == [30, 30]
+    assert spec.block_manager.num_used == 0

@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry
 
 from inference.outputs import StepStats
 from telemetry.metrics import ServiceMetrics, render_metrics
+from telemetry.tracing import record_step_span
 
 
 def _step(**spec) -> StepStats:
@@ -55,3 +56,17 @@ def test_spec_decode_counters_add_up_each_step():
         b'moeserve_spec_decode_num_accepted_tokens_per_pos_total{model="m",position="1"} 2.0'
         in body
     )
+
+
+def test_a_step_span_carries_its_drafts_only_when_it_had_some(tracer, span_exporter):
+    record_step_span(_step(), lambda rid: None, tracer=tracer)
+    record_step_span(
+        _step(spec_num_drafts=1, spec_num_draft_tokens=4, spec_num_accepted_tokens=3),
+        lambda rid: None,
+        tracer=tracer,
+    )
+    plain, spec = [s.attributes for s in span_exporter.get_finished_spans()]
+    assert not any(k.startswith("moeserve.spec_decode") for k in plain)
+    assert spec["moeserve.spec_decode.num_drafts"] == 1
+    assert spec["moeserve.spec_decode.num_draft_tokens"] == 4
+    assert spec["moeserve.spec_decode.num_accepted_tokens"] == 3
