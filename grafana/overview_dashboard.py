@@ -59,6 +59,9 @@ def overview() -> dict[str, Any]:
     g.row("Structured outputs")
     for panel in structured_output_panels():
         g.add(panel, 12, 8)
+    g.row("Speculative decoding")
+    for panel in spec_decode_panels():
+        g.add(panel, 8, 8)
     g.row("Logs and traces")
     g.add(trace_export_panel(), 24, 6)
     g.add(logs_panel(), 24, 10)
@@ -585,6 +588,56 @@ def structured_output_panels() -> list[dict[str, Any]]:
             "missed the cache (a hit takes microseconds).",
             quantiles("moeserve_grammar_compile_seconds", extra=', cache="miss"'),
             "s",
+        ),
+    ]
+
+
+def spec_decode_panels() -> list[dict[str, Any]]:
+    """What speculation buys (--speculative-config), vLLM's meanings: draft tokens accepted,
+    tokens per verified sequence step, and acceptance by draft position."""
+    drafts = f"moeserve_spec_decode_num_drafts_total{{{SEL}}}"
+    draft_tokens = f"moeserve_spec_decode_num_draft_tokens_total{{{SEL}}}"
+    accepted = f"moeserve_spec_decode_num_accepted_tokens_total{{{SEL}}}"
+    per_pos = f"moeserve_spec_decode_num_accepted_tokens_per_pos_total{{{SEL}}}"
+    return [
+        timeseries(
+            "Draft acceptance rate",
+            "Accepted draft tokens / proposed draft tokens (vLLM's spec_decode acceptance "
+            "rate); low: the drafts cost a wider verification step for little.",
+            [
+                prom(
+                    f"sum(rate({accepted}[{RATE}])) / sum(rate({draft_tokens}[{RATE}]))",
+                    "acceptance",
+                )
+            ],
+            "percentunit",
+            max_=1,
+        ),
+        timeseries(
+            "Mean acceptance length",
+            "Tokens a sequence gains per verification step: 1 + accepted drafts / sequences "
+            "verified (vLLM's mean acceptance length; 1: speculation gains nothing).",
+            [
+                prom(
+                    f"1 + sum(rate({accepted}[{RATE}])) / sum(rate({drafts}[{RATE}]))",
+                    "tokens per step",
+                )
+            ],
+            "short",
+        ),
+        timeseries(
+            "Acceptance by draft position",
+            "Share of verified sequences whose draft token at this position was accepted "
+            "(position 0: the first draft token).",
+            [
+                prom(
+                    f"sum by (position) (rate({per_pos}[{RATE}])) "
+                    f"/ scalar(sum(rate({drafts}[{RATE}])))",
+                    "position {{position}}",
+                )
+            ],
+            "percentunit",
+            max_=1,
         ),
     ]
 

@@ -63,6 +63,7 @@ EVENT_DEPENDENT = re.compile(
     r'moeserve_preemptions_total|status="rejected"|status="server_error"|status!="ok"'
     r"|moeserve_trace_spans_(exported|dropped)_total|moeserve_rate_limited_total"
 )
+SPECULATION = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 # the load runs under a named API key with limits, so the per-key series exist
 LOAD_KEY = "sk-stack-e2e-load"
 AUTH = {"authorization": f"Bearer {LOAD_KEY}"}
@@ -120,6 +121,8 @@ def start_service(model_dir: Path, workdir: Path, rest_port: int) -> ServerProce
         "--served-model-name", MODEL, "--device", "cpu", "--max-num-seqs", "8",
         "--drain-timeout", "5", "--api-keys-file", keys,
         "--cost-per-hour", "2.5",  # the cost panel's gauges
+        # the speculative-decoding panels: n-gram drafts (drive_load's `repeating` accepts some)
+        "--speculative-config", json.dumps(SPECULATION),
         port=rest_port,
         grpc=True,
         env={
@@ -205,6 +208,13 @@ def drive_load(rest: str, grpc_port: int | None) -> dict:
             body["structured_outputs"] = {"regex": f"[ab]{{1,{i + 2}}}"}
             note(c.post("/v1/completions", json=body), 200)
 
+    def repeating(i: int) -> None:  # greedy text repeating its prompt: n-gram drafts accepted
+        with httpx.Client(base_url=rest, timeout=60, headers=AUTH) as c:
+            body = {"model": MODEL, "prompt": f"{i} one two three " * 6, "max_tokens": 24}
+            note(
+                c.post("/v1/completions", json={**body, "temperature": 0, "ignore_eos": True}), 200
+            )
+
     def invalid(i: int) -> None:
         with httpx.Client(base_url=rest, timeout=60, headers=AUTH) as c:
             note(
@@ -217,6 +227,7 @@ def drive_load(rest: str, grpc_port: int | None) -> dict:
         + [(chat, i) for i in range(8)]
         + [(stream, i) for i in range(10)]
         + [(constrained, i) for i in range(4)]
+        + [(repeating, i) for i in range(4)]
         + [(invalid, i) for i in range(2)]
     )
     with ThreadPoolExecutor(8) as pool:
