@@ -19,7 +19,7 @@ from inference.hf_overrides import hf_overrides
 from inference.kv_events import kv_events_config
 from inference.spec_decode.config import speculative_config
 
-QUANTIZATIONS = ("none", "int8", "fp8")  # weights (quantization/qweight.py)
+QUANTIZATIONS = ("none", "int8", "int4", "fp8")  # weights (quantization/qweight.py)
 KV_CACHE_DTYPES = (
     "auto",
     "int8",
@@ -38,7 +38,7 @@ class EngineConfig:
     kv_cache_tokens: int | None = None  # CPU default 65536; GPU: sized from free memory
     kv_cache_bytes: int | None = None  # the same budget in bytes (instead of tokens)
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8, fp8_e4m3, fp8_e5m2
-    quantization: str | None = None  # weights: none, int8, fp8; None: as the checkpoint ships
+    quantization: str | None = None  # weights: none, int8, int4, fp8; None: as the checkpoint ships
     max_waiting: int = 256
     block_size: int = 16
     gpu_memory_utilization: float = 0.9

@@ -84,8 +84,9 @@ _HELP = {
     "holds about twice the tokens of a bf16 one in the same bytes)",
     "kv_cache_dtype": "KV cache format: auto (the model's dtype), int8 (per-row scales), "
     "fp8_e4m3, fp8_e5m2",
-    "quantization": "weights: none, int8 (W8A8: int8 weights and per-token int8 activations) "
-    "or fp8 (e4m3, weight-only on the CPU); default: as the checkpoint ships (fp8 for FP8 "
+    "quantization": "weights: none, int8 (W8A8: int8 weights and per-token int8 activations), "
+    "int4 (W4A8: 4-bit weights, a scale per 128 inputs, int8 activations) or fp8 (e4m3, "
+    "weight-only on the CPU); default: as the checkpoint ships (fp8 for FP8 "
     "checkpoints, else none)",
     "compile": "torch.compile the decode steps at start-up (faster decoding, slower start)",
     "hf_overrides": "vLLM's, as JSON: config.json fields replaced at load, e.g. "

@@ -45,7 +45,7 @@ class ModelExecutor:
         published: str,
         startup: StartupClock | None = None,
     ) -> None:
-        """quantization: the weights' format to serve (none, int8, fp8); published: the
+        """quantization: the weights' format to serve (none, int8, int4, fp8); published: the
         checkpoint's own (none, fp8). `startup`: the clock its phases are marked on (the
         engine marked load_weights)."""
         self.args, self.device, self.dtype, self.config = args, device, dtype, config
@@ -69,7 +69,7 @@ class ModelExecutor:
                 self.model,
                 quantization,
                 published_fp8,
-                lm_head=quantization == "int8",
+                lm_head=quantization in ("int8", "int4"),
                 only_published=published == "fp8" and quantization == "fp8",
             )
             self._note_quantized_path()
@@ -120,6 +120,12 @@ class ModelExecutor:
     def _note_quantized_path(self) -> None:
         """Says at start-up which path the 8-bit weights take where it is not our kernels'
         (never a silent slow path)."""
+        if self.quantization == "int4":
+            log.warning(
+                "int4 weights: experts run torch's path one expert at a time (no int4 MoE "
+                "kernel yet), and no one-call decode step; linear layers on the int4 kernel "
+                "where the CPU has one (`CPU kernels` line), else torch's",
+            )
         if self.kernels:
             return
         if self.device.type == "cuda":

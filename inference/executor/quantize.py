@@ -1,6 +1,7 @@
-"""8-bit weights applied to a plain model from outside (as gpt-fast's quantize.py does): every
-attention projection, expert and dense MLP, and the lm_head if asked; with int8 the embedding
-table too (a scale per row). Routers and norms stay in the model's dtype, as does MLA's
+"""8-bit and 4-bit weights applied to a plain model from outside (as gpt-fast's quantize.py
+does): every attention projection, expert and dense MLP, and the lm_head if asked; with int8
+and int4 the embedding table too, in int8 (a scale per row). int4 keeps the lm_head in int8,
+as llama.cpp's Q4_K_M keeps its output layer at 6 bits: the logits take its error whole. Routers and norms stay in the model's dtype, as does MLA's
 kv_b_proj (the absorbed projections are derived from it). The modules installed here run
 quantization/qweight.py's torch path; on the CPU kernels executor/cpu_backend.py replaces them
 again with the same weights packed."""
@@ -73,26 +74,26 @@ def quantize_model(
     lm_head: bool = True,
     only_published: bool = False,
 ) -> None:
-    """Installs 8-bit weights (int8 or fp8), once after loading. `published`: fp8 weights as the
+    """Installs quantized weights (int8, int4 or fp8), once after loading. `published`: fp8 weights as the
     checkpoint shipped them (parameter name -> row-major QWeight), used as they are; with
     only_published, what the checkpoint kept in 16 bits stays so."""
 
-    def weight(name: str, w: torch.Tensor) -> QWeight | None:
+    def weight(name: str, w: torch.Tensor, lm: bool = False) -> QWeight | None:
         kept = published.get(name) if fmt == "fp8" else None
         if kept is None and only_published:
             return None
-        return kept or quant.quantize(w.data, fmt)
+        return kept or quant.quantize(w.data, "int8" if lm and fmt == "int4" else fmt)
 
     def replace(name: str, module: nn.Module, parent: nn.Module) -> nn.Module | None:
         if type(module) is Linear:  # not its subclasses: routers stay in the model's dtype
             if name.endswith("attn.wkv_b") or (name == "lm_head" and not lm_head):
                 return None
-            w = weight(f"{name}.weight", module.weight)
+            w = weight(f"{name}.weight", module.weight, lm=name == "lm_head")
             return None if w is None else QuantLinear(w, module.bias)
         if isinstance(module, Experts):
             w13, w2 = weight(f"{name}.w13", module.w13), weight(f"{name}.w2", module.w2)
             return None if w13 is None or w2 is None else QuantExperts(w13, w2, module)
-        if isinstance(module, nn.Embedding) and fmt == "int8":
+        if isinstance(module, nn.Embedding) and fmt in ("int8", "int4"):
             return QuantEmbedding(quant.quantize_int8(module.weight.data), module.weight.dtype)
         return None
 

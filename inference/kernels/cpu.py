@@ -372,6 +372,7 @@ def _vnni_library(isa: str, emulated: bool = False) -> ctypes.CDLL | None:
 ISA: str | None = None
 AMX = False
 INT8: str | None = None
+INT4: str | None = None  # what runs int4 weights' products ("vnni", "avx2"); None: torch's
 _lib: ctypes.CDLL | None = None
 _selected = False  # enable() has run: engines keep what it chose (tests force paths this way)
 

@@ -1,4 +1,4 @@
-"""8-bit weights: int8 (W8A8) and fp8 e4m3, as vLLM and SGLang run them.
+"""8-bit and 4-bit weights: int8 (W8A8), int4 (W4A8) and fp8 e4m3.
 
 - int8: weights and activations both rotated along the inputs (hadamard.rotate, an
   orthogonal map: (x R)(W R)^T = x W^T), as QuaRot does (arXiv 2404.00456). Weights get
@@ -14,6 +14,16 @@
   as compressed-tensors writes them), or a bf16 checkpoint quantized per channel at load. On
   the CPU they run weight-only (each weight widened and scaled in the kernel); on CUDA through
   torch._scaled_mm with per-token fp8 activations (unmeasured: no GPU run has proven it yet).
+
+- int4 (W4A8, as llama.cpp's Q4_0 x Q8_0 and SGLang's int4 x int8 kernel run it): the same
+  rotated rows as int8 in 4 bits, a float32 scale per output channel and group of 128
+  inputs. Q4_0's symmetric levels: the group's value of largest magnitude m sets the scale
+  m / -8, so it lands on -8 exactly and the others round into [-8, 7], all 16 levels used
+  ([-7, 7] would waste one: a 7% coarser step). Activations are int8 per token as int8's;
+  each group's exact integer sum times its scale, summed over the groups in order in
+  float32, then times the token's scale: the float order the kernel (csrc/int4.c)
+  reproduces. `rotated=False` (quantize_int4) keeps the weights unrotated, to measure what
+  the rotation buys (bench/quant_bench.py).
 
 A QWeight keeps the 8-bit values (int8: of the rotated rows) and their scales in one of two
 layouts: row-major [..., N, K] (the torch path: CUDA, float32 engines, CPUs without our
@@ -40,12 +50,15 @@ FP8_BLOCK = 128  # the block scales' size, rows and inputs alike, as the checkpo
 
 @dataclass(eq=False)
 class QWeight:
-    fmt: str  # "int8" | "fp8"
-    data: torch.Tensor  # int8 / float8_e4m3fn [..., N, K], or packed uint8 [..., Kq/4, N, 4]
+    fmt: str  # "int8" | "int4" | "fp8"
+    # int8 / float8_e4m3fn [..., N, K] (int4: int8 values in [-8, 7]), or packed uint8
+    # [..., Kq/4, N, 4] (int4: [..., Kp/8, N, 4], two values a byte, cpu.pack_qweight)
+    data: torch.Tensor
     scale: torch.Tensor  # float32 [..., G, N]
     group: int  # inputs per scale group
     in_features: int
     colsum: torch.Tensor | None = None  # int32 [..., N16], each column's sum (packed int8 only)
+    rotated: bool = True  # int8 / int4: values of the rotated rows (hadamard.rotate)
 
     @property
     def packed(self) -> bool:
@@ -67,16 +80,27 @@ class QWeight:
         """One matrix of a stack (an expert of [E, N, K])."""
         colsum = None if self.colsum is None else self.colsum[index]
         return QWeight(
-            self.fmt, self.data[index], self.scale[index], self.group, self.in_features, colsum
+            self.fmt,
+            self.data[index],
+            self.scale[index],
+            self.group,
+            self.in_features,
+            colsum,
+            self.rotated,
         )
 
+    @property
+    def rotates(self) -> bool:
+        """Whether activations are rotated before the integer products (weights were)."""
+        return self.fmt in ("int8", "int4") and self.rotated
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The real weights [..., N, K] (row-major layout only; int8 rotated back)."""
+        """The real weights [..., N, K] (row-major layout only; int8/int4 rotated back)."""
         if self.packed:
             raise ValueError("dequantize() reads the row-major layout, not a packed weight")
         scale = self.scale.transpose(-1, -2).repeat_interleave(self.group, dim=-1)
         w = self.data.float() * scale[..., : self.in_features]
-        return (rotate_by_products(w) if self.fmt == "int8" else w).to(dtype)
+        return (rotate_by_products(w) if self.rotates else w).to(dtype)
 
 
 # ---- quantizing ---------------------------------------------------------------------------
@@ -100,6 +124,32 @@ def quantize_int8(w: torch.Tensor) -> QWeight:
     return QWeight("int8", q, scale.unsqueeze(-2).contiguous(), w.shape[-1], w.shape[-1])
 
 
+INT4_GROUP = 128  # inputs per int4 scale (SPEC section 13), as GPTQ's and AWQ's releases group
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP, rotated: bool = True) -> QWeight:
+    """[..., N, K] -> int4 values in [-8, 7] (held one per int8 byte, row-major) of w rotated
+    along K (unless `rotated` is False), a float32 scale per output channel and group of
+    `group` inputs: Q4_0's, the group's value of largest magnitude m over -8 (0: an all-zero
+    group)."""
+    w = rotate_by_products(w) if rotated else w.float()
+    k = w.shape[-1]
+    groups = -(-k // group)
+    blocks = F.pad(w, (0, groups * group - k)).unflatten(-1, (groups, group))
+    at = blocks.abs().argmax(dim=-1, keepdim=True)
+    scale = blocks.gather(-1, at) / -8.0
+    inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
+    q = (blocks * inv).round().clamp(-8, 7).to(torch.int8).flatten(-2)[..., :k]
+    return QWeight(
+        "int4",
+        q.contiguous(),
+        scale.squeeze(-1).transpose(-1, -2).contiguous(),
+        group,
+        k,
+        rotated=rotated,
+    )
+
+
 def quantize_fp8(w: torch.Tensor, group: int = FP8_BLOCK) -> QWeight:
     """[..., N, K] -> fp8 e4m3 with a scale per output channel and group of `group` inputs
     (amax / 448 each): per channel alone, e4m3's 3 mantissa bits cost SmolLM2 2.3% of
@@ -118,6 +168,8 @@ def quantize_fp8(w: torch.Tensor, group: int = FP8_BLOCK) -> QWeight:
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QWeight:
+    if fmt == "int4":
+        return quantize_int4(w)
     return quantize_int8(w) if fmt == "int8" else quantize_fp8(w)
 
 
@@ -151,6 +203,9 @@ def linear(
     """x [..., K] times a row-major QWeight (+ bias) -> [..., N] in x's dtype.
     int8: W8A8, x rotated and quantized per row, each row's exact integer sums (in float64)
     times its scale, then the weight's: the kernels' floats, in their order.
+    int4: W4A8, x quantized as for int8 (rotated where the weight is); each group's exact
+    integer sums times the group's scale, added group by group in float32, then times the
+    row's scale: csrc/int4.c's floats, in its order.
     fp8: on CUDA (or with scaled_mm=True) x quantized per row to fp8 and torch._scaled_mm
     with row-wise scales, where the weight has one scale per channel; else weight-only."""
     rows = x.reshape(-1, x.shape[-1])
@@ -158,6 +213,8 @@ def linear(
         q, sx = quantize_rows(rotate(rows.float()))
         sums = q.double() @ w.data.double().t()  # exact: the kernels' int32 sums
         y = sums.float() * sx.unsqueeze(-1) * w.scale[0]
+    elif w.fmt == "int4":
+        y = _int4_products(rows, w)
     else:
         use_scaled = x.device.type == "cuda" if scaled_mm is None else scaled_mm
         if use_scaled and w.scale.shape[-2] == 1:
@@ -167,6 +224,25 @@ def linear(
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
+
+
+def quantize_activations(rows: torch.Tensor, w: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [M, K] as an int8/int4 weight takes them: rotated where the weight is, then int8
+    per row (quantize_rows) -> q [M, K] int8, scales [M] float32."""
+    rows = rows.float()
+    return quantize_rows(rotate(rows) if w.rotates else rows)
+
+
+def _int4_products(rows: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """rows [M, K] times a row-major int4 weight -> [M, N] float32, W4A8 in csrc/int4.c's
+    order: acc = 0; acc += float(group sum) * group scale, group by group; y = acc * sx."""
+    q, sx = quantize_activations(rows, w)
+    acc = torch.zeros(q.shape[0], w.out_features, dtype=torch.float32, device=rows.device)
+    for g, start in enumerate(range(0, w.in_features, w.group)):
+        part = slice(start, start + w.group)
+        sums = q[:, part].double() @ w.data[:, part].double().t()  # exact integer sums
+        acc = acc + sums.float() * w.scale[g]
+    return acc * sx.unsqueeze(-1)
 
 
 def _fp8_scaled_mm(rows: torch.Tensor, w: QWeight) -> torch.Tensor:

@@ -221,7 +221,7 @@ def test_prefix_caching_and_preemption_work_on_an_8bit_cache(model_dirs, fmt):
 @pytest.mark.parametrize(
     "options,param",
     [
-        ({"quantization": "int4"}, "quantization"),
+        ({"quantization": "int3"}, "quantization"),
         ({"kv_cache_dtype": "fp16"}, "kv_cache_dtype"),
         ({"kv_cache_bytes": 1 << 20}, "kv_cache_bytes"),  # with kv_cache_tokens set
         ({"kv_cache_tokens": None, "kv_cache_bytes": 0}, "kv_cache_bytes"),

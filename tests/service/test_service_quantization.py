@@ -1,4 +1,4 @@
-"""8-bit weights and KV cache through the server (issue 19): the flags and their MOESERVE_*
+"""8-bit (and int4) weights and KV cache through the server (issues 19, 40): the flags and their MOESERVE_*
 variables reach the engine, /metrics and gRPC ModelInfo report the formats and the bytes,
 requests are served on both APIs, and a bad value is refused at start-up."""
 
@@ -85,8 +85,24 @@ def test_flags_and_environment_variables_name_the_formats(monkeypatch):
         9,
     )
     assert settings.engine_limits()["quantization"] == "fp8"
+    assert from_namespace(parser.parse_args(["--quantization", "int4"])).quantization == "int4"
     with pytest.raises(SystemExit):
-        parser.parse_args(["--quantization", "int4"])
+        parser.parse_args(["--quantization", "int3"])
+
+
+def test_an_int4_server_reports_int4_and_answers(tiny_model_dir):
+    settings = make_settings(tiny_model_dir, dtype="bfloat16", grpc_port=0, quantization="int4")
+    with InProcessServer(settings) as srv:
+        text = httpx.get(srv.url + "/metrics").text
+        info = next(line for line in text.splitlines() if line.startswith("moeserve_model_info{"))
+        assert 'quantization="int4"' in info
+        with grpc.insecure_channel(srv.grpc_target) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            assert stub.ModelInfo(pb.ModelInfoRequest()).quantization == "int4"
+        model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "hello there", "max_tokens": 4, "temperature": 0}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
 def test_a_bad_combination_is_refused_at_start_up(tiny_model_dir):
