@@ -204,7 +204,7 @@ class LLMEngine:
         result = self.runner.run(sched) if sched.scheduled else None
         spec = SpecStepCounts.of(result.verified if result else [], self.speculator)
         finished, self._aborted = self._aborted, []
-        touched = self._update(sched, result, finished)
+        touched = self._update(sched, result, finished, spec)
         outputs = []
         for rid in touched:
             seqs = self.requests.get(rid)
@@ -245,7 +245,7 @@ class LLMEngine:
         )
         return outputs, stats
 
-    def _update(self, sched, result, finished: list) -> dict[str, None]:
+    def _update(self, sched, result, finished: list, spec: SpecStepCounts) -> dict[str, None]:
         """The scheduled sequences advance by what ran: computed tokens, cached blocks, prompt
         logprobs and sampled tokens; those that finished join `finished`. Returns the
         requests touched, in order."""
@@ -266,24 +266,26 @@ class LLMEngine:
             ):
                 self._append_token(seq, token, lp, now)
         for seq, drafts, tokens in verified:
-            self._accept(seq, drafts, tokens, now)
+            spec.generated += self._accept(seq, drafts, tokens, now)
         finished.extend(seq.finished_record() for seq, _ in sched.scheduled if seq.is_finished)
         return touched
 
-    def _accept(self, seq: Sequence, drafts: list[int], tokens: list[int], now: float) -> None:
+    def _accept(self, seq: Sequence, drafts: list[int], tokens: list[int], now: float) -> int:
         """A verified sequence keeps the KV of its last token and its accepted drafts; the
         blocks taken for rejected ones are freed before any block is registered in the prefix
         cache, so none holds a rejected token. Then its new tokens are appended one by one,
-        each checked for a stop (the rest are dropped once one stops it)."""
+        each checked for a stop (the rest are dropped once one stops it). Returns how many
+        were appended."""
         seq.spec_token_ids = []
         self.speculator.record(seq, len(drafts), len(tokens) - 1)
         seq.num_computed_tokens += len(tokens)
         self.block_manager.release_uncomputed(seq)
-        for token in tokens:
+        for appended, token in enumerate(tokens, 1):
             self._append_token(seq, token, None, now)
             if seq.is_finished:
-                return
+                return appended
         self.block_manager.cache_full_blocks(seq)
+        return len(tokens)
 
     def _append_token(self, seq: Sequence, token: int, lp, now: float) -> None:
         seq.append_token(token, lp, now)

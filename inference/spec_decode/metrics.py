@@ -14,7 +14,7 @@ class SpecStepCounts:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     positions: int = 0  # rows verified: each sequence's last token and its drafts
-    generated: int = 0  # tokens the verified sequences gained (before any stop cut them)
+    generated: int = 0  # tokens the verified sequences gained (LLMEngine._update adds them)
 
     @classmethod
     def of(cls, verified, speculator) -> SpecStepCounts:
@@ -31,5 +31,4 @@ class SpecStepCounts:
             for pos in range(accepted):
                 counts.accepted_per_pos[pos] += 1
             counts.positions += len(drafts) + 1
-            counts.generated += len(tokens)
         return counts

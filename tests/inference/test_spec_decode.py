@@ -176,10 +176,11 @@ def test_repeating_output_accepts_drafts_and_stored_blocks_hold_only_kept_tokens
     base = prompts(engine.args.vocab_size, [12])[0]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     engine.add_request("a", base * 3, params)
-    drafts = accepted = 0
+    drafts = accepted = generated = 0
     per_pos = []
     while engine.has_unfinished:
         outputs, stats = engine.step()
+        generated += stats.num_generated_tokens
         drafts += stats.spec_num_draft_tokens
         accepted += stats.spec_num_accepted_tokens
         if stats.spec_accepted_per_pos:
@@ -187,6 +188,7 @@ def test_repeating_output_accepts_drafts_and_stored_blocks_hold_only_kept_tokens
         out = outputs[0]
     assert accepted > 0 and drafts >= accepted
     assert sum(map(sum, per_pos)) == accepted
+    assert generated == len(out.token_ids) == 40  # not a token past max_tokens counted
     tokens = out.prompt_token_ids + out.token_ids
     times = out.outputs[0].times
     assert (times.spec_draft_tokens, times.spec_accepted_tokens) == (drafts, accepted)
