@@ -77,4 +77,6 @@ def _accept_sampled(p: torch.Tensor, draft: list[int]) -> list[int]:
     at = int(rejected[0])
     residual = p[at].clone()
     residual[draft[at]] = 0.0  # max(p - q, 0) with q one-hot at the draft
+    if not residual.sum() > 0:  # p(d) was 1 but for rounding: nothing else to draw
+        return draft[: at + 1]
     return draft[:at] + [int(torch.multinomial(residual, 1))]
