@@ -27,6 +27,7 @@ from inference.models.decoder import Attention, Decoder, DecoderLayer
 from inference.models.layers import Linear, RMSNorm
 from inference.models.mla import AbsorbedAttention, MLAttention
 from inference.models.moe import DenseMLP, Experts, MoE, NoAuxMoE, Router, SharedExpertMoE
+from inference.quantization.qweight import QWeight
 
 
 def _replacement(name: str, module: nn.Module, parent: nn.Module) -> nn.Module | None:
@@ -86,8 +87,8 @@ def install(model: nn.Module) -> FusedDecodeStep | None:
     first: MLA derives its absorbed projections from the row-major kv_b_proj), and returns
     the one-call decode step where the fused kernel covers every layer."""
     swap_modules(model, _replacement)
-    if not isinstance(model, Decoder):
-        return None
+    if not isinstance(model, Decoder) or _has_int4(model):
+        return None  # (the fused step takes no int4 weights yet)
     specs = [layer_spec(layer) for layer in model.layers]
     if not all(specs):
         return None
@@ -95,6 +96,14 @@ def install(model: nn.Module) -> FusedDecodeStep | None:
     rope, norm = model.rope, model.norm
     step = cpu.DecodeStep(specs, embed, rope.cos, rope.sin, norm.weight, norm.eps)
     return FusedDecodeStep(model, step)
+
+
+def _has_int4(model: nn.Module) -> bool:
+    return any(
+        isinstance(w, QWeight) and w.fmt == "int4"
+        for m in model.modules()
+        for w in (getattr(m, "weight", None), getattr(m, "w13", None))
+    )
 
 
 _MAX_GROUPS = 64  # noaux_tc expert groups the fused router holds (csrc/layer.c)

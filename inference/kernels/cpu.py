@@ -23,7 +23,10 @@ row-major one; kernels/modules.py's modules hold them. 8-bit weights
 (quant.QWeight: int8, fp8) pack into input quads ([Kq/4, N, 4] bytes, `pack_qweight`), the
 layout VNNI and AMX's int8 tiles read. int8 products (W8A8) run on AMX int8 tiles, VNNI
 (csrc/int8_vnni.c, its own library where the CPU has AVX512-VNNI or AVX-VNNI) or
-vpmaddubsw (every build), all exact integer sums; fp8 runs weight-only.
+vpmaddubsw (every build), all exact integer sums; fp8 runs weight-only. int4 weights (W4A8)
+pack two values a byte ([Kp/8, N, 4], `pack_qweight`) for csrc/int4.c, a library per path
+(AVX512-VNNI, or AVX2's vpmaddubsw), chosen as int8's is (INT4); its linear layers only:
+int4 experts and the one-call decode step stay on torch's path for now.
 
 The paged KV cache may hold 8-bit rows (KV_KINDS): the rope kernel quantizes as it writes
 and decode attention dequantizes as it reads.
@@ -47,6 +50,7 @@ import torch.nn.functional as F
 
 from inference.config import cache_root
 from inference.models.paged_cache import kv_width, rotates_alone
+from inference.quantization import qweight as quant
 from inference.quantization.qweight import QWeight
 
 log = structlog.get_logger(__name__)
@@ -72,6 +76,11 @@ _VNNI = {
     "avx512": (["-mavx512vnni"], "avx512_vnni"),
     "avx512bf16": (["-mavx512vnni"], "avx512_vnni"),
     "avx2": (["-mavxvnni"], "avx_vnni"),
+}
+# The int4 products (csrc/int4.c), a library per path: flags and the CPU flags it needs.
+_INT4 = {
+    "vnni": ([*_AVX512, "-mavx512vnni"], _AVX512_CPU | {"avx512_vnni"}),
+    "avx2": BUILDS["avx2"],
 }
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -366,13 +375,43 @@ def _vnni_library(isa: str, emulated: bool = False) -> ctypes.CDLL | None:
     return ctypes.CDLL(str(_build([_CSRC / "int8_vnni.c"], [*base, *flags], name)))
 
 
+@functools.cache
+def _int4_library(path: str) -> ctypes.CDLL:
+    """csrc/int4.c built for one path ("vnni", "avx2"; the caller checks the CPU runs it), its
+    float sums in the reference's order (no contraction into FMAs)."""
+    flags = [*_INT4[path][0], "-ffp-contract=off"]
+    lib = ctypes.CDLL(str(_build([_CSRC / "int4.c"], flags, f"int4-{path}")))
+    lib.ms_int4_linear.argtypes = _types("p i p i i p p i i p i n")
+    return lib
+
+
+def _int4_path(isa: str, vnni: bool | None, emulated: bool) -> str | None:
+    """The int4 path for a build, as int8's is chosen: VNNI on the AVX-512 builds where the CPU
+    has AVX512-VNNI (unless vnni=False), else vpmaddubsw on 8 columns; none emulated (the
+    SIMDe builds are int8's and bf16's checks) or where its build fails."""
+    if emulated:
+        return None
+    choices = ["avx2"]
+    if isa.startswith("avx512") and vnni is not False:
+        choices.insert(0, "vnni")
+    for path in choices:
+        if not _INT4[path][1] <= cpu_flags():
+            continue
+        try:
+            _int4_library(path)
+            return path
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+            log.warning("int4 kernel: build failed", path=path, error=str(exc))
+    return None
+
+
 # Set by enable(). ISA: the build in use ("avx512bf16", "avx512", "avx2") or None for ATen's
 # kernels; AMX: the AVX-512 build hands products of many rows to AMX; INT8: what runs the
 # integer products of int8 weights ("amx", "vnni", or the build's own vpmaddubsw: its ISA).
 ISA: str | None = None
 AMX = False
 INT8: str | None = None
-INT4: str | None = None  # what runs int4 weights' products ("vnni", "avx2"); None: torch's
+INT4: str | None = None  # int4 weights' products: "vnni", "avx2" (csrc/int4.c); None: torch's
 _lib: ctypes.CDLL | None = None
 _selected = False  # enable() has run: engines keep what it chose (tests force paths this way)
 
@@ -392,8 +431,8 @@ def enable(
     (None: wherever the CPU has it).
     emulated (tests only): the AVX-512 build on SIMDe and AMX on amx_emulation.h, which any
     CPU with AVX2 runs."""
-    global ISA, AMX, INT8, _lib, _selected
-    ISA, AMX, INT8, _lib, _selected = None, False, None, None, True
+    global ISA, AMX, INT8, INT4, _lib, _selected
+    ISA, AMX, INT8, INT4, _lib, _selected = None, False, None, None, None, True
     if isa is None or (isa == "auto" and os.environ.get("MOESERVE_BF16_KERNELS", "1") == "0"):
         return None
     if isa == "auto":
@@ -446,6 +485,7 @@ def enable(
     )
     ISA, AMX, _lib = isa, amx_lib is not None, lib
     INT8 = {2: "amx", 1: "vnni", 0: isa}[lib.ms_int8_path()]
+    INT4 = _int4_path(isa, vnni, emulated)
     return ISA
 
 
@@ -463,6 +503,7 @@ def paths() -> dict[str, str]:
             "moe_batch": "aten",
             "decode_attention": "aten",
             "int8": "aten",
+            "int4": "aten",
         }
     tiles = "amx" if AMX else ISA
     return {
@@ -471,6 +512,7 @@ def paths() -> dict[str, str]:
         "moe_batch": tiles,
         "decode_attention": ISA,
         "int8": INT8,
+        "int4": INT4 or "aten",
     }
 
 
@@ -520,6 +562,8 @@ def pack_qweight(w: QWeight) -> QWeight:
     ceil(N/16) * 16]."""
     if w.packed:
         return w
+    if w.fmt == "int4":
+        return _pack_int4(w)
     colsum = None
     if w.fmt == "int8":
         n = w.data.shape[-2]
@@ -530,6 +574,21 @@ def pack_qweight(w: QWeight) -> QWeight:
         raise ValueError(f"fp8 weight scales must be below 128 (largest {float(w.scale.max())})")
     data = _pack(w.data.view(torch.uint8), 4)
     return QWeight(w.fmt, data, w.scale.contiguous(), w.group, w.in_features, colsum)
+
+
+def _pack_int4(w: QWeight) -> QWeight:
+    """A row-major int4 weight -> csrc/int4.c's layout [..., Kp/8, N, 4] bytes (Kp: K rounded
+    up to 8): values as nibbles v + 8; byte j of a column's quad in octet o holds input 8o + j
+    low and 8o + 4 + j high, so a mask and a shift give two quads of the int8 layout."""
+    if w.group % 8:
+        raise ValueError(f"int4 groups must be a multiple of 8 inputs (got {w.group})")
+    k = w.data.shape[-1]
+    kp = -(-k // 8) * 8
+    u = (F.pad(w.data, (0, kp - k)).to(torch.int16) + 8).to(torch.uint8)  # padding: value 0
+    octets = u.unflatten(-1, (kp // 8, 2, 4))
+    nibbles = (octets[..., 0, :] | (octets[..., 1, :] << 4)).flatten(-2)  # [..., N, Kp/2]
+    data = _pack(nibbles, 4)
+    return QWeight("int4", data, w.scale.contiguous(), w.group, w.in_features, rotated=w.rotated)
 
 
 def unpack_weight(p: torch.Tensor, k: int) -> torch.Tensor:
@@ -564,7 +623,7 @@ def is_packed(w: torch.Tensor | QWeight, matrix_dims: int = 2) -> bool:
 def _in_features(w: torch.Tensor | QWeight) -> int:
     """The padded input width of a packed weight."""
     if isinstance(w, QWeight):
-        return 4 * w.data.shape[-3]
+        return (8 if w.fmt == "int4" else 4) * w.data.shape[-3]
     return 2 * w.shape[-3]
 
 
@@ -578,6 +637,8 @@ def linear(
     [..., N] bf16."""
     k = x.shape[-1]
     n = weight.scale.shape[-1] if isinstance(weight, QWeight) else weight.shape[-2]
+    if isinstance(weight, QWeight) and weight.fmt == "int4":
+        return _linear_int4(x, weight, bias)
     if not 0 <= _in_features(weight) - k <= 3:
         raise ValueError(f"linear: x has {k} features, the packed weight {_in_features(weight)}")
     rows = x.reshape(-1, k)
@@ -603,6 +664,50 @@ def linear(
             _threads(),
         ),
         "linear",
+    )
+    return y
+
+
+def _linear_int4(x: torch.Tensor, weight: QWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] times a packed int4 weight (+ bias) on csrc/int4.c (W4A8), the bias added and
+    rounded as the torch reference does, so the result is its float for float."""
+    y = int4_products(x.reshape(-1, x.shape[-1]), weight)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.out_features)
+
+
+def int4_products(rows: torch.Tensor, weight: QWeight) -> torch.Tensor:
+    """rows [M, K] times a packed int4 weight -> [M, N] float32, on the path enable() chose
+    (INT4). The activations are quantized by the torch reference's own function
+    (quant.quantize_activations: rotated, int8 per row)."""
+    k, n = rows.shape[-1], weight.out_features
+    kp = _in_features(weight)
+    if k != weight.in_features or INT4 is None:
+        raise ValueError(
+            f"linear: x has {k} features, the int4 weight {weight.in_features}"
+            if INT4 is not None
+            else "linear: no int4 kernel on this CPU (enable() chose none)"
+        )
+    q, sx = quant.quantize_activations(rows, weight)
+    q = F.pad(q, (0, kp - k)).contiguous()
+    y = torch.empty(q.shape[0], n, dtype=torch.float32)
+    _check(
+        _int4_library(INT4).ms_int4_linear(
+            q.data_ptr(),
+            kp,
+            sx.contiguous().data_ptr(),
+            q.shape[0],
+            kp,
+            weight.data.data_ptr(),
+            weight.scale.data_ptr(),
+            weight.group,
+            n,
+            y.data_ptr(),
+            n,
+            _threads(),
+        ),
+        "linear (int4)",
     )
     return y
 

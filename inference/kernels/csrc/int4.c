@@ -1,0 +1,147 @@
+/* int4 weights times int8 activations (W4A8), the linear layer of quantization/qweight.py's
+ * int4 format: a float32 scale per output column and group of inputs (128 by default), int8
+ * activations with one scale a row (quantized by the caller, rotated where the weights are).
+ * A library of its own, built per path and loaded where the CPU reports its extension
+ * (cpu_kernels.enable): -DMS_AVX512 with -mavx512vnni, vpdpbusd on 16 columns; or the AVX2
+ * build, vpmaddubsw + vpmaddwd on 8 columns (every AVX2 CPU). Compiled with
+ * -ffp-contract=off: the float sums are the torch reference's, rounding for rounding.
+ *
+ * Packed layout (cpu_kernels.pack_qweight): values stored as unsigned nibbles v + 8 in
+ * [0, 15]; blocks of 16 output columns, each a run of 64-byte rows, one per octet of inputs:
+ * byte 4c + j of row o holds column c's input 8o + j in its low nibble and 8o + 4 + j in its
+ * high one. A mask gives the low quad, a shift and the mask the high one: each lane of a
+ * vector a column's 4 consecutive inputs, the quad vpdpbusd and vpmaddubsw read (the int8
+ * layout's, half the bytes). The last N % 16 columns a narrower block, padded here.
+ *
+ * Each group's exact sum: sum(nibble * x) - 8 * sum(x) (the nibbles' offset taken off with
+ * the activations' group sum); unsigned nibbles times signed bytes is what both instructions
+ * multiply, and no pair sum nears vpmaddubsw's int16 saturation (2 * 15 * 128). Then, in
+ * order: acc = 0; acc += float(group sum) * scale[g], g = 0, 1, ...; y = acc * row scale.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+#define BLOCK 16
+#define VPB (BLOCK / VL) /* vectors a block of 16 columns spans */
+#define MR 4             /* rows a tile shares each unpacked weight vector with */
+
+static inline vi nibble_mask(void) { return vi_set1(0x0f0f0f0f); }
+
+#if defined(MS_AVX512)
+static inline vi high_nibbles(vi w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble_mask()); }
+static inline vi dot4(vi acc, vi u8, vi s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
+#else
+static inline vi high_nibbles(vi w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble_mask()); }
+static inline vi dot4(vi acc, vi u8, vi s8) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
+}
+#endif
+
+static inline vi quad(const int8_t *a) {
+    int32_t x4;
+    memcpy(&x4, a, 4);
+    return vi_set1(x4);
+}
+
+/* rows [0, rows) of q times one block of 16 columns: B its packed bytes (octets of 64 bytes),
+ * sc its scales [G][16], asum the rows' group sums [rows][G]; y[m][0..16) */
+static void block_tile(int rows, const int8_t *q, int64_t ldq, const int32_t *asum, int64_t G, const float *sx,
+                       const uint8_t *B, int64_t octets, int64_t group_octets, const float *sc, float *y, int64_t ldy) {
+    float acc[MR][BLOCK] __attribute__((aligned(64)));
+    memset(acc, 0, sizeof acc);
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t o0 = g * group_octets, o1 = o0 + group_octets < octets ? o0 + group_octets : octets;
+        vi isum[MR][VPB];
+        for (int m = 0; m < MR; m++)
+            for (int v = 0; v < VPB; v++) isum[m][v] = vi_set1(0);
+        for (int64_t o = o0; o < o1; o++) {
+            vi lo[VPB], hi[VPB];
+            for (int v = 0; v < VPB; v++) {
+                const vi w = vi_load(B + o * 64 + v * 4 * VL);
+                lo[v] = vi_and(w, nibble_mask());
+                hi[v] = high_nibbles(w);
+            }
+            for (int m = 0; m < rows; m++) {
+                const vi xl = quad(q + m * ldq + 8 * o), xh = quad(q + m * ldq + 8 * o + 4);
+                for (int v = 0; v < VPB; v++) isum[m][v] = dot4(dot4(isum[m][v], lo[v], xl), hi[v], xh);
+            }
+        }
+        for (int m = 0; m < rows; m++) {
+            const vi offset = vi_slli(vi_set1(asum[m * G + g]), 3); /* 8 * the group's sum */
+            for (int v = 0; v < VPB; v++) {
+                const vf s = vi_to_vf(vi_sub(isum[m][v], offset));
+                vf_store(acc[m] + v * VL, vf_add(vf_load(acc[m] + v * VL), vf_mul(s, vf_load(sc + g * BLOCK + v * VL))));
+            }
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        const vf r = vf_set1(sx[m]);
+        for (int v = 0; v < VPB; v++) vf_store(y + m * ldy + v * VL, vf_mul(vf_load(acc[m] + v * VL), r));
+    }
+}
+
+/* y [M, N] float32 (stride ldy) = q [M, Kp] int8 (stride ldq; Kp a multiple of 8, zero past
+ * the real inputs) times the packed int4 weight w [Kp/8][N][4] with scales [G][N] (G groups
+ * of `group` inputs, a multiple of 8), times each row's scale sx [M]. Returns 0, -1 when out
+ * of memory, 1 for bad sizes. */
+int ms_int4_linear(const int8_t *q, int64_t ldq, const float *sx, int64_t M, int64_t Kp, const uint8_t *w,
+                   const float *scale, int64_t group, int64_t N, float *y, int64_t ldy, int nthreads) {
+    if (Kp % 8 || group % 8 || group <= 0 || M < 0 || N < 0) return 1;
+    const int64_t octets = Kp / 8, G = (Kp + group - 1) / group, blocks = (N + BLOCK - 1) / BLOCK;
+    const int64_t full = N / BLOCK;
+    int32_t *asum = malloc(sizeof(int32_t) * (size_t)(M * G + 1));
+    if (!asum) return -1;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            int32_t s = 0;
+            const int64_t k1 = (g + 1) * group < Kp ? (g + 1) * group : Kp;
+            for (int64_t k = g * group; k < k1; k++) s += q[m * ldq + k];
+            asum[m * G + g] = s;
+        }
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (M * N * Kp > 65536)
+    {
+        /* per thread: the block's scales [G][16], a padded tail block and its outputs */
+        float *sc = aligned_alloc(64, sizeof(float) * (size_t)(G * BLOCK));
+        uint8_t *pad = N > full * BLOCK ? aligned_alloc(64, (size_t)(octets * 64)) : NULL;
+        float *ytail = aligned_alloc(64, sizeof(float) * MR * BLOCK);
+        if (!sc || !ytail || (N > full * BLOCK && !pad)) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < blocks; j++) {
+                const int64_t cols = j < full ? BLOCK : N - full * BLOCK;
+                const uint8_t *B = w + j * BLOCK * 4 * octets;
+                if (cols < BLOCK) { /* the tail block: [octets][cols][4] -> [octets][16][4] */
+                    memset(pad, 0, (size_t)(octets * 64));
+                    for (int64_t o = 0; o < octets; o++) memcpy(pad + o * 64, B + o * cols * 4, (size_t)(cols * 4));
+                    B = pad;
+                }
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t c = 0; c < BLOCK; c++) sc[g * BLOCK + c] = c < cols ? scale[g * N + j * BLOCK + c] : 0.0f;
+                for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                    const int rows = M - m0 < MR ? (int)(M - m0) : MR;
+                    const int direct = cols == BLOCK;
+                    float *out = direct ? y + m0 * ldy + j * BLOCK : ytail;
+                    block_tile(rows, q + m0 * ldq, ldq, asum + m0 * G, G, sx + m0, B, octets, group / 8, sc, out,
+                               direct ? ldy : BLOCK);
+                    if (!direct)
+                        for (int m = 0; m < rows; m++)
+                            memcpy(y + (m0 + m) * ldy + j * BLOCK, ytail + m * BLOCK, sizeof(float) * (size_t)cols);
+                }
+            }
+        }
+        free(sc);
+        free(pad);
+        free(ytail);
+    }
+    free(asum);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,94 @@
+"""The int4 linear kernel (csrc/int4.c, W4A8, issue 40) on each path this CPU runs, forced one
+by one as int8's are: AVX512-VNNI's vpdpbusd and AVX2's vpmaddubsw. Each gives the torch
+reference's floats exactly (quantization/qweight.py: exact integer sums per group, summed
+in the same float32 order); the packed layout holds every value; a served model runs its
+linear layers on the kernel."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from inference.executor.quantize import QuantExperts
+from inference.kernels import cpu as cpu_kernels
+from inference.kernels.modules import CpuLinear
+from inference.quantization import qweight as quant
+from tests.inference.parity_checks import prompts
+from tests.inference.test_int4 import engine, prompt_logprobs
+
+# (build, vnni switch, the int4 path enable() must pick)
+INT4_PATHS = [("avx512bf16", None, "vnni"), ("avx512", False, "avx2"), ("avx2", None, "avx2")]
+
+
+@pytest.fixture(params=INT4_PATHS, ids=lambda p: f"{p[0]}-int4={p[2]}")
+def int4_path(request):
+    isa, vnni, expected = request.param
+    if platform.machine() not in ("x86_64", "AMD64") or isa not in cpu_kernels.runnable_isas():
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
+    if expected == "vnni" and "avx512_vnni" not in cpu_kernels.cpu_flags():
+        pytest.skip("this CPU lacks avx512_vnni")
+    cpu_kernels.enable(isa, vnni=vnni)
+    try:
+        assert cpu_kernels.INT4 == expected and cpu_kernels.paths()["int4"] == expected
+        yield expected
+    finally:
+        cpu_kernels.enable()
+
+
+def weights_and_rows(m: int, n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed + m + n + k)
+    return torch.randn(n, k, generator=g), (torch.randn(m, k, generator=g) * 3).bfloat16()
+
+
+@pytest.mark.parametrize(
+    "m,n,k",
+    [(1, 40, 576), (5, 300, 256), (9, 33, 130), (3, 16, 1024), (17, 7, 8), (64, 129, 384)],
+)
+@pytest.mark.parametrize("rotated", [True, False])
+def test_int4_linear_gives_the_references_floats(int4_path, m, n, k, rotated):
+    w, x = weights_and_rows(m, n, k)
+    qw = quant.quantize_int4(w, rotated=rotated)
+    packed = cpu_kernels.pack_qweight(qw)
+    assert packed.packed and packed.data.numel() == -(-k // 8) * 4 * n  # two values a byte
+    reference = quant._int4_products(x, qw)
+    assert torch.equal(cpu_kernels.int4_products(x, packed), reference)
+    bias = torch.randn(n).bfloat16()
+    assert torch.equal(cpu_kernels.linear(x, packed, bias), quant.linear(x, qw, bias))
+
+
+def test_int4_sums_at_the_extremes_are_exact(int4_path):
+    """Every value at its largest magnitude (weights -8, activations +-127) over many groups:
+    no int16 pair saturates in vpmaddubsw, no offset error."""
+    k, n = 2048, 48
+    qw = quant.QWeight(
+        "int4",
+        torch.full((n, k), -8, dtype=torch.int8),
+        torch.ones(k // 128, n),
+        128,
+        k,
+        rotated=False,
+    )
+    qw.data[::2, 1::3] = 7
+    x = torch.full((3, k), 127.0).bfloat16()
+    x[1] = -127.0
+    x[2, ::5] = -127.0
+    reference = quant._int4_products(x, qw)
+    assert torch.equal(cpu_kernels.int4_products(x, cpu_kernels.pack_qweight(qw)), reference)
+
+
+def test_a_model_serves_its_int4_linear_layers_on_the_kernel(int4_path, model_dirs):
+    path = model_dirs("qwen2_moe")
+    eng = engine(path, quantization="int4")
+    model = eng.executor.model
+    wqkv = model.layers[0].attn.wqkv
+    assert isinstance(wqkv, CpuLinear) and wqkv.weight.fmt == "int4" and wqkv.weight.packed
+    assert isinstance(model.layers[0].mlp.moe.experts, QuantExperts)  # torch's path (no kernel)
+    assert eng.executor.fused_step is None
+    batch = prompts(eng.args.vocab_size, [30])
+    ours = prompt_logprobs(eng, batch)
+    cpu_kernels.enable(None)  # the same engine on torch's path throughout (the fixture restores)
+    torch_path = prompt_logprobs(engine(path, quantization="int4"), batch)
+    # the kernels' bf16 attention and norms differ from ATen's by bf16 roundings only
+    assert (ours - torch_path).abs().mean().item() < 0.02
