@@ -13,9 +13,13 @@ generation and one for context: the hf run gets max_length - 2).
 
     python -m bench.eval_bench [--models smollm2,demo] [--formats bf16,int8,kv-int8,kv-fp8]
 
+EvalScope (bench/evalscope_run.py) runs its general_mcq over the same cloze items through
+the chat API, beside its own transformers backend: the evalscope_general_mcq rows.
+
 Results: bench/results/eval.json {"date", "cpu", "harness", "rows": [{"model", "format",
-"task", "metric", "ours", "transformers", "date"}]}. A run of some models or formats replaces
-their rows and keeps the others' (with their own dates) when the harness is the same.
+"task", "metric", "ours", "transformers", "harness", "date"}]}. A run of some models or
+formats replaces their rows and keeps the others' (with their own dates) from the same CPU
+and harness versions.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.eval_pack import TASKS, write_pack
+from bench.eval_pack import TASKS, write_evalscope_pack, write_pack
+from bench.evalscope_run import checkpoint_args, run_evalscope, served_args
 from bench.harness import ServerProcess
 from bench.machine import cpu_name
 
@@ -46,6 +51,9 @@ METRICS = {
     "stdlib_cloze": ["acc,none"],
     "stdlib_perplexity": ["word_perplexity,none", "bits_per_byte,none"],
     "stdlib_generate": ["exact_match,first_identifier"],
+    # EvalScope's general_mcq over the cloze items, a generative multiple choice (its chat
+    # prompt asks for the letter) through the chat API, beside its transformers backend
+    "evalscope_general_mcq": ["acc"],
 }
 MAX_LENGTH = 512
 
@@ -83,9 +91,13 @@ def server_args(fmt: str) -> list[str]:
     return [str(a) for a in args]
 
 
+def evalscope_data(pack: Path) -> Path:
+    return pack / "evalscope"
+
+
 def served(path: Path, fmt: str, pack: Path) -> dict:
     with ServerProcess(path, *server_args(fmt), start_timeout=600) as srv:
-        return evaluate(
+        scores = evaluate(
             "local-completions",
             {
                 "model": srv.started["model"],
@@ -97,10 +109,14 @@ def served(path: Path, fmt: str, pack: Path) -> dict:
             },
             pack,
         )
+        api = served_args(srv.started["model"], f"http://127.0.0.1:{srv.rest_port}/v1")
+        with tempfile.TemporaryDirectory() as work:
+            es = run_evalscope(Path(work), evalscope_data(pack), api)
+    return scores | {"evalscope_general_mcq": {"acc": es["accuracy"]}}
 
 
 def reference(path: Path, pack: Path) -> dict:
-    return evaluate(
+    scores = evaluate(
         "hf",
         {
             "pretrained": str(path),
@@ -110,6 +126,9 @@ def reference(path: Path, pack: Path) -> dict:
         },
         pack,
     )
+    with tempfile.TemporaryDirectory() as work:
+        es = run_evalscope(Path(work), evalscope_data(pack), checkpoint_args(path))
+    return scores | {"evalscope_general_mcq": {"acc": es["accuracy"]}}
 
 
 def main() -> None:
@@ -119,17 +138,20 @@ def main() -> None:
     args = parser.parse_args()
     for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(name, "1")  # the pack is local: nothing reaches a hub
-    import lm_eval
+    from importlib.metadata import version
 
+    harness = {task: f"lm-eval {version('lm_eval')}" for task in TASKS}
+    harness["evalscope_general_mcq"] = f"evalscope {version('evalscope')}"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         pack = write_pack(Path(tmp))
+        write_evalscope_pack(evalscope_data(pack))
         for model, path in model_dirs(args.models.split(",")).items():
             want = reference(path, pack)
             for fmt in args.formats.split(","):
                 got = served(path, fmt, pack)
-                for task in TASKS:
-                    for metric in METRICS[task]:
+                for task, metrics in METRICS.items():
+                    for metric in metrics:
                         row = {
                             "model": model,
                             "format": fmt,
@@ -137,6 +159,7 @@ def main() -> None:
                             "metric": metric,
                             "ours": got[task][metric],
                             "transformers": want[task][metric],
+                            "harness": harness[task],
                             "date": time.strftime("%Y-%m-%d %H:%M"),
                         }
                         print(json.dumps(row), flush=True)
@@ -144,7 +167,7 @@ def main() -> None:
     record = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "cpu": cpu_name(),
-        "harness": f"lm-eval {lm_eval.__version__}",
+        "harness": ", ".join(dict.fromkeys(harness.values())),
     }
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "eval.json"
@@ -154,10 +177,11 @@ def main() -> None:
 
 def merged(previous: dict | None, record: dict, rows: list[dict]) -> list[dict]:
     """rows, among the previous file's rows of the (model, format) pairs not run this time, in
-    the previous order (kept only from a run of the same harness on the same CPU; they keep
-    their date)."""
-    if not previous or (previous["harness"], previous["cpu"]) != (record["harness"], record["cpu"]):
+    the previous order (kept only from the same CPU and a harness version this run has; they
+    keep their date and harness)."""
+    if not previous or previous["cpu"] != record["cpu"]:
         return rows
+    harnesses = set(record["harness"].split(", "))
     fresh: dict[tuple, list[dict]] = {}
     for row in rows:
         fresh.setdefault((row["model"], row["format"]), []).append(row)
@@ -165,7 +189,9 @@ def merged(previous: dict | None, record: dict, rows: list[dict]) -> list[dict]:
     for row in previous["rows"]:
         pair = (row["model"], row["format"])
         if pair not in fresh:
-            out.append({**row, "date": row.get("date", previous["date"])})
+            old = {"harness": previous["harness"], "date": previous["date"]} | row
+            if old["harness"] in harnesses:
+                out.append(old)
         elif fresh[pair]:
             out += fresh[pair]
             fresh[pair] = []  # placed where the pair's old rows were

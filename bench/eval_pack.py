@@ -17,7 +17,7 @@ YAML: lm-eval reads `dataset_path: json` files through datasets' packaged JSON b
 reads no hub); pass the folder as lm-eval's --include_path. The items are the same on every
 run of the same Python (sorted names, a seeded shuffle).
 
-    python -m bench.eval_pack OUT_DIR
+    python -m bench.eval_pack OUT_DIR   # and EvalScope's data in OUT_DIR/evalscope
 """
 
 from __future__ import annotations
@@ -173,3 +173,4 @@ def write_evalscope_pack(folder: Path, limit: int = NUM_CLOZE) -> Path:
 
 if __name__ == "__main__":
     print(write_pack(Path(sys.argv[1])))
+    print(write_evalscope_pack(Path(sys.argv[1]) / "evalscope"))

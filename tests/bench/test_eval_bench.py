@@ -81,13 +81,16 @@ def test_a_partial_run_replaces_its_rows_and_keeps_the_others_in_place():
             {"date": date} if date else {}
         )
 
-    record = {"harness": "lm-eval 0.4.13", "cpu": "AMD EPYC"}
+    record = {"harness": "lm-eval 0.4.13, evalscope 1.14.1", "cpu": "AMD EPYC"}
     previous = record | {
+        "harness": "lm-eval 0.4.13",
         "date": "old",
         "rows": [row("a", "bf16", 1), row("a", "kv-int8", 2), row("b", "kv-int8", 3)],
     }
     rows = [row("a", "kv-int8", 20, "new"), row("b", "kv-int8", 30, "new")]
-    assert merged(previous, record, rows) == [row("a", "bf16", 1, "old"), *rows]
-    # another harness's or CPU's rows are not mixed in
+    kept = row("a", "bf16", 1, "old") | {"harness": "lm-eval 0.4.13"}
+    assert merged(previous, record, rows) == [kept, *rows]
+    # another harness version's or CPU's rows are not mixed in
+    assert merged(previous | {"harness": "lm-eval 0.4.12"}, record, rows) == rows
     assert merged(previous | {"cpu": "Intel Xeon"}, record, rows) == rows
     assert merged(None, record, rows) == rows
