@@ -11,8 +11,8 @@ lm-eval's rolling perplexity over the same text, with its `hf` model at max_leng
 its `local-completions` at 1,026 (LM_EVAL_MAX_LENGTH), is the same number
 (tests/service/test_lm_eval.py checks that through the API). Windows are prefilled in chunks
 of 64 tokens, so every chunk after a window's first attends over the KV cache as stored
-(quantized, for the 8-bit caches). Configurations: bf16; int8 and fp8
-weights; int8, fp8_e4m3 and fp8_e5m2 KV caches. Each gets its relative perplexity increase
+(quantized, for the 8-bit caches). Configurations: bf16; int8, fp8 and int4 weights (int4
+also unrotated, to show what the Hadamard rotation buys it); int8, fp8_e4m3 and fp8_e5m2 KV caches. Each gets its relative perplexity increase
 over bf16 and its greedy agreement with bf16 over 16 prompts x 128 tokens (prompts: 16 runs
 of 64 tokens from later in the same text; agreement: the share of tokens generated before
 the first difference, and how many of the 16 are identical).
@@ -28,9 +28,12 @@ Results: bench/results/quant_bench.json (with the CPU's name).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from bench.engine_bench import make_prompts
@@ -47,6 +50,9 @@ ACCURACY_CONFIGS = {
     "bf16": {},
     "int8_weights": {"quantization": "int8"},
     "fp8_weights": {"quantization": "fp8"},
+    "int4_weights": {"quantization": "int4"},
+    # the same without the Hadamard rotation (inference/executor/quantize.py's switch)
+    "int4_unrotated_weights": {"quantization": "int4", "env": {"MOESERVE_INT4_ROTATE": "0"}},
     "int8_kv": {"kv_cache_dtype": "int8"},
     "fp8_e4m3_kv": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8_e5m2_kv": {"kv_cache_dtype": "fp8_e5m2"},
@@ -111,22 +117,17 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
     }
 
 
-def bench_accuracy() -> dict:
+def bench_accuracy(names: list[str] | None = None) -> dict:
+    """The accuracy rows of `names` (default all; bf16, the reference, always first)."""
     from inference.checkpoints.model_zoo import resolve_model
 
     model_dir = resolve_model("smollm2")
     rows, ids, prompts, reference = {}, None, None, None
-    for name, options in ACCURACY_CONFIGS.items():
-        engine = LLMEngine.from_pretrained(
-            model_dir,
-            device="cpu",
-            dtype="bfloat16",
-            max_num_batched_tokens=CHUNK,
-            max_num_seqs=32,
-            kv_cache_tokens=40960,
-            enable_prefix_caching=False,
-            **options,
-        )
+    chosen = ["bf16", *(n for n in names or ACCURACY_CONFIGS if n != "bf16")]
+    for name in chosen:
+        options = dict(ACCURACY_CONFIGS[name])
+        with patched_environ(options.pop("env", {})):
+            engine = accuracy_engine(model_dir, options)
         if ids is None:
             ids = corpus_ids(engine.tokenizer)
             later = ids[TOKENS:]
@@ -149,6 +150,35 @@ def bench_accuracy() -> dict:
         )
         del engine
     return rows
+
+
+def accuracy_engine(model_dir, options: dict) -> LLMEngine:
+    return LLMEngine.from_pretrained(
+        model_dir,
+        device="cpu",
+        dtype="bfloat16",
+        max_num_batched_tokens=CHUNK,
+        max_num_seqs=32,
+        kv_cache_tokens=40960,
+        enable_prefix_caching=False,
+        **options,
+    )
+
+
+@contextlib.contextmanager
+def patched_environ(values: dict[str, str]) -> Iterator[None]:
+    """Environment variables set for the block (an engine's load-time switches), then
+    restored."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def rate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> float:
@@ -212,6 +242,13 @@ def main() -> None:
     parser.add_argument("--accuracy", action="store_true", help="only the perplexity rows")
     parser.add_argument("--speed", action="store_true", help="only the speed rows")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        choices=list(ACCURACY_CONFIGS),
+        help="only these accuracy rows (bf16 always runs, as the reference); merged into "
+        "the results' accuracy rows",
+    )
     args = parser.parse_args()
     both = not (args.accuracy or args.speed)
     out = RESULTS / "quant_bench.json"
@@ -220,7 +257,8 @@ def main() -> None:
     if args.speed or both:
         record["speed"] = bench_speed(args.rounds)
     if args.accuracy or both:
-        record["accuracy"] = bench_accuracy()
+        rows = bench_accuracy(args.configs)
+        record["accuracy"] = (record.get("accuracy", {}) | rows) if args.configs else rows
     out.write_text(json.dumps(record, indent=2) + "\n")
 
 

@@ -8,6 +8,8 @@ again with the same weights packed."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -78,11 +80,18 @@ def quantize_model(
     checkpoint shipped them (parameter name -> row-major QWeight), used as they are; with
     only_published, what the checkpoint kept in 16 bits stays so."""
 
+    # a measuring switch (bench/quant_bench.py's int4_unrotated row): what the rotation buys
+    rotate_int4 = os.environ.get("MOESERVE_INT4_ROTATE", "1") != "0"
+
     def weight(name: str, w: torch.Tensor, lm: bool = False) -> QWeight | None:
         kept = published.get(name) if fmt == "fp8" else None
         if kept is None and only_published:
             return None
-        return kept or quant.quantize(w.data, "int8" if lm and fmt == "int4" else fmt)
+        if kept is not None:
+            return kept
+        if fmt == "int4" and not lm:
+            return quant.quantize_int4(w.data, rotated=rotate_int4)
+        return quant.quantize(w.data, "int8" if fmt == "int4" else fmt)
 
     def replace(name: str, module: nn.Module, parent: nn.Module) -> nn.Module | None:
         if type(module) is Linear:  # not its subclasses: routers stay in the model's dtype

@@ -126,3 +126,16 @@ def test_a_bad_quantization_is_still_a_clear_error(model_dirs):
     with pytest.raises(InvalidParameterError) as err:
         engine(model_dirs("mixtral"), quantization="int3")
     assert err.value.param == "quantization"
+
+
+def test_the_rotation_can_be_switched_off_to_measure_it(model_dirs, monkeypatch):
+    """MOESERVE_INT4_ROTATE=0 (bench/quant_bench.py's int4_unrotated row): unrotated values,
+    activations unrotated to match; the int8 lm_head keeps its rotation."""
+    monkeypatch.setenv("MOESERVE_INT4_ROTATE", "0")
+    eng = engine(model_dirs("mixtral"), quantization="int4")
+    model = eng.executor.model
+    assert not model.layers[0].attn.wqkv.weight.rotated
+    assert not model.layers[0].mlp.experts.w13.rotated
+    assert model.lm_head.weight.rotates
+    outs = eng.generate(prompts(eng.args.vocab_size, [9]), SamplingParams(max_tokens=3))
+    assert len(outs[0].token_ids) == 3
