@@ -168,6 +168,9 @@ def merged_times(outputs: list[Any]) -> Any:
         num_preemptions=sum(t.num_preemptions for t in times),
         grammar_compile_s=getattr(times[0], "grammar_compile_s", None),
         grammar_cache_hit=getattr(times[0], "grammar_cache_hit", None),
+        # speculative decoding: every sample's drafts
+        spec_draft_tokens=sum(getattr(t, "spec_draft_tokens", 0) for t in times),
+        spec_accepted_tokens=sum(getattr(t, "spec_accepted_tokens", 0) for t in times),
     )
 
 

@@ -41,6 +41,9 @@ class InspectorRequest(_Body, kw_only=True):
     preemptions: int
     trace_id: str | None
     slow: bool  # e2e over the p95 of the recorded requests
+    # speculative decoding: draft tokens verified for it, and those accepted (0: no drafts)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class InspectorRequestList(_Body, kw_only=True):

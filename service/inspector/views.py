@@ -65,6 +65,8 @@ def summary(record: RequestRecord, slow_s: float | None) -> InspectorRequest:
         preemptions=times.num_preemptions if times is not None else 0,
         trace_id=record.trace_id,
         slow=e2e is not None and slow_s is not None and e2e > slow_s,
+        spec_draft_tokens=getattr(times, "spec_draft_tokens", 0),
+        spec_accepted_tokens=getattr(times, "spec_accepted_tokens", 0),
     )
 
 

@@ -290,7 +290,10 @@ function renderDetail(detail) {
     // the per-request metrics an include_metrics response carries (the same numbers)
     detail.metrics && detail.metrics.tokens_per_second !== null
       ? fact("tokens/s", detail.metrics.tokens_per_second.toFixed(1)) : null,
-    fact("preemptions", String(r.preemptions)), fact("trace id", trace),
+    fact("preemptions", String(r.preemptions)),
+    // speculative decoding: how many of its draft tokens the model kept
+    r.spec_draft_tokens > 0 ? fact("drafts accepted", `${r.spec_accepted_tokens} of ${r.spec_draft_tokens} tokens (${(100 * r.spec_accepted_tokens / r.spec_draft_tokens).toFixed(0)}%)`) : null,
+    fact("trace id", trace),
     r.error ? fact("error", r.error) : null,
   ].filter(Boolean));
   timeline(detail);
