@@ -33,7 +33,9 @@ from inference.quantization.qweight import QWeight
 def _replacement(name: str, module: nn.Module, parent: nn.Module) -> nn.Module | None:
     kind = type(module)
     if kind is QuantExperts and module.w13.fmt == "int4":
-        return None  # no MoE kernel takes int4 yet: torch's path, one expert at a time
+        if not cpu.int4_moe_fits(module.w13, module.w13.in_features):
+            return None  # torch's path, one expert at a time
+        return CpuExperts(module)
     if kind is QuantLinear and module.weight.fmt == "int4" and cpu.INT4 is None:
         return None  # no int4 linear kernel on this CPU: torch's path
     if kind in (Linear, QuantLinear) or (kind is Router and not module.fp32):

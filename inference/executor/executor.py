@@ -122,9 +122,9 @@ class ModelExecutor:
         (never a silent slow path)."""
         if self.quantization == "int4":
             log.warning(
-                "int4 weights: experts run torch's path one expert at a time (no int4 MoE "
-                "kernel yet), and no one-call decode step; linear layers on the int4 kernel "
-                "where the CPU has one (`CPU kernels` line), else torch's",
+                "int4 weights: no one-call decode step yet; linear layers and experts on the "
+                "int4 kernels where the CPU has them (`CPU kernels` line: int4), else torch's "
+                "(experts one at a time)",
             )
         if self.kernels:
             return

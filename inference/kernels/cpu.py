@@ -25,8 +25,9 @@ layout VNNI and AMX's int8 tiles read. int8 products (W8A8) run on AMX int8 tile
 (csrc/int8_vnni.c, its own library where the CPU has AVX512-VNNI or AVX-VNNI) or
 vpmaddubsw (every build), all exact integer sums; fp8 runs weight-only. int4 weights (W4A8)
 pack two values a byte ([Kp/8, N, 4], `pack_qweight`) for csrc/int4.c, a library per path
-(AVX512-VNNI, or AVX2's vpmaddubsw), chosen as int8's is (INT4); its linear layers only:
-int4 experts and the one-call decode step stay on torch's path for now.
+(AVX512-VNNI, or AVX2's vpmaddubsw), chosen as int8's is (INT4); the linear layer calls it directly and
+the MoE kernel through the products of a block it hands to the main library (ms_set_int4);
+the one-call decode step takes no int4 weights yet.
 
 The paged KV cache may hold 8-bit rows (KV_KINDS): the rope kernel quantizes as it writes
 and decode attention dequantizes as it reads.
@@ -187,7 +188,7 @@ class MoeGlu(ctypes.Structure):
     _fields_ = [("b13", _P), ("b2", _P), ("alpha", _F32), ("limit", _F32)]
 
 
-_W_KINDS = {"int8": 1, "fp8": 2}
+_W_KINDS = {"int8": 1, "fp8": 2, "int4": 3}
 # the paged cache's row formats (models/paged_cache.py) as csrc/kernels.h numbers them (KV_*)
 _KV_KINDS = {torch.uint8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 
@@ -308,6 +309,7 @@ _SIGNATURES = {
     "ms_embed_int8": "p i p i p i i p n",
     "ms_set_amx": "p p",
     "ms_set_int8": "p p",
+    "ms_set_int4": "p",
     "ms_decode_step": "s i p p i p p p p p p p i p i p f p p n",
 }
 
@@ -316,7 +318,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name, codes in _SIGNATURES.items():
         getattr(lib, name).argtypes = _types(codes)
     lib.ms_int8_path.restype = _INT
-    for name in ("ms_rmsnorm", "ms_rope_cache", "ms_set_amx", "ms_set_int8"):
+    for name in ("ms_rmsnorm", "ms_rope_cache", "ms_set_amx", "ms_set_int8", "ms_set_int4"):
         getattr(lib, name).restype = None
     return lib
 
@@ -486,6 +488,7 @@ def enable(
     ISA, AMX, _lib = isa, amx_lib is not None, lib
     INT8 = {2: "amx", 1: "vnni", 0: isa}[lib.ms_int8_path()]
     INT4 = _int4_path(isa, vnni, emulated)
+    lib.ms_set_int4(ctypes.cast(_int4_library(INT4).ms_int4_block, _P) if INT4 else None)
     return ISA
 
 
@@ -757,6 +760,10 @@ def moe(
     expert ids and router weights [T, A] -> the MoE output [T, D] bf16 and the tokens per
     expert [E]. `glu`: gpt-oss's biases and clamped SwiGLU (its tensors outlive the call)."""
     t, d = x.shape
+    if isinstance(w13, QWeight) and w13.fmt == "int4" and not int4_moe_fits(w13, d):
+        raise ValueError(
+            "moe: int4 experts need the int4 kernel, rotated weights, D and I % 8 == 0"
+        )
     if isinstance(w13, QWeight):
         e, i = w13.scale.shape[0], w13.scale.shape[-1] // 2
     else:
@@ -790,6 +797,14 @@ def moe(
         "moe",
     )
     return out, counts
+
+
+def int4_moe_fits(w13: QWeight, d: int) -> bool:
+    """Whether the MoE kernel takes these int4 experts: an int4 path chosen (INT4), rows
+    rotated (its activations are, as int8's), and D and I multiples of 8 (its int8 rows are
+    padded to 4 inputs, the int4 octets read 8)."""
+    i = w13.scale.shape[-1] // 2
+    return INT4 is not None and w13.rotated and d % 8 == 0 and i % 8 == 0
 
 
 def decode_attention(

@@ -11,9 +11,9 @@ import platform
 import pytest
 import torch
 
-from inference.executor.quantize import QuantExperts
 from inference.kernels import cpu as cpu_kernels
-from inference.kernels.modules import CpuLinear
+from inference.kernels.modules import CpuExperts, CpuLinear
+from inference.models.moe import grouped_dispatch, select_experts
 from inference.quantization import qweight as quant
 from tests.inference.parity_checks import prompts
 from tests.inference.test_int4 import engine, prompt_logprobs
@@ -84,7 +84,7 @@ def test_a_model_serves_its_int4_linear_layers_on_the_kernel(int4_path, model_di
     model = eng.executor.model
     wqkv = model.layers[0].attn.wqkv
     assert isinstance(wqkv, CpuLinear) and wqkv.weight.fmt == "int4" and wqkv.weight.packed
-    assert isinstance(model.layers[0].mlp.moe.experts, QuantExperts)  # torch's path (no kernel)
+    assert isinstance(model.layers[0].mlp.moe.experts, CpuExperts)  # the MoE kernel
     assert eng.executor.fused_step is None
     batch = prompts(eng.args.vocab_size, [30])
     ours = prompt_logprobs(eng, batch)
@@ -92,3 +92,32 @@ def test_a_model_serves_its_int4_linear_layers_on_the_kernel(int4_path, model_di
     torch_path = prompt_logprobs(engine(path, quantization="int4"), batch)
     # the kernels' bf16 attention and norms differ from ATen's by bf16 roundings only
     assert (ours - torch_path).abs().mean().item() < 0.02
+
+
+@pytest.mark.parametrize(
+    "t,d,i,e,top_k",
+    # D = 136: 17 octets in two groups (a partial last group); I = 40: a narrow column block
+    [(1, 64, 128, 8, 2), (7, 136, 40, 4, 2), (40, 256, 64, 8, 2), (150, 128, 64, 4, 2)],
+)
+def test_moe_on_int4_experts_matches_the_torch_path(int4_path, t, d, i, e, top_k):
+    g = torch.Generator().manual_seed(t)
+    w13, w2 = torch.randn(e, 2 * i, d, generator=g) * 0.1, torch.randn(e, d, i, generator=g) * 0.1
+    x = torch.randn(t, d, generator=g).bfloat16()
+    weights, ids = select_experts(torch.rand(t, e, generator=g).softmax(-1), top_k, True)
+    q13, q2 = quant.quantize_int4(w13), quant.quantize_int4(w2)
+    assert cpu_kernels.int4_moe_fits(q13, d)
+    out, counts = cpu_kernels.moe(
+        x, cpu_kernels.pack_qweight(q13), cpu_kernels.pack_qweight(q2), ids, weights
+    )
+    assert counts.tolist() == torch.bincount(ids.flatten(), minlength=e).tolist()
+    # the torch path rounds the SwiGLU's inputs and the weighted sum in bf16: a rounding or
+    # two apart (the products themselves are the reference's, test above)
+    ref = grouped_dispatch(x, weights, ids, counts, q13, q2, quant.linear).float()
+    torch.testing.assert_close(out.float(), ref, rtol=2**-6, atol=float(ref.abs().max()) * 2**-6)
+
+
+def test_int4_experts_the_moe_kernel_cannot_take_are_refused():
+    q13 = quant.quantize_int4(torch.randn(2, 12, 20))  # D = 20: not a multiple of 8
+    assert not cpu_kernels.int4_moe_fits(q13, 20)
+    unrotated = quant.quantize_int4(torch.randn(2, 16, 64), rotated=False)
+    assert not cpu_kernels.int4_moe_fits(unrotated, 64)

@@ -1,5 +1,6 @@
 /* The products of the libraries of their own that cpu_kernels.enable hands to this one where
- * the CPU has them: AMX's bf16 and int8 tiles (amx.c) and VNNI's int8 products (int8_vnni.c).
+ * the CPU has them: AMX's bf16 and int8 tiles (amx.c), VNNI's int8 products (int8_vnni.c) and
+ * the int4 products (int4.c).
  * gemm.c's block_gemm and gemm8.c's int8_block read them; region.c tells AMX when an
  * outermost call begins. This file calls no other. */
 #include "kernels.h"
@@ -26,5 +27,9 @@ void ms_set_int8(void *vnni, void *amx) {
     int8_vnni = (int8_fn)vnni;
     int8_amx = (int8_fn)amx;
 }
+/* int4 products (int4.c, the path cpu_kernels.INT4 names), or NULL */
+int4_fn int4_block;
+void ms_set_int4(void *block) { int4_block = (int4_fn)block; }
+
 /* which integer product runs (for the start-up log line): 2 AMX, 1 VNNI, 0 vpmaddubsw */
 int ms_int8_path(void) { return int8_amx ? 2 : int8_vnni ? 1 : 0; }

@@ -12,6 +12,8 @@
  * high one. A mask gives the low quad, a shift and the mask the high one: each lane of a
  * vector a column's 4 consecutive inputs, the quad vpdpbusd and vpmaddubsw read (the int8
  * layout's, half the bytes). The last N % 16 columns a narrower block, padded here.
+ * ms_int4_linear is the linear layer; ms_int4_block the products of one block that the main
+ * library's MoE kernel calls through kernels.h's int4_fn (cpu_kernels.enable sets it).
  *
  * Each group's exact sum: sum(nibble * x) - 8 * sum(x) (the nibbles' offset taken off with
  * the activations' group sum); unsigned nibbles times signed bytes is what both instructions
@@ -81,6 +83,27 @@ static void block_tile(int rows, const int8_t *q, int64_t ldq, const int32_t *as
     for (int m = 0; m < rows; m++) {
         const vf r = vf_set1(sx[m]);
         for (int v = 0; v < VPB; v++) vf_store(y + m * ldy + v * VL, vf_mul(vf_load(acc[m] + v * VL), r));
+    }
+}
+
+/* kernels.h's int4_fn, for the main library's products (the MoE kernel): rows of A times
+ * one block, each group's activation sum taken over the bytes the products read */
+void ms_int4_block(const int8_t *A, int64_t lda, int64_t rows, const uint8_t *B, int64_t octets, int64_t group_octets,
+                   const float *sc, float *C, int64_t ldc) {
+    const int64_t G = (octets + group_octets - 1) / group_octets;
+    int32_t asum[MR * G];
+    const float ones[MR] = {1.0f, 1.0f, 1.0f, 1.0f}; /* the caller scales the rows (x 1: exact) */
+    for (int64_t m0 = 0; m0 < rows; m0 += MR) {
+        const int tile = rows - m0 < MR ? (int)(rows - m0) : MR;
+        for (int m = 0; m < tile; m++)
+            for (int64_t g = 0; g < G; g++) {
+                const int8_t *x = A + (m0 + m) * lda;
+                const int64_t k1 = 8 * ((g + 1) * group_octets < octets ? (g + 1) * group_octets : octets);
+                int32_t s = 0;
+                for (int64_t k = 8 * g * group_octets; k < k1; k++) s += x[k];
+                asum[m * G + g] = s;
+            }
+        block_tile(tile, A + m0 * lda, lda, asum, G, ones, B, octets, group_octets, sc, C + m0 * ldc, ldc);
     }
 }
 

@@ -49,9 +49,11 @@ static inline int64_t quad(int64_t k) { return (k + 3) & ~(int64_t)3; }
  * Kq = K rounded up to 4), the layout vpdpbusd and AMX's int8 tiles read; a float32 scale
  * per (group of `group` inputs, column), scale[g * N + n]; int8 weights (their rows rotated,
  * quant.py) also carry each column's sum (colsum[n], n < N rounded up to 16) for products on
- * unsigned activations (VNNI). Per-expert stacks are E such matrices back to back (data,
- * scales and sums alike). */
-enum { W_BF16 = 0, W_INT8 = 1, W_FP8 = 2 };
+ * unsigned activations (VNNI). int4 (W4A8, its rows rotated as int8's): two values a byte,
+ * blocks of 16 columns of input octets ([K8/8][16][4] bytes, K8 = K rounded up to 8; int4.c
+ * has the layout), scales as the 8-bit ones'. Per-expert stacks are E such matrices back to
+ * back (data, scales and sums alike). */
+enum { W_BF16 = 0, W_INT8 = 1, W_FP8 = 2, W_INT4 = 3 };
 typedef struct {
     const void *data;
     const float *scale;
@@ -89,6 +91,13 @@ typedef struct {
 typedef void (*int8_fn)(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const int8_job *jobs, int64_t count,
                         int64_t ldc);
 
+/* int4 blocks (int4.c, a library of its own): C[m][0..16) = sum over groups g, in order, of
+ * float(exact sum of row m of A times the block's group g) * sc[g][0..16), for `rows` rows of
+ * signed bytes (stride lda, 8 * octets columns); B one packed int4 block of `octets` 64-byte
+ * rows, groups of group_octets rows. The activation scale is the caller's to multiply. */
+typedef void (*int4_fn)(const int8_t *A, int64_t lda, int64_t rows, const uint8_t *B, int64_t octets,
+                        int64_t group_octets, const float *sc, float *C, int64_t ldc);
+
 /* AMX's bf16 product (amx.c): C = A B for a block and a group of rows, A as bf16. */
 typedef void (*amx_fn)(const bf16 *A, int64_t lda, int64_t rows, const bf16 *B, int64_t Kp, float *C, int64_t ldc);
 
@@ -117,8 +126,10 @@ static inline float row_amax(const float *x, int64_t n) {
  * int8_block (gemm8.c) read them */
 extern MS_HIDDEN amx_fn amx_block;
 extern MS_HIDDEN int8_fn int8_vnni, int8_amx;
+extern MS_HIDDEN int4_fn int4_block; /* NULL: no int4 library (cpu_kernels.INT4 None) */
 void ms_set_amx(void *block, void *new_call);
 void ms_set_int8(void *vnni, void *amx);
+void ms_set_int4(void *block);
 /* which integer product runs (for the start-up log line): 2 AMX, 1 VNNI, 0 vpmaddubsw */
 int ms_int8_path(void);
 /* whether products of many rows go to AMX */
@@ -165,7 +176,8 @@ void int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const in
  * weights' rows were), then quantized symmetrically, q = rne(x * 127 / amax) in [-127, 127],
  * Kq entries (zero padded), and its scale amax / 127 (0 for a zero row) into *scale */
 void quantize_row_s8(float *x, int64_t K, int8_t *q, int64_t Kq, float *scale);
-/* wblock_gemm (wmat.c) for 8-bit weights (int8, fp8): C[m][0..16) = rows [m0, m0 + rows) of a
+/* wblock_gemm (wmat.c) for 8-bit and int4 weights (int8, fp8, int4; int4 with K a multiple
+ * of 8, the rows' quantized form read up to it): C[m][0..16) = rows [m0, m0 + rows) of a
  * times block j of w, scaled; pad: pad_bytes(K) of scratch (wmat.c, its layout there) */
 void wblock8_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j,
                   void *pad, float *C, int64_t ldc, int64_t *cols);

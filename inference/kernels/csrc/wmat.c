@@ -1,6 +1,6 @@
-/* A packed weight of any kind (kernels.h wmat: bf16, int8 or fp8): the products of its blocks
+/* A packed weight of any kind (kernels.h wmat: bf16, int8, fp8 or int4): the products of its blocks
  * every kernel calls (wblock_gemm, wblock_gemm_pair), dispatched on the weight's kind to the
- * bf16 products (gemm.c) or the 8-bit ones (gemm8.c), the scratch they need, the forms of
+ * bf16 products (gemm.c) or the 8-bit and int4 ones (gemm8.c), the scratch they need, the forms of
  * activation rows they read, and one expert of a stacked weight. */
 #include "kernels.h"
 
@@ -11,7 +11,7 @@ wmat wmat_expert(const wmat *w, int64_t e, int64_t N, int64_t K) {
         return x;
     }
     const int64_t groups = (K + w->group - 1) / w->group;
-    x.data = (const uint8_t *)w->data + e * N * quad(K);
+    x.data = (const uint8_t *)w->data + e * N * (w->kind == W_INT4 ? ((K + 7) & ~(int64_t)7) / 2 : quad(K));
     x.scale = w->scale + e * groups * N;
     x.colsum = w->colsum ? w->colsum + e * ((N + BLOCK - 1) / BLOCK) * BLOCK : NULL;
     return x;
@@ -28,10 +28,10 @@ size_t pad_bytes(int64_t K) {
 
 int rows_need_b16(const wmat *w, int64_t K) {
     (void)K;
-    return w->kind != W_INT8 && (tiles_read_bf16() || amx_enabled());
+    return w->kind != W_INT8 && w->kind != W_INT4 && (tiles_read_bf16() || amx_enabled());
 }
 
-int rows_need_s8(const wmat *w) { return w->kind == W_INT8; }
+int rows_need_s8(const wmat *w) { return w->kind == W_INT8 || w->kind == W_INT4; }
 
 void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j,
                  void *pad, float *C, int64_t ldc, int64_t *cols) {
