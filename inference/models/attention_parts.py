@@ -139,11 +139,6 @@ def chunk_attention(
     banded = window and c > window
     if not n and not banded and sinks is None:  # one causal part: SDPA's own kernel, any device
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    if banded:  # the chunk over itself: a band
-        own = attend_lse(q, k, v, scale, bias=window_bias(c, c, 0, window, q.dtype, q.device))
-    else:
-        own = attend_lse(q, k, v, scale, causal=True)
-    parts = [own]
     if window and n > window - 1:
         k_prev, v_prev, n = (
             k_prev[:, :, n - window + 1 :],
@@ -153,11 +148,24 @@ def chunk_attention(
     # the queries that see some earlier key: all of them, or with a window the first
     # window - 1 (query i reaches back to position i - window + 1 of the chunk)
     rows = min(c, window - 1) if window else c
-    if n and rows > 0:
+    earlier = bool(n and rows > 0)
+    # Parts to merge leave their kernel rounded to its dtype. The chunk's own part (c x c:
+    # small) runs in float32 then, so a fresh prompt with sinks rounds once, as one SDPA
+    # call did (bf16 logits moved on a near tie otherwise); the part over the prefix, the
+    # context-wide work, keeps the model's dtype and its kernel's rate.
+    merging = earlier or sinks is not None
+    own_dtype = torch.float32 if merging and q.element_size() < 4 else q.dtype
+    qo, ko, vo = q.to(own_dtype), k.to(own_dtype), v.to(own_dtype)
+    if banded:  # the chunk over itself: a band
+        own = attend_lse(qo, ko, vo, scale, bias=window_bias(c, c, 0, window, own_dtype, q.device))
+    else:
+        own = attend_lse(qo, ko, vo, scale, causal=True)
+    if not merging:
+        return own[0]
+    parts = [own]
+    if earlier:
         bias = None
         if window and n + rows - 1 >= window:  # some earlier key out of some query's window
             bias = window_bias(rows, n, n, window, q.dtype, q.device)
         parts.append(attend_lse(q[:, :, :rows], k_prev, v_prev, scale, bias=bias))
-    if len(parts) == 1 and sinks is None:
-        return own[0]
     return merge(parts, sinks, q.dtype)
