@@ -89,8 +89,8 @@ def install(model: nn.Module) -> FusedDecodeStep | None:
     first: MLA derives its absorbed projections from the row-major kv_b_proj), and returns
     the one-call decode step where the fused kernel covers every layer."""
     swap_modules(model, _replacement)
-    if not isinstance(model, Decoder) or _has_int4(model):
-        return None  # (the fused step takes no int4 weights yet)
+    if not isinstance(model, Decoder) or not _int4_fits_the_fused_step(model):
+        return None
     specs = [layer_spec(layer) for layer in model.layers]
     if not all(specs):
         return None
@@ -100,12 +100,16 @@ def install(model: nn.Module) -> FusedDecodeStep | None:
     return FusedDecodeStep(model, step)
 
 
-def _has_int4(model: nn.Module) -> bool:
-    return any(
-        isinstance(w, QWeight) and w.fmt == "int4"
+def _int4_fits_the_fused_step(model: nn.Module) -> bool:
+    """The fused step's products (the main library's, through ms_set_int4) take int4 weights
+    on the kernels (none left on torch's path), rotated, whose inputs are whole octets."""
+    int4 = [
+        w
         for m in model.modules()
-        for w in (getattr(m, "weight", None), getattr(m, "w13", None))
-    )
+        for w in (getattr(m, n, None) for n in ("weight", "w13", "w2"))
+        if isinstance(w, QWeight) and w.fmt == "int4"
+    ]
+    return all(w.packed and w.rotated and w.in_features % 8 == 0 for w in int4)
 
 
 _MAX_GROUPS = 64  # noaux_tc expert groups the fused router holds (csrc/layer.c)

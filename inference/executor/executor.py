@@ -121,10 +121,10 @@ class ModelExecutor:
         """Says at start-up which path the 8-bit weights take where it is not our kernels'
         (never a silent slow path)."""
         if self.quantization == "int4":
-            log.warning(
-                "int4 weights: no one-call decode step yet; linear layers and experts on the "
-                "int4 kernels where the CPU has them (`CPU kernels` line: int4), else torch's "
-                "(experts one at a time)",
+            log.info(
+                "int4 weights: linear layers, experts and the one-call decode step on the int4 "
+                "kernels where the CPU has them (`CPU kernels` line: int4) and the shapes fit "
+                "(inputs in octets; rotated), else torch's (experts one at a time)",
             )
         if self.kernels:
             return

@@ -26,8 +26,8 @@ layout VNNI and AMX's int8 tiles read. int8 products (W8A8) run on AMX int8 tile
 vpmaddubsw (every build), all exact integer sums; fp8 runs weight-only. int4 weights (W4A8)
 pack two values a byte ([Kp/8, N, 4], `pack_qweight`) for csrc/int4.c, a library per path
 (AVX512-VNNI, or AVX2's vpmaddubsw), chosen as int8's is (INT4); the linear layer calls it directly and
-the MoE kernel through the products of a block it hands to the main library (ms_set_int4);
-the one-call decode step takes no int4 weights yet.
+the MoE kernel and the one-call decode step through the products of a block it hands to the
+main library (ms_set_int4), where the inputs are whole octets and the rows rotated.
 
 The paged KV cache may hold 8-bit rows (KV_KINDS): the rope kernel quantizes as it writes
 and decode attention dequantizes as it reads.

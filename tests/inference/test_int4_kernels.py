@@ -13,6 +13,7 @@ import torch
 
 from inference.kernels import cpu as cpu_kernels
 from inference.kernels.modules import CpuExperts, CpuLinear
+from inference.models.attention import AttentionMetadata, PrefillChunk
 from inference.models.moe import grouped_dispatch, select_experts
 from inference.quantization import qweight as quant
 from tests.inference.parity_checks import prompts
@@ -85,7 +86,7 @@ def test_a_model_serves_its_int4_linear_layers_on_the_kernel(int4_path, model_di
     wqkv = model.layers[0].attn.wqkv
     assert isinstance(wqkv, CpuLinear) and wqkv.weight.fmt == "int4" and wqkv.weight.packed
     assert isinstance(model.layers[0].mlp.moe.experts, CpuExperts)  # the MoE kernel
-    assert eng.executor.fused_step is None
+    assert eng.executor.fused_step is not None  # the one-call decode step too
     batch = prompts(eng.args.vocab_size, [30])
     ours = prompt_logprobs(eng, batch)
     cpu_kernels.enable(None)  # the same engine on torch's path throughout (the fixture restores)
@@ -121,3 +122,47 @@ def test_int4_experts_the_moe_kernel_cannot_take_are_refused():
     assert not cpu_kernels.int4_moe_fits(q13, 20)
     unrotated = quant.quantize_int4(torch.randn(2, 16, 64), rotated=False)
     assert not cpu_kernels.int4_moe_fits(unrotated, 64)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_the_one_call_decode_step_on_int4_computes_what_the_composed_layers_do(
+    int4_path, model_dirs, arch
+):
+    """A decode step of three sequences (contexts of 5, 20 and 37 tokens in scattered cache
+    blocks) in one kernel call and through the layers composed op by op, on int4 weights."""
+    eng = engine(model_dirs(arch), quantization="int4")
+    model, caches = eng.executor.model, eng.executor.kv_caches
+    fused = eng.executor.fused_step
+    assert fused is not None
+    lengths, tables = [5, 20, 37], [[7, 1, 30], [2, 9, 4], [12, 3, 25]]
+    seqs = prompts(eng.args.vocab_size, [n + 1 for n in lengths])
+    with torch.inference_mode():
+        for seq, table, n in zip(seqs, tables, lengths):  # prefill each context into its blocks
+            slots = torch.tensor([table[p // 16] * 16 + p % 16 for p in range(n)])
+            chunk = [PrefillChunk(0, n, 0, None)]
+            meta = AttentionMetadata(slots, 0, None, None, chunk)
+            model(torch.tensor(seq[:n]), torch.arange(n), meta, caches)
+        meta = AttentionMetadata(
+            torch.tensor([t[n // 16] * 16 + n % 16 for t, n in zip(tables, lengths)]),
+            3,
+            None,
+            None,
+            [],
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            context_lens=torch.tensor(lengths, dtype=torch.int32) + 1,
+            block_size=16,
+        )
+        ids = torch.tensor([s[n] for s, n in zip(seqs, lengths)])
+        step = (ids, torch.tensor(lengths), meta, caches)
+        one_call, counts = fused(*step)
+        composed, composed_counts = model(*step)
+    assert torch.equal(counts, composed_counts)
+    torch.testing.assert_close(one_call.float(), composed.float(), rtol=2**-6, atol=2**-6)
+    assert torch.equal(model.logits(one_call).argmax(-1), model.logits(composed).argmax(-1))
+
+
+def test_unrotated_int4_keeps_the_composed_layers(int4_path, model_dirs, monkeypatch):
+    monkeypatch.setenv("MOESERVE_INT4_ROTATE", "0")
+    eng = engine(model_dirs("mixtral"), quantization="int4")
+    assert eng.executor.fused_step is None  # the fused step's rows are rotated
+    assert isinstance(eng.executor.model.layers[0].attn.wqkv, CpuLinear)  # int4.c's linear
