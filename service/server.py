@@ -46,6 +46,7 @@ class MoeServer:
         self.state: ServingState | None = None
         self.rest_port: int | None = None
         self.grpc_port: int | None = None
+        self.instance_id: str | None = None  # service.instance.id, once the port is bound
         self._uvicorn: SignalFreeUvicorn | None = None
         self._grpc: GrpcServer | None = None
         self._sock: socket.socket | None = None
@@ -70,7 +71,7 @@ class MoeServer:
         self._sock = bind_rest_socket(s.host, s.port)
         self.rest_port = self._sock.getsockname()[1]
         # which replica this is, for spans, log lines and the inspector: from here on
-        instance.assign(self.rest_port)
+        self.instance_id = instance.assign(self.rest_port)
         starting = StartingListener(self._sock, progress, self.tls)
         await starting.start()
         try:
@@ -79,6 +80,7 @@ class MoeServer:
             await starting.stop()
         progress.mark("ready")
         self.state.startup = progress
+        self.state.instance_id = self.instance_id
         self._uvicorn = rest_server(create_app(self.state), self.tls)
         if s.grpc_port >= 0:
             credentials = self.tls.grpc_credentials() if self.tls else None

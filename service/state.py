@@ -28,6 +28,8 @@ class ServingState:
     inspector: InspectorRecorder | None = None  # None with --no-inspector
     keys: KeyRing | None = None  # None: from --api-key / --api-keys-file (KeysFileError)
     startup: Any = None  # service.startup.StartupProgress of this start (MoeServer's)
+    # this server's service.instance.id (telemetry.instance: process-wide, the last server's)
+    instance_id: str | None = None
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:

@@ -111,7 +111,9 @@ class InspectorController(Controller):
     async def engine(self, request: Request) -> InspectorEngine:
         """The engine now and over the last minutes (sparklines, expert-load heatmap)."""
         state = request.app.state.serving
-        return views.engine_view(state.inspector, state.engine, state.model_name, state.in_flight)
+        return views.engine_view(
+            state.inspector, state.engine, state.model_name, state.in_flight, state.instance_id
+        )
 
 
 def inspector_routes() -> list[Controller | Router | type[Controller]]:

@@ -26,7 +26,6 @@ from service.inspector.schemas import (
     InspectorStep,
 )
 from service.responses import RequestMetrics
-from telemetry import instance
 from telemetry.requests import per_request_metrics
 
 MAX_PEERS = 16  # other requests named per step
@@ -178,13 +177,18 @@ def _metrics(record: RequestRecord) -> RequestMetrics | None:
 
 
 def engine_view(
-    recorder: InspectorRecorder, engine: AsyncLLMEngine, model_name: str, in_flight: int
+    recorder: InspectorRecorder,
+    engine: AsyncLLMEngine,
+    model_name: str,
+    in_flight: int,
+    instance_id: str | None,
 ) -> InspectorEngine:
-    """The engine now (`in_flight`: the server's requests in it) and its recorded window."""
+    """The engine now (`in_flight`: the server's requests in it, `instance_id`: its replica)
+    and its recorded window."""
     window, now = recorder.window, time.time()
     return InspectorEngine(
         model=model_name,
-        instance=instance.current(),
+        instance=instance_id,
         running=engine.num_running,
         waiting=engine.num_waiting,
         in_flight=in_flight,
