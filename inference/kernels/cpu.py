@@ -641,7 +641,10 @@ def linear(
     k = x.shape[-1]
     n = weight.scale.shape[-1] if isinstance(weight, QWeight) else weight.shape[-2]
     if isinstance(weight, QWeight) and weight.fmt == "int4":
-        return _linear_int4(x, weight, bias)
+        if INT4 is None:  # (the main library's int4 products are int4.c's)
+            raise ValueError("linear: no int4 kernel on this CPU (enable() chose none)")
+        if not (weight.rotated and k % 8 == 0):  # ms_linear's rows: rotated, whole octets
+            return _linear_int4(x, weight, bias)
     if not 0 <= _in_features(weight) - k <= 3:
         raise ValueError(f"linear: x has {k} features, the packed weight {_in_features(weight)}")
     rows = x.reshape(-1, k)
@@ -672,8 +675,10 @@ def linear(
 
 
 def _linear_int4(x: torch.Tensor, weight: QWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] times a packed int4 weight (+ bias) on csrc/int4.c (W4A8), the bias added and
-    rounded as the torch reference does, so the result is its float for float."""
+    """x [..., K] times a packed int4 weight (+ bias) on csrc/int4.c's own linear (W4A8), for
+    the weights ms_linear does not take (unrotated, or K not a multiple of 8): activations
+    quantized in torch, the bias added and rounded as the torch reference does, so the result
+    is its float for float (as ms_linear's is)."""
     y = int4_products(x.reshape(-1, x.shape[-1]), weight)
     if bias is not None:
         y = y + bias.float()

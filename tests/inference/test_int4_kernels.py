@@ -54,7 +54,9 @@ def test_int4_linear_gives_the_references_floats(int4_path, m, n, k, rotated):
     packed = cpu_kernels.pack_qweight(qw)
     assert packed.packed and packed.data.numel() == -(-k // 8) * 4 * n  # two values a byte
     reference = quant._int4_products(x, qw)
-    assert torch.equal(cpu_kernels.int4_products(x, packed), reference)
+    assert torch.equal(cpu_kernels.int4_products(x, packed), reference)  # int4.c's own linear
+    # cpu.linear: ms_linear (rotated, K % 8 == 0: activations rotated and quantized in C) or
+    # int4.c's own linear, both the reference's bf16 outputs exactly
     bias = torch.randn(n).bfloat16()
     assert torch.equal(cpu_kernels.linear(x, packed, bias), quant.linear(x, qw, bias))
 
