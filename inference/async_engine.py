@@ -17,7 +17,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-import msgspec
 import structlog
 
 from inference.config import EngineConfig
@@ -36,7 +35,7 @@ from inference.engine_core import (
 from inference.errors import EngineDeadError, InvalidParameterError, ModelLoadError, QueueFullError
 from inference.executor.loader import load_hf_config, load_tokenizer
 from inference.models.registry import model_args
-from inference.outputs import RequestOutput, StepStats, decode_array
+from inference.outputs import RequestOutput, StepStats, wire_decoder, wire_encoder
 from inference.prompts import Prompt, tokenize_prompt
 from inference.sampling_params import SamplingParams
 from inference.startup import PhaseMark
@@ -107,8 +106,8 @@ class AsyncLLMEngine:
         self._error: BaseException | None = None
         self._stats: StepStats | None = None
         self._send_lock = threading.Lock()
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(FromCore, dec_hook=decode_array)
+        self._encoder = wire_encoder()
+        self._decoder = wire_decoder(FromCore)
         self._process, self._conn = spawn_engine_core(
             str(path), device, dtype, config, process_init
         )

@@ -33,7 +33,7 @@ from inference.errors import InvalidParameterError, ModelLoadError
 from inference.heap import freeze_startup_objects
 from inference.kv_event_publisher import ZmqEventPublisher, start_publisher
 from inference.kv_events import KVEventBatch, kv_events_config
-from inference.outputs import RequestOutput, StepStats, encode_array
+from inference.outputs import RequestOutput, StepStats, wire_decoder, wire_encoder
 from inference.sampling_params import SamplingParams
 from inference.startup import PhaseMark, StartupClock
 
@@ -145,7 +145,7 @@ def main(fd: int) -> None:
     model_dir, device, dtype, config, process_init = pickle.loads(conn.recv_bytes())
     # process_init may return take_log_lines() (telemetry.logging.capture_request_lines)
     take_log_lines = process_init() if process_init is not None else None
-    encoder = msgspec.msgpack.Encoder(enc_hook=encode_array)
+    encoder = wire_encoder()
     from inference.engine import LLMEngine  # torch is imported here, after logging is set up
 
     clock = StartupClock(lambda mark: conn.send_bytes(encoder.encode(PhaseStarted(mark))))
@@ -205,7 +205,7 @@ class EngineCore:
         engine.pending_grammars.on_done = self.wakeup.set
 
     def _read_inputs(self) -> None:
-        decoder = msgspec.msgpack.Decoder(ToCore)
+        decoder = wire_decoder(ToCore)
         try:
             while True:
                 message = decoder.decode(self.conn.recv_bytes())

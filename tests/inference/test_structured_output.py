@@ -32,6 +32,7 @@ from inference.engine_core import (
     StepResult,
     ToCore,
 )
+from inference.outputs import wire_decoder, wire_encoder
 
 SCHEMA = {
     "type": "object",
@@ -442,7 +443,7 @@ def test_sampling_params_cross_to_the_engine_core_intact():
         StructuredOutputs(json_object=True),
     ):
         message = AddRequest("r", [1, 2], msgspec.structs.replace(params, structured_outputs=so))
-        decoded = msgspec.msgpack.Decoder(ToCore).decode(msgspec.msgpack.Encoder().encode(message))
+        decoded = wire_decoder(ToCore).decode(wire_encoder().encode(message))
         assert decoded == message
         assert decoded.params.structured_outputs.kind == so.kind
         assert decoded.params.logit_bias == {5: -100.0, 11: 2.5}
@@ -595,13 +596,13 @@ def test_engine_core_sends_late_grammar_errors_and_waits_for_compiles(engine):
     returned comes back as Rejected, one that compiles late is served, and the loop sleeps
     (no empty steps) while only compiles are pending."""
     ours, theirs = socket.socketpair()
-    core = EngineCore(engine, Connection(theirs.detach()), msgspec.msgpack.Encoder())
+    core = EngineCore(engine, Connection(theirs.detach()), wire_encoder())
     conn = Connection(ours.detach())
     size, engine.structured.sync_compile_s = engine.structured.sync_compile_s, 0.0
     thread = threading.Thread(target=core.run, daemon=True)
     thread.start()
     try:
-        encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(FromCore)
+        encoder, decoder = wire_encoder(), wire_decoder(FromCore)
         bad = SamplingParams(structured_outputs=StructuredOutputs(json={"type": "nonsense"}))
         good = SamplingParams(max_tokens=30, structured_outputs=StructuredOutputs(regex="[x-z]{5}"))
         conn.send_bytes(encoder.encode(AddRequest("bad", [5, 6, 7], bad)))
