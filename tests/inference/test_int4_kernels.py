@@ -87,6 +87,8 @@ def test_a_model_serves_its_int4_linear_layers_on_the_kernel(int4_path, model_di
     model = eng.executor.model
     wqkv = model.layers[0].attn.wqkv
     assert isinstance(wqkv, CpuLinear) and wqkv.weight.fmt == "int4" and wqkv.weight.packed
+    n, k = wqkv.weight.out_features, wqkv.weight.in_features
+    assert wqkv.weight.nbytes == n * k // 2 + 4 * n * -(-k // 128)  # 4 bits + a scale per 128
     assert isinstance(model.layers[0].mlp.moe.experts, CpuExperts)  # the MoE kernel
     assert eng.executor.fused_step is not None  # the one-call decode step too
     batch = prompts(eng.args.vocab_size, [30])
