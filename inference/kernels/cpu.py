@@ -25,7 +25,7 @@ layout VNNI and AMX's int8 tiles read. int8 products (W8A8) run on AMX int8 tile
 (csrc/int8_vnni.c, its own library where the CPU has AVX512-VNNI or AVX-VNNI) or
 vpmaddubsw (every build), all exact integer sums; fp8 runs weight-only. int4 weights (W4A8)
 pack two values a byte ([Kp/8, N, 4], `pack_qweight`) for csrc/int4.c, a library per path
-(AVX512-VNNI, or AVX2's vpmaddubsw), chosen as int8's is (INT4); the linear layer calls it directly and
+(AVX512-VNNI, AVX-VNNI, or AVX2's vpmaddubsw), chosen as int8's is (INT4); the linear layer calls it directly and
 the MoE kernel and the one-call decode step through the products of a block it hands to the
 main library (ms_set_int4), where the inputs are whole octets and the rows rotated.
 
@@ -81,6 +81,10 @@ _VNNI = {
 # The int4 products (csrc/int4.c), a library per path: flags and the CPU flags it needs.
 _INT4 = {
     "vnni": ([*_AVX512, "-mavx512vnni"], _AVX512_CPU | {"avx512_vnni"}),
+    "avxvnni": (
+        [*BUILDS["avx2"][0], "-mavxvnni", "-DMS_INT4_VNNI"],
+        BUILDS["avx2"][1] | {"avx_vnni"},
+    ),
     "avx2": BUILDS["avx2"],
 }
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -379,23 +383,32 @@ def _vnni_library(isa: str, emulated: bool = False) -> ctypes.CDLL | None:
 
 @functools.cache
 def _int4_library(path: str) -> ctypes.CDLL:
-    """csrc/int4.c built for one path ("vnni", "avx2"; the caller checks the CPU runs it), its
-    float sums in the reference's order (no contraction into FMAs)."""
-    flags = [*_INT4[path][0], "-ffp-contract=off"]
+    """csrc/int4.c built for one path ("vnni", "avxvnni", "avx2"; the caller checks the CPU
+    runs it), its float sums in the reference's order (no contraction into FMAs).
+    "avxvnni-emulated" (tests only): the AVX-VNNI source on SIMDe's vpdpbusd, which any CPU
+    with AVX2 runs."""
+    if path == "avxvnni-emulated":
+        import simde_py
+
+        flags = [*BUILDS["avx2"][0], "-DMS_INT4_VNNI", "-DMS_SIMDE", f"-I{simde_py.get_include()}"]
+    else:
+        flags = list(_INT4[path][0])
+    flags.append("-ffp-contract=off")
     lib = ctypes.CDLL(str(_build([_CSRC / "int4.c"], flags, f"int4-{path}")))
     lib.ms_int4_linear.argtypes = _types("p i p i i p p i i p i n")
     return lib
 
 
 def _int4_path(isa: str, vnni: bool | None, emulated: bool) -> str | None:
-    """The int4 path for a build, as int8's is chosen: VNNI on the AVX-512 builds where the CPU
-    has AVX512-VNNI (unless vnni=False), else vpmaddubsw on 8 columns; none emulated (the
-    SIMDe builds are int8's and bf16's checks) or where its build fails."""
+    """The int4 path for a build, as int8's is chosen: VNNI where the CPU has it (AVX512-VNNI
+    for the AVX-512 builds, AVX-VNNI for AVX2's) unless vnni=False, else vpmaddubsw on 8
+    columns; None where no build succeeds. Emulated builds (tests) take the AVX-VNNI source
+    on SIMDe."""
     if emulated:
-        return None
+        return "avxvnni-emulated" if vnni is not False else "avx2"
     choices = ["avx2"]
-    if isa.startswith("avx512") and vnni is not False:
-        choices.insert(0, "vnni")
+    if vnni is not False:
+        choices.insert(0, "vnni" if isa.startswith("avx512") else "avxvnni")
     for path in choices:
         if not _INT4[path][1] <= cpu_flags():
             continue
@@ -413,7 +426,8 @@ def _int4_path(isa: str, vnni: bool | None, emulated: bool) -> str | None:
 ISA: str | None = None
 AMX = False
 INT8: str | None = None
-INT4: str | None = None  # int4 weights' products: "vnni", "avx2" (csrc/int4.c); None: torch's
+# INT4: what runs int4 weights' products (csrc/int4.c): "vnni", "avxvnni", "avx2"; None: torch's
+INT4: str | None = None
 _lib: ctypes.CDLL | None = None
 _selected = False  # enable() has run: engines keep what it chose (tests force paths this way)
 

@@ -19,18 +19,26 @@ from inference.quantization import qweight as quant
 from tests.inference.parity_checks import prompts
 from tests.inference.test_int4 import engine, prompt_logprobs
 
-# (build, vnni switch, the int4 path enable() must pick)
-INT4_PATHS = [("avx512bf16", None, "vnni"), ("avx512", False, "avx2"), ("avx2", None, "avx2")]
+# (build, vnni switch, emulated, the int4 path enable() must pick): AVX512-VNNI, AVX-VNNI
+# (natively where the CPU has it; on SIMDe's vpdpbusd on any AVX2 CPU), vpmaddubsw
+INT4_PATHS = [
+    ("avx512bf16", None, False, "vnni"),
+    ("avx2", None, False, "avxvnni"),
+    ("avx2", None, True, "avxvnni-emulated"),
+    ("avx512", False, False, "avx2"),
+    ("avx2", False, False, "avx2"),
+]
+CPU_FLAG = {"vnni": "avx512_vnni", "avxvnni": "avx_vnni"}
 
 
-@pytest.fixture(params=INT4_PATHS, ids=lambda p: f"{p[0]}-int4={p[2]}")
+@pytest.fixture(params=INT4_PATHS, ids=lambda p: f"{p[0]}-int4={p[3]}")
 def int4_path(request):
-    isa, vnni, expected = request.param
+    isa, vnni, emulated, expected = request.param
     if platform.machine() not in ("x86_64", "AMD64") or isa not in cpu_kernels.runnable_isas():
         pytest.skip(f"this CPU cannot run the {isa} kernels")
-    if expected == "vnni" and "avx512_vnni" not in cpu_kernels.cpu_flags():
-        pytest.skip("this CPU lacks avx512_vnni")
-    cpu_kernels.enable(isa, vnni=vnni)
+    if CPU_FLAG.get(expected, "avx2") not in cpu_kernels.cpu_flags():
+        pytest.skip(f"this CPU lacks {CPU_FLAG[expected]}")
+    cpu_kernels.enable(isa, amx=False, emulated=emulated, vnni=vnni)
     try:
         assert cpu_kernels.INT4 == expected and cpu_kernels.paths()["int4"] == expected
         yield expected

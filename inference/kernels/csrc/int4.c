@@ -2,8 +2,9 @@
  * int4 format: a float32 scale per output column and group of inputs (128 by default), int8
  * activations with one scale a row (quantized by the caller, rotated where the weights are).
  * A library of its own, built per path and loaded where the CPU reports its extension
- * (cpu_kernels.enable): -DMS_AVX512 with -mavx512vnni, vpdpbusd on 16 columns; or the AVX2
- * build, vpmaddubsw + vpmaddwd on 8 columns (every AVX2 CPU). Compiled with
+ * (cpu_kernels.enable): -DMS_AVX512 with -mavx512vnni, vpdpbusd on 16 columns; AVX2's with
+ * -mavxvnni -DMS_INT4_VNNI, AVX-VNNI's vpdpbusd on 8 (on SIMDe's with -DMS_SIMDE: the tests'
+ * emulation); or the AVX2 build, vpmaddubsw + vpmaddwd on 8 columns (every AVX2 CPU). With
  * -ffp-contract=off: the float sums are the torch reference's, rounding for rounding.
  *
  * Packed layout (cpu_kernels.pack_qweight): values stored as unsigned nibbles v + 8 in
@@ -38,9 +39,15 @@ static inline vi high_nibbles(vi w) { return _mm512_and_si512(_mm512_srli_epi16(
 static inline vi dot4(vi acc, vi u8, vi s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
 #else
 static inline vi high_nibbles(vi w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble_mask()); }
+#if defined(MS_INT4_VNNI) && defined(MS_SIMDE)
+static inline vi dot4(vi acc, vi u8, vi s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
+#elif defined(MS_INT4_VNNI)
+static inline vi dot4(vi acc, vi u8, vi s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
+#else
 static inline vi dot4(vi acc, vi u8, vi s8) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
 }
+#endif
 #endif
 
 static inline vi quad(const int8_t *a) {
