@@ -404,13 +404,13 @@ def _int4_path(isa: str, vnni: bool | None, emulated: bool) -> str | None:
     for the AVX-512 builds, AVX-VNNI for AVX2's) unless vnni=False, else vpmaddubsw on 8
     columns; None where no build succeeds. Emulated builds (tests) take the AVX-VNNI source
     on SIMDe."""
-    if emulated:
-        return "avxvnni-emulated" if vnni is not False else "avx2"
     choices = ["avx2"]
     if vnni is not False:
         choices.insert(0, "vnni" if isa.startswith("avx512") else "avxvnni")
+    if emulated and vnni is not False:
+        choices[0] = "avxvnni-emulated"
     for path in choices:
-        if not _INT4[path][1] <= cpu_flags():
+        if path in _INT4 and not _INT4[path][1] <= cpu_flags():
             continue
         try:
             _int4_library(path)
