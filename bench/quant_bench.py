@@ -17,7 +17,7 @@ over bf16 and its greedy agreement with bf16 over 16 prompts x 128 tokens (promp
 of 64 tokens from later in the same text; agreement: the share of tokens generated before
 the first difference, and how many of the 16 are identical).
 
-Speed (`--speed`): the small demo model (as `make bench`'s engine rows), int8 and fp8
+Speed (`--speed`): the small demo model (as `make bench`'s engine rows), int8, fp8 and int4
 weights against bf16, single stream 128 -> 128 and batched 32 x 128 -> 128 (prefill
 included: new prompts each round), rounds alternating between the engines (best of each); resident weight bytes; and KV capacity: the
 tokens each cache format holds in the same byte budget, from the engines' own numbers.
@@ -195,6 +195,7 @@ def bench_speed(rounds: int) -> dict:
             ("bf16", {}),
             ("int8", {"quantization": "int8"}),
             ("fp8", {"quantization": "fp8"}),
+            ("int4", {"quantization": "int4"}),
         )
     }
     vocab = engines["bf16"].args.vocab_size
