@@ -34,6 +34,9 @@ class EngineConfig:
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # vLLM's: a prompt's chunk per step is at most this many tokens (0: the whole budget), so
+    # a long prompt leaves the rest of a step's budget to streams decoding and to new arrivals
+    long_prefill_token_threshold: int = 0
     max_model_len: int | None = None  # default: min(max_position_embeddings, kv cache)
     kv_cache_tokens: int | None = None  # CPU default 65536; GPU: sized from free memory
     kv_cache_bytes: int | None = None  # the same budget in bytes (instead of tokens)
@@ -60,6 +63,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(name, "must be >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise InvalidParameterError("long_prefill_token_threshold", "must be >= 0")
         for name in ("max_model_len", "kv_cache_tokens", "kv_cache_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -91,7 +91,10 @@ class LLMEngine:
             ex.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
         )
         self.runner = ex.build_runner(self.eos_token_ids, self.structured)
         self.requests: dict[str, list[Sequence]] = {}

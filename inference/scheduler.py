@@ -42,10 +42,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         on_preempt=None,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
-        """on_preempt(seq): told of each preemption (default: a log line)."""
+        """on_preempt(seq): told of each preemption (default: a log line).
+        long_prefill_token_threshold: a prompt's tokens per step, at most (0: no cap)."""
         self.bm = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self.on_preempt = on_preempt or self._log_preemption
@@ -65,7 +68,8 @@ class Scheduler:
             seq = self.running[i]
             # a decoding sequence's drafts (speculative decoding) ride after its last token,
             # as many as the budget leaves room for
-            n = min(seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids), budget)
+            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(n + len(seq.spec_token_ids), budget)
             del seq.spec_token_ids[max(n - 1, 0) :]
             while not self.bm.can_allocate(seq, n):
                 if seq.spec_token_ids:  # drafts are given up before anyone is preempted
@@ -92,7 +96,7 @@ class Scheduler:
                 cached = self.bm.use_cached_prefix(seq)
                 if seq.num_output_tokens == 0:
                     seq.num_cached_tokens = cached
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.bm.can_allocate(seq, n):
                 self.bm.free_sequence(seq)  # don't sit on prefix blocks while waiting
                 seq.num_computed_tokens = 0
@@ -110,6 +114,12 @@ class Scheduler:
             out.scheduled.append((seq, n))
             budget -= n
         return out
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """A sequence's new tokens this step: its remaining ones, within the budget and (a
+        prompt's) the long-prefill cap."""
+        cap = self.long_prefill_token_threshold
+        return min(remaining, budget, cap) if cap > 0 else min(remaining, budget)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Ends a sequence wherever it is (running, waiting) and frees its blocks."""

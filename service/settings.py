@@ -33,6 +33,7 @@ class Settings:
     dtype: str = "auto"
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int | None = None
     max_model_len: int | None = None
     max_waiting: int = 256
     kv_cache_tokens: int | None = None
@@ -78,6 +79,9 @@ _HELP = {
     "ssl_certfile": "serve REST and gRPC over TLS with this certificate (PEM)",
     "ssl_keyfile": "the certificate's private key (PEM)",
     "ssl_ca_certs": "mutual TLS: require client certificates signed by these CAs (PEM)",
+    "long_prefill_token_threshold": "vLLM's: a prompt's chunk per step is at most this many "
+    "tokens (0: the whole --max-num-batched-tokens), so a long prompt leaves the rest of each "
+    "step to streams decoding and to newly arrived prompts",
     "max_waiting": "waiting-queue bound; beyond it requests get 429 / RESOURCE_EXHAUSTED",
     "kv_cache_tokens": "KV cache size in tokens (CPU; GPU default: from free memory)",
     "kv_cache_bytes": "KV cache size in bytes, instead of --kv-cache-tokens (an 8-bit cache "
