@@ -129,20 +129,21 @@ class ModelExecutor:
         if self.kernels:
             return
         if self.device.type == "cuda":
+            scheme = "W4A8" if self.quantization == "int4" else "W8A8"
             path = (
                 "torch._scaled_mm with per-token fp8 activations"
                 if self.quantization == "fp8"
-                else "float32 matmuls of each activation group (W8A8)"
+                else f"float64 matmuls of exact integer sums ({scheme})"
             )
             log.warning(
-                "8-bit weights on CUDA: unmeasured path (no GPU run has proven it); "
+                "quantized weights on CUDA: unmeasured path (no GPU run has proven it); "
                 "experts dequantize one at a time",
                 quantization=self.quantization,
                 path=path,
             )
         else:
             log.warning(
-                "8-bit weights without the CPU kernels (float32 model, no AVX2, or kernels "
+                "quantized weights without the CPU kernels (float32 model, no AVX2, or kernels "
                 "off): torch's path, slower than bf16 on our kernels",
                 quantization=self.quantization,
                 dtype=str(self.dtype).removeprefix("torch."),
