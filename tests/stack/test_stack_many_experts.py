@@ -37,7 +37,7 @@ def test_moe_dashboard_queries_stay_readable_at_256_experts(tmp_path):
         "--max-model-len", "512", "--kv-cache-tokens", "4096", port=port,
         env={"OTEL_TRACES_EXPORTER": "none"}, start_timeout=300,
     )  # fmt: skip
-    prometheus = Prometheus(binary, tmp_path / "prometheus", f"127.0.0.1:{port}")
+    prometheus = Prometheus(binary, tmp_path / "prometheus", {"moeserve": [f"127.0.0.1:{port}"]})
     try:
         server.start()
         server.wait_ready()
