@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from inference.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
@@ -168,36 +169,26 @@ def _structured_outputs_config(value: str) -> str:
     return value
 
 
-def _hf_overrides(value: str) -> str:
-    try:
-        hf_overrides(value)
-    except InvalidParameterError as exc:
-        raise argparse.ArgumentTypeError(exc.message) from None
-    return value
+def _checked_by(parse: Callable[[str], object]) -> Callable[[str], str]:
+    """An argparse type for an engine flag whose value is JSON: the value as given, once the
+    engine's own parser of that field accepts it (its message when it does not)."""
 
+    def check(value: str) -> str:
+        try:
+            parse(value)
+        except InvalidParameterError as exc:
+            raise argparse.ArgumentTypeError(exc.message) from None
+        return value
 
-def _kv_events_config(value: str) -> str:
-    try:
-        kv_events_config(value)
-    except InvalidParameterError as exc:
-        raise argparse.ArgumentTypeError(exc.message) from None
-    return value
-
-
-def _speculative_config(value: str) -> str:
-    try:
-        speculative_config(value)
-    except InvalidParameterError as exc:
-        raise argparse.ArgumentTypeError(exc.message) from None
-    return value
+    return check
 
 
 _TYPES = {
     "structured_outputs_config": _structured_outputs_config,
     "cost_per_hour": _cost_per_hour,
-    "kv_events_config": _kv_events_config,
-    "hf_overrides": _hf_overrides,
-    "speculative_config": _speculative_config,
+    "kv_events_config": _checked_by(kv_events_config),
+    "hf_overrides": _checked_by(hf_overrides),
+    "speculative_config": _checked_by(speculative_config),
 }
 
 
