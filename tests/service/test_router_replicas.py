@@ -61,7 +61,8 @@ def test_the_router_serves_chats_and_completions_through_the_replicas(replicas, 
         with httpx.Client(base_url=url, timeout=60) as http:
             wait_until(lambda: http.get("/v1/models").status_code == 200, 60, "the router ready")
             for i in range(3):
-                chat = {"messages": MESSAGES, "max_tokens": 4, "seed": i}
+                # ignore_eos: the random-weight model may sample its EOS before 4 tokens
+                chat = {"messages": MESSAGES, "max_tokens": 4, "seed": i, "ignore_eos": True}
                 whole = http.post("/v1/chat/completions", json=chat)
                 assert whole.status_code == 200, whole.text
                 body = whole.json()
@@ -71,7 +72,7 @@ def test_the_router_serves_chats_and_completions_through_the_replicas(replicas, 
                 assert streamed.status_code == 200, streamed.text
                 chunks = _sse_events(streamed)
                 assert chunks[0]["object"] == "chat.completion.chunk"
-                text = {"prompt": f"Count to {i + 3}:", "max_tokens": 4}
+                text = {"prompt": f"Count to {i + 3}:", "max_tokens": 4, "ignore_eos": True}
                 completion = http.post("/v1/completions", json=text)
                 assert completion.status_code == 200, completion.text
                 assert completion.json()["usage"]["completion_tokens"] == 4
