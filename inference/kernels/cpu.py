@@ -29,7 +29,7 @@ pack two values a byte ([Kp/8, N, 4], `pack_qweight`) for csrc/int4.c, a library
 the MoE kernel and the one-call decode step through the products of a block it hands to the
 main library (ms_set_int4), where the inputs are whole octets and the rows rotated.
 
-The paged KV cache may hold 8-bit rows (KV_KINDS): the rope kernel quantizes as it writes
+The paged KV cache may hold 8-bit or int4 rows (KV_KINDS): the rope kernel quantizes as it writes
 and decode attention dequantizes as it reads.
 """
 
@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.config import cache_root
-from inference.models.paged_cache import kv_width, rotates_alone
+from inference.models.paged_cache import INT4, kv_width, reads_alone
 from inference.quantization import qweight as quant
 from inference.quantization.qweight import QWeight
 
@@ -194,7 +194,7 @@ class MoeGlu(ctypes.Structure):
 
 _W_KINDS = {"int8": 1, "fp8": 2, "int4": 3}
 # the paged cache's row formats (models/paged_cache.py) as csrc/kernels.h numbers them (KV_*)
-_KV_KINDS = {torch.uint8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+_KV_KINDS = {torch.uint8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3, INT4: 4}
 
 
 def kv_kind(cache: torch.Tensor) -> int:
@@ -579,7 +579,7 @@ def pack_qweight(w: QWeight) -> QWeight:
     ceil(N/16) * 16]."""
     if w.packed:
         return w
-    if w.fmt == "int4":
+    if w.fmt in quant.FOUR_BIT:
         return _pack_int4(w)
     colsum = None
     if w.fmt == "int8":
@@ -599,6 +599,8 @@ def _pack_int4(w: QWeight) -> QWeight:
     low and 8o + 4 + j high, so a mask and a shift give two quads of the int8 layout."""
     if w.group % 8:
         raise ValueError(f"int4 groups must be a multiple of 8 inputs (got {w.group})")
+    if w.zero is not None or w.fmt != "int4":  # (csrc/int4.c's zero points: next commit)
+        raise ValueError("the int4 kernels take symmetric int4 weights only, for now")
     k = w.data.shape[-1]
     kp = -(-k // 8) * 8
     u = (F.pad(w.data, (0, kp - k)).to(torch.int16) + 8).to(torch.uint8)  # padding: value 0
@@ -846,10 +848,11 @@ def decode_attention(
     b, h, dk = q.shape
     g = k_cache.shape[1]
     dv = v_dim or kv_width(v_cache)
-    if kv_kind(k_cache) and not rotates_alone(dv, dk):
-        # the kernel rotates q by dk's blocks, the outputs back by dv's
+    if not reads_alone(dv, dk, k_cache.dtype):
+        # the kernel rotates q by dk's blocks, the outputs back by dv's (int4: reads dv's groups)
         raise ValueError(
-            f"8-bit cache rows of {dk} values rotate in blocks that {dv} values do not start"
+            f"quantized cache rows of {dk} values rotate (or group) in blocks that {dv} values "
+            "do not start"
         )
     if q.stride(-1) != 1 or q.stride(1) != dk:
         q = q.contiguous()

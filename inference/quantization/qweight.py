@@ -24,6 +24,16 @@
   float32, then times the token's scale: the float order the kernel (csrc/int4.c)
   reproduces. `rotated=False` (quantize_int4) keeps the weights unrotated, to measure what
   the rotation buys (bench/quant_bench.py).
+  Published 4-bit checkpoints (GPTQ, AWQ, compressed-tensors) come in through
+  int4_from_levels: levels in [0, 15], w = (level - zero) * scale, with integer zero points
+  per (column, group) where the format is asymmetric (`zero`; None: 8, symmetric), groups of
+  32, 64, 128 inputs or one per channel; the same layout and kernels.
+- mxfp4 (gpt-oss's experts, OCP MX): e2m1 values in blocks of 32 inputs, each block an e8m0
+  exponent e (value * 2^(e - 127)). Held as int8 doubled values 2 * e2m1 (in {0, 1, 2, 3,
+  4, 6, 8, 12} and their negatives: integers, so the W4A8 products stay exact integer sums)
+  and a float32 scale 2^(e - 128) per column and block; mxfp4_from_blocks takes the
+  published tensors. Packed, the nibbles are the e2m1 codes, which the kernels turn into
+  the doubled values by a register lookup.
 
 A QWeight keeps the 8-bit values (int8: of the rotated rows) and their scales in one of two
 layouts: row-major [..., N, K] (the torch path: CUDA, float32 engines, CPUs without our
@@ -48,17 +58,24 @@ FP8_MAX = 448.0
 FP8_BLOCK = 128  # the block scales' size, rows and inputs alike, as the checkpoints ship them
 
 
+FOUR_BIT = ("int4", "mxfp4")  # the formats of the packed 4-bit layout (csrc/int4.c)
+
+
 @dataclass(eq=False)
 class QWeight:
-    fmt: str  # "int8" | "int4" | "fp8"
-    # int8 / float8_e4m3fn [..., N, K] (int4: int8 values in [-8, 7]), or packed uint8
-    # [..., Kq/4, N, 4] (int4: [..., Kp/8, N, 4], two values a byte, cpu.pack_qweight)
+    fmt: str  # "int8" | "int4" | "mxfp4" | "fp8"
+    # int8 / float8_e4m3fn [..., N, K] (int4: int8 values level - 8 in [-8, 7]; mxfp4: int8
+    # doubled e2m1 values 2v in [-12, 12]), or packed uint8 [..., Kq/4, N, 4] (int4, mxfp4:
+    # [..., Kp/8, N, 4], two nibbles a byte, cpu.pack_qweight)
     data: torch.Tensor
     scale: torch.Tensor  # float32 [..., G, N]
     group: int  # inputs per scale group
     in_features: int
     colsum: torch.Tensor | None = None  # int32 [..., N16], each column's sum (packed int8 only)
     rotated: bool = True  # int8 / int4: values of the rotated rows (hadamard.rotate)
+    # int4 only: int8 [..., G, N] zero points in the level domain, w = (level - zero) *
+    # scale = (data + 8 - zero) * scale; None: symmetric (every zero 8)
+    zero: torch.Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -72,13 +89,14 @@ class QWeight:
     def nbytes(self) -> int:
         return sum(
             t.numel() * t.element_size()
-            for t in (self.data, self.scale, self.colsum)
+            for t in (self.data, self.scale, self.colsum, self.zero)
             if t is not None
         )
 
     def __getitem__(self, index: int) -> QWeight:
         """One matrix of a stack (an expert of [E, N, K])."""
         colsum = None if self.colsum is None else self.colsum[index]
+        zero = None if self.zero is None else self.zero[index]
         return QWeight(
             self.fmt,
             self.data[index],
@@ -87,20 +105,38 @@ class QWeight:
             self.in_features,
             colsum,
             self.rotated,
+            zero,
         )
 
     @property
     def rotates(self) -> bool:
         """Whether activations are rotated before the integer products (weights were)."""
-        return self.fmt in ("int8", "int4") and self.rotated
+        return self.fmt in ("int8", "int4", "mxfp4") and self.rotated
+
+    def integers(self) -> torch.Tensor:
+        """The integer weights [..., N, K] the W4A8 products sum exactly, each times its
+        group's scale (int4: level - zero; mxfp4: 2 * e2m1), as int32; row-major only."""
+        if self.packed or self.fmt not in FOUR_BIT:
+            raise ValueError("integers() reads a row-major int4 or mxfp4 weight")
+        w = self.data.to(torch.int32)
+        if self.zero is not None:
+            shift = self.zero.to(torch.int32) - 8  # zero 8 (symmetric) leaves data as it is
+            w = w - per_input(shift, self.group, self.in_features)
+        return w
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The real weights [..., N, K] (row-major layout only; int8/int4 rotated back)."""
         if self.packed:
             raise ValueError("dequantize() reads the row-major layout, not a packed weight")
-        scale = self.scale.transpose(-1, -2).repeat_interleave(self.group, dim=-1)
-        w = self.data.float() * scale[..., : self.in_features]
+        scale = per_input(self.scale, self.group, self.in_features)
+        values = self.integers() if self.fmt in FOUR_BIT else self.data
+        w = values.float() * scale
         return (rotate_by_products(w) if self.rotates else w).to(dtype)
+
+
+def per_input(grouped: torch.Tensor, group: int, k: int) -> torch.Tensor:
+    """[..., G, N] values per (group, column) -> [..., N, k], each input's group's value."""
+    return grouped.transpose(-1, -2).repeat_interleave(group, dim=-1)[..., :k]
 
 
 # ---- quantizing ---------------------------------------------------------------------------
@@ -140,13 +176,88 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP, rotated: bool = True
     scale = blocks.gather(-1, at) / -8.0
     inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
     q = (blocks * inv).round().clamp(-8, 7).to(torch.int8).flatten(-2)[..., :k]
+    return int4_from_levels((q + 8).to(torch.uint8), scale.squeeze(-1), None, group, rotated)
+
+
+def int4_from_levels(
+    levels: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group: int,
+    rotated: bool = False,
+) -> QWeight:
+    """A 4-bit weight as published formats give it (GPTQ, AWQ, compressed-tensors once
+    unpacked from their int32 words): levels [..., N, K] integers in [0, 15], scales [..., N,
+    G] (G = ceil(K / group)), zeros [..., N, G] integer zero points (float or int tensors
+    holding whole numbers in [-128, 127]) or None (symmetric: 8), meaning w = (level - zero)
+    * scale. group: 32, 64, 128, ... (a multiple of 8) or K (per channel, any K). rotated:
+    the levels are of rows rotated by hadamard.rotate (our own --quantization int4); published
+    checkpoints are not."""
+    *lead, n, k = levels.shape
+    if group <= 0 or (group % 8 and group < k):
+        raise ValueError(f"int4 groups must be a multiple of 8 inputs or all of K={k} ({group})")
+    group = min(group, k)
+    g = -(-k // group)
+    if tuple(scales.shape) != (*lead, n, g):
+        raise ValueError(f"int4 scales have shape {tuple(scales.shape)}, expected {(*lead, n, g)}")
+    if levels.dtype.is_floating_point or levels.dtype == torch.bool:
+        raise ValueError(f"int4 levels must be integers (got {levels.dtype})")
+    if levels.numel() and (int(levels.min()) < 0 or int(levels.max()) > 15):
+        raise ValueError("int4 levels must lie in [0, 15]")
+    zero = None
+    if zeros is not None:
+        if tuple(zeros.shape) != (*lead, n, g):
+            raise ValueError(
+                f"int4 zeros have shape {tuple(zeros.shape)}, expected {(*lead, n, g)}"
+            )
+        z = zeros.double()
+        if not torch.equal(z, z.round()) or (z.numel() and (z.min() < -128 or z.max() > 127)):
+            raise ValueError("int4 zero points must be whole numbers in [-128, 127]")
+        zero = zeros.to(torch.int8).transpose(-1, -2).contiguous()
     return QWeight(
         "int4",
-        q.contiguous(),
-        scale.squeeze(-1).transpose(-1, -2).contiguous(),
+        (levels.to(torch.int16) - 8).to(torch.int8).contiguous(),
+        scales.float().transpose(-1, -2).contiguous(),
         group,
         k,
         rotated=rotated,
+        zero=zero,
+    )
+
+
+MXFP4_GROUP = 32  # inputs per e8m0 scale (OCP MX)
+# e2m1 codes -> twice their value, integers (gpt-oss's FP4_VALUES, doubled)
+E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def mxfp4_from_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> QWeight:
+    """gpt-oss's MXFP4 tensors as published -> an mxfp4 QWeight: blocks uint8 [..., N, K/2]
+    (or [..., N, K/32, 16]; input 2i in byte i's low nibble, 2i + 1 in its high one, e2m1
+    codes) and scales uint8 e8m0 [..., N, K/32] (2^(e - 127); 255, e8m0's NaN, refused). The
+    weight is w[n, k] = e2m1(code) * 2^(e - 127), transformers' dequantization exactly."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"mxfp4 blocks and scales are uint8 (got {blocks.dtype}, {scales.dtype})")
+    if blocks.dim() == scales.dim() + 1:  # [..., N, G, 16]
+        blocks = blocks.flatten(-2)
+    *lead, n, half = blocks.shape
+    k = 2 * half
+    if k % MXFP4_GROUP or tuple(scales.shape) != (*lead, n, k // MXFP4_GROUP):
+        raise ValueError(
+            f"mxfp4 scales have shape {tuple(scales.shape)}, expected {(*lead, n, k // 32)}"
+        )
+    if scales.numel() and int(scales.max()) == 255:
+        raise ValueError("mxfp4 scale 255 (e8m0's NaN)")
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()
+    doubled = torch.tensor(E2M1_DOUBLED, dtype=torch.int8)[codes]
+    # 2^(e - 128): the doubled values' scale (subnormal below e = 2, still exact)
+    scale = torch.ldexp(torch.ones(scales.shape), scales.to(torch.int32) - 128)
+    return QWeight(
+        "mxfp4",
+        doubled.contiguous(),
+        scale.transpose(-1, -2).contiguous(),
+        MXFP4_GROUP,
+        k,
+        rotated=False,
     )
 
 
@@ -213,7 +324,7 @@ def linear(
         q, sx = quantize_rows(rotate(rows.float()))
         sums = q.double() @ w.data.double().t()  # exact: the kernels' int32 sums
         y = sums.float() * sx.unsqueeze(-1) * w.scale[0]
-    elif w.fmt == "int4":
+    elif w.fmt in FOUR_BIT:
         y = _int4_products(rows, w)
     else:
         use_scaled = x.device.type == "cuda" if scaled_mm is None else scaled_mm
@@ -234,13 +345,15 @@ def quantize_activations(rows: torch.Tensor, w: QWeight) -> tuple[torch.Tensor, 
 
 
 def _int4_products(rows: torch.Tensor, w: QWeight) -> torch.Tensor:
-    """rows [M, K] times a row-major int4 weight -> [M, N] float32, W4A8 in csrc/int4.c's
-    order: acc = 0; acc += float(group sum) * group scale, group by group; y = acc * sx."""
+    """rows [M, K] times a row-major int4 / mxfp4 weight -> [M, N] float32, W4A8 in
+    csrc/int4.c's order: acc = 0; acc += float(group's exact sum of integers(w) * q) * group
+    scale, group by group; y = acc * sx."""
     q, sx = quantize_activations(rows, w)
+    values = w.integers()
     acc = torch.zeros(q.shape[0], w.out_features, dtype=torch.float32, device=rows.device)
     for g, start in enumerate(range(0, w.in_features, w.group)):
         part = slice(start, start + w.group)
-        sums = q[:, part].double() @ w.data[:, part].double().t()  # exact integer sums
+        sums = q[:, part].double() @ values[:, part].double().t()  # exact integer sums
         acc = acc + sums.float() * w.scale[g]
     return acc * sx.unsqueeze(-1)
 
