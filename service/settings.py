@@ -100,7 +100,7 @@ _HELP = {
     "as vLLM derives it)",
     "max_body_bytes": "request body size limit (413 beyond)",
     "log_prompts": "include prompt and output text in logs",
-    "demo_preset": "preset of the demo model (tiny|small)",
+    "demo_preset": "preset of the demo model (tiny|small|medium)",
     "tool_call_parser": "the model's tool-call syntax under tool_choice auto "
     "(auto: from the checkpoint's architecture and chat template)",
     "reasoning_parser": "how the model's output separates its reasoning (reasoning_content) "
@@ -137,7 +137,7 @@ _CHOICES = {
     "kv_cache_dtype": list(KV_CACHE_DTYPES),
     "quantization": list(QUANTIZATIONS),
     "log_format": ["json", "console"],
-    "demo_preset": ["tiny", "small"],
+    "demo_preset": ["tiny", "small", "medium"],
     "tool_call_parser": ["auto", *PARSERS],
     "reasoning_parser": ["auto", "none", *REASONING_PARSERS],
 }

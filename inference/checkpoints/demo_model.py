@@ -155,6 +155,24 @@ PRESETS: dict[str, Preset] = {
         rope_theta=1e6,
         dtype=torch.bfloat16,
     ),
+    # ~847M parameters, 1.7 GB in bf16 (issue 40): weights many times a CPU's last-level cache,
+    # so a decode step streams them from DRAM and single-stream speed shows how close an engine
+    # gets to the memory-bandwidth floor. A token reads ~153M of them (attention, 2 of 16
+    # experts, lm_head): ~306 MB in bf16, ten times a 32 MB L3.
+    "medium": Preset(
+        num_layers=10,
+        hidden=1024,
+        num_heads=16,
+        head_dim=64,
+        num_kv_heads=4,
+        num_experts=16,
+        top_k=2,
+        ffn=1536,
+        vocab_size=32000,
+        max_positions=32768,
+        rope_theta=1e6,
+        dtype=torch.bfloat16,
+    ),
 }
 
 

@@ -92,6 +92,25 @@ def test_small_preset_size():
     assert p.dtype == torch.bfloat16
 
 
+def test_medium_preset_size():
+    """`medium` (issue 40): 1-2 GB of bf16 weights, many times a last-level cache, of which a
+    token reads a few hundred MB; 32K positions like the others. Counted on the meta device,
+    nothing materialized."""
+    p = PRESETS["medium"]
+    config = ARCHS["mixtral"](p, {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    params = dict(model.named_parameters())
+    n = sum(t.numel() for t in params.values())
+    assert 1e9 <= 2 * n <= 2e9, n  # bf16 bytes
+    experts = sum(t.numel() for k, t in params.items() if ".experts." in k)
+    embed = model.get_input_embeddings().weight.numel()
+    active = n - embed - experts + experts * p.top_k // p.num_experts
+    assert 250e6 <= 2 * active <= 400e6, active  # a token's reads: ~10x a 32 MB L3
+    assert (config.num_local_experts, config.num_experts_per_tok) == (16, 2)
+    assert config.max_position_embeddings == 32768 and p.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize(
     "arch,experts,top_k,width",
     [
