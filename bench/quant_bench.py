@@ -15,12 +15,23 @@ of 64 tokens, so every chunk after a window's first attends over the KV cache as
 also unrotated, to show what the Hadamard rotation buys it); int8, fp8_e4m3 and fp8_e5m2 KV caches. Each gets its relative perplexity increase
 over bf16 and its greedy agreement with bf16 over 16 prompts x 128 tokens (prompts: 16 runs
 of 64 tokens from later in the same text; agreement: the share of tokens generated before
-the first difference, and how many of the 16 are identical).
+the first difference, and how many of the 16 are identical); and the issue-40 measure the
+llama.cpp rows share (bench/peers/llama_accuracy.py): greedy continuations of PASSAGES passages
+of PASSAGE_PROMPT tokens from a part of the text neither of the above reads (`passages`),
+PASSAGE_TOKENS tokens each, as the mean count of tokens before the first difference from bf16
+(`passage_agreement`). int8_weights_kv is our W8A8 as served (int8 weights and KV cache).
 
-Speed (`--speed`): the small demo model (as `make bench`'s engine rows), int8, fp8 and int4
-weights against bf16, single stream 128 -> 128 and batched 32 x 128 -> 128 (prefill
-included: new prompts each round), rounds alternating between the engines (best of each); resident weight bytes; and KV capacity: the
-tokens each cache format holds in the same byte budget, from the engines' own numbers.
+Speed (`--speed`): a demo model (`--preset`: small, as `make bench`'s engine rows, or medium,
+whose weights are many times the last-level cache), int8, fp8 and int4 weights against bf16,
+single stream 128 -> 128 and batched 32 x 128 -> 128 (prefill included: new prompts each
+round), rounds alternating between the engines (best of each); resident weight bytes; single
+stream as a share of the floor, bytes a token must read / memory bandwidth measured in the same
+run (bench/decode_floor.py); and KV capacity: the tokens each cache format holds in the same
+byte budget, from the engines' own numbers.
+
+llama.cpp's rows (`--llamacpp`, bench/peers/llama_accuracy.py): the same perplexity and passage
+agreement for SmolLM2 as a bf16 GGUF and llama.cpp's own Q8_0, Q4_0 and Q4_K_M, against its
+bf16 GGUF, under "llamacpp_accuracy".
 
 Results: bench/results/quant_bench.json (with the CPU's name).
 """
@@ -43,6 +54,9 @@ from inference.checkpoints.demo_model import ensure_demo_model
 
 RESULTS = Path(__file__).parent / "results"
 WINDOW, TOKENS, CHUNK = 1024, 32768, 64  # WINDOW: the tokens each window scores
+PROMPTS, PROMPT_LEN = 16, 64  # the 16 x 128 greedy agreement's prompts, after the scored text
+# the greedy-agreement passages (issue 40): read after the text the two measures above read
+PASSAGES, PASSAGE_PROMPT, PASSAGE_TOKENS = 8, 64, 48
 # the lm-eval max_length giving the same windows: local-completions keeps one token of it for
 # generation and one for context, the hf model one for context beyond it
 LM_EVAL_MAX_LENGTH = {"hf": WINDOW, "local-completions": WINDOW + 2}
@@ -54,6 +68,7 @@ ACCURACY_CONFIGS = {
     # the same without the Hadamard rotation (inference/executor/quantize.py's switch)
     "int4_unrotated_weights": {"quantization": "int4", "env": {"MOESERVE_INT4_ROTATE": "0"}},
     "int8_kv": {"kv_cache_dtype": "int8"},
+    "int8_weights_kv": {"quantization": "int8", "kv_cache_dtype": "int8"},  # W8A8 as served
     "fp8_e4m3_kv": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8_e5m2_kv": {"kv_cache_dtype": "fp8_e5m2"},
 }
@@ -64,7 +79,7 @@ def corpus_ids(tokenizer) -> list[int]:
 
     text = Path(pydoc_data.topics.__file__).read_text(encoding="utf-8")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) < TOKENS + 16 * 64:
+    if len(ids) < TOKENS + PROMPTS * PROMPT_LEN + PASSAGES * PASSAGE_PROMPT:
         raise RuntimeError(f"pydoc_data/topics.py gives only {len(ids)} tokens")
     return ids
 
@@ -101,9 +116,31 @@ def perplexity(engine: LLMEngine, ids: list[int], prefix: int, scored: int = WIN
     return math.exp(nll / len(ids))
 
 
-def greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+def greedy(engine: LLMEngine, prompts: list[list[int]], tokens: int = 128) -> list[list[int]]:
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     return [out.token_ids for out in engine.generate(prompts, params)]
+
+
+def passages(ids: list[int]) -> list[list[int]]:
+    """The greedy-agreement passages: PASSAGES prompts of PASSAGE_PROMPT tokens, spread evenly
+    over the text after the perplexity windows and the 16 agreement prompts (so no passage is
+    text another measure reads), the same token ids for every engine."""
+    rest = ids[TOKENS + PROMPTS * PROMPT_LEN :]
+    stride = (len(rest) - PASSAGE_PROMPT) // (PASSAGES - 1)
+    return [rest[i * stride : i * stride + PASSAGE_PROMPT] for i in range(PASSAGES)]
+
+
+def passage_agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
+    """Mean tokens generated before the first difference from the reference's continuation
+    (of PASSAGE_TOKENS), and how many continuations are identical."""
+    same = [
+        next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), len(ref))
+        for out, ref in zip(outputs, reference, strict=True)
+    ]
+    return {
+        "passage_tokens_before_first_difference": round(sum(same) / len(same), 3),
+        "passage_identical": sum(n == len(ref) for n, ref in zip(same, reference)),
+    }
 
 
 def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
@@ -122,7 +159,7 @@ def bench_accuracy(names: list[str] | None = None) -> dict:
     from inference.checkpoints.model_zoo import resolve_model
 
     model_dir = resolve_model("smollm2")
-    rows, ids, prompts, reference = {}, None, None, None
+    rows, ids, prompts, reference, passage_reference = {}, None, None, None, None
     chosen = ["bf16", *(n for n in names or ACCURACY_CONFIGS if n != "bf16")]
     for name in chosen:
         options = dict(ACCURACY_CONFIGS[name])
@@ -131,21 +168,25 @@ def bench_accuracy(names: list[str] | None = None) -> dict:
         if ids is None:
             ids = corpus_ids(engine.tokenizer)
             later = ids[TOKENS:]
-            prompts = [later[i * 64 : (i + 1) * 64] for i in range(16)]
+            prompts = [later[i * PROMPT_LEN : (i + 1) * PROMPT_LEN] for i in range(PROMPTS)]
         started = time.monotonic()
         ppl = perplexity(engine, ids[:TOKENS], prefix_token(engine.tokenizer))
         row = {"perplexity": ppl, "weight_bytes": engine.weight_bytes}
         outputs = greedy(engine, prompts)
+        continuations = greedy(engine, passages(ids), PASSAGE_TOKENS)
         row["seconds"] = round(time.monotonic() - started, 1)
         if reference is None:
-            reference = outputs
+            reference, passage_reference = outputs, continuations
         row |= agreement(outputs, reference)
+        row |= passage_agreement(continuations, passage_reference)
         row["ppl_increase"] = row["perplexity"] / rows["bf16"]["perplexity"] - 1 if rows else 0.0
         rows[name] = row
         print(
             f"{name:14s} ppl {row['perplexity']:.4f}  +{100 * row['ppl_increase']:.3f}%  "
             f"greedy agreement {row['tokens_before_first_difference']:.3f} "
-            f"({row['identical_outputs']}/16 identical)  {row['seconds']} s",
+            f"({row['identical_outputs']}/16 identical)  passages "
+            f"{row['passage_tokens_before_first_difference']:.1f}/{PASSAGE_TOKENS}  "
+            f"{row['seconds']} s",
             flush=True,
         )
         del engine
@@ -187,8 +228,15 @@ def rate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) ->
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - started)
 
 
-def bench_speed(rounds: int) -> dict:
-    model_dir = ensure_demo_model("small")
+def bench_speed(rounds: int, preset: str = "small") -> dict:
+    from bench.decode_floor import (
+        engine_weight_bytes_per_token,
+        floor_share,
+        kv_read_bytes,
+        stream_read_bandwidth,
+    )
+
+    model_dir = ensure_demo_model(preset)
     engines = {
         name: LLMEngine.from_pretrained(model_dir, device="cpu", dtype="bfloat16", **options)
         for name, options in (
@@ -203,6 +251,7 @@ def bench_speed(rounds: int) -> dict:
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for engine in engines.values():
         engine.generate(make_prompts(4, 128, vocab, seed=99), warm)
+    bandwidth = stream_read_bandwidth()  # the floor's: before the rounds and after, the best
     best = {(name, kind): 0.0 for name in engines for kind in ("single", "batched")}
     for r in range(rounds):  # alternating, so a slow patch of the machine hits every engine
         # new prompts each round, the same for every engine: a repeated prompt would be
@@ -211,12 +260,20 @@ def bench_speed(rounds: int) -> dict:
         for kind, batch in (("single", prompts[:1]), ("batched", prompts)):
             for name, engine in engines.items():
                 best[name, kind] = max(best[name, kind], rate(engine, batch, params))
+    bandwidth = max(bandwidth, stream_read_bandwidth())
+    config = json.loads((model_dir / "config.json").read_text())
+    kv = kv_read_bytes(config, 128 + 128 / 2)  # bf16 cache at the mean context of a decode step
     rows = {}
     for name, engine in engines.items():
+        per_token = engine_weight_bytes_per_token(engine) + kv
         rows[name] = {
             "single_stream": round(best[name, "single"], 1),
             "batched": round(best[name, "batched"], 1),
             "weight_bytes": engine.weight_bytes,
+            "bytes_per_token": round(per_token),
+            "single_stream_floor_share": round(
+                floor_share(best[name, "single"], per_token, bandwidth), 3
+            ),
         }
         if name != "bf16":
             for kind in ("single_stream", "batched", "weight_bytes"):
@@ -235,7 +292,12 @@ def bench_speed(rounds: int) -> dict:
             capacity[fmt]["tokens"] / capacity["auto"]["tokens"], 3
         )
     print("kv capacity at", budget, "bytes:", capacity, flush=True)
-    return {"engines": rows, "kv_capacity": capacity}
+    return {
+        "preset": preset,
+        "bandwidth_bytes_s": round(bandwidth),
+        "engines": rows,
+        "kv_capacity": capacity,
+    }
 
 
 def main() -> None:
@@ -243,6 +305,14 @@ def main() -> None:
     parser.add_argument("--accuracy", action="store_true", help="only the perplexity rows")
     parser.add_argument("--speed", action="store_true", help="only the speed rows")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--preset", choices=["small", "medium"], default="small", help="the speed rows' model"
+    )
+    parser.add_argument(
+        "--llamacpp",
+        action="store_true",
+        help="also llama.cpp's accuracy rows (needs bench/peers/setup_peers.sh llamacpp)",
+    )
     parser.add_argument(
         "--configs",
         nargs="+",
@@ -256,10 +326,14 @@ def main() -> None:
     record = json.loads(out.read_text()) if out.exists() else {}
     record |= {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name()}
     if args.speed or both:
-        record["speed"] = bench_speed(args.rounds)
+        record["speed"] = bench_speed(args.rounds, args.preset)
     if args.accuracy or both:
         rows = bench_accuracy(args.configs)
         record["accuracy"] = (record.get("accuracy", {}) | rows) if args.configs else rows
+    if args.llamacpp and (args.accuracy or both):
+        from bench.peers.llama_accuracy import llamacpp_rows
+
+        record["llamacpp_accuracy"] = llamacpp_rows(["q8_0", "q4_0", "q4_k_m"], os.cpu_count() or 1)
     out.write_text(json.dumps(record, indent=2) + "\n")
 
 
