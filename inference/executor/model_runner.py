@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from inference.executor.prompt_scores import score_rows
 from inference.executor.sampler import Sampler, SamplerOutput
 from inference.models.attention import AttentionMetadata, PrefillChunk
-from inference.outputs import TokenLogprob, TokenLogprobs
+from inference.outputs import TokenLogprobs
 from inference.scheduler import SchedulerOutput
 from inference.sequence import Sequence
 from inference.spec_decode.rejection_sampler import verify
@@ -158,21 +159,8 @@ class ModelRunner:
         self, hidden: torch.Tensor, start: int, n: int, seq: Sequence
     ) -> list[TokenLogprobs]:
         """The logprobs of the prompt tokens that follow a chunk's rows [start, start + n)
-        (each row's logits predict the next position), in pieces of 256 rows so the logits
-        of a long chunk are never all held at once."""
-        p0, top_n = seq.num_computed_tokens, seq.params.prompt_logprobs
+        (each row's logits predict the next position): executor/prompt_scores.py."""
+        p0 = seq.num_computed_tokens
         targets = seq.token_ids[p0 + 1 : min(p0 + n + 1, seq.num_prompt_tokens)]
-        out: list[TokenLogprobs] = []
-        for i in range(0, len(targets), 256):
-            piece = targets[i : i + 256]
-            rows = hidden[start + i : start + i + len(piece)]
-            lp = self.model.logits(rows).float().log_softmax(dim=-1)
-            chosen = lp.gather(1, torch.tensor(piece, device=lp.device).unsqueeze(1))
-            ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()  # vLLM's Logprob.rank
-            top_v, top_i = lp.topk(max(top_n, 1), dim=-1)
-            for token, value, rank, tv, ti in zip(
-                piece, chosen[:, 0].tolist(), ranks, top_v.tolist(), top_i.tolist()
-            ):
-                top = [TokenLogprob(t, v) for t, v in zip(ti[:top_n], tv[:top_n])]
-                out.append(TokenLogprobs(token, value, top, rank))
-        return out
+        rows = hidden[start : start + len(targets)]
+        return score_rows(self.model, rows, targets, seq.params.prompt_logprobs)

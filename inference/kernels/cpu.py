@@ -137,6 +137,7 @@ KERNEL_SOURCES = (
     "norm_rope.c",
     "embed.c",
     "greedy.c",
+    "logits.c",
     "layer.c",
 )
 
@@ -310,6 +311,8 @@ _SIGNATURES = {
     "ms_rmsnorm": "p i p i p f p i i i n",
     "ms_rope_cache": "p i i i i i i p p p n p p i n",
     "ms_greedy": "p i i i p n",
+    "ms_logprob_rows": "p i n i i p i p p p p n",
+    "ms_logit_scores": "p i i i w i p p i p p p p n",
     "ms_embed_int8": "p i p i p i i p n",
     "ms_set_amx": "p p",
     "ms_set_int8": "p p",
@@ -970,6 +973,86 @@ def greedy(logits: torch.Tensor) -> list[int]:
         _threads(),
     )
     return out.tolist()
+
+
+def _scores(rows: int, k: int):
+    """The outputs of the scoring kernels: each row's target logprob and rank, top-k ids and
+    logprobs."""
+    return (
+        torch.empty(rows, dtype=torch.float32),
+        torch.empty(rows, dtype=torch.int64),
+        torch.empty(rows, k, dtype=torch.int64),
+        torch.empty(rows, k, dtype=torch.float32),
+    )
+
+
+def logprob_rows(
+    logits: torch.Tensor, targets: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompt scoring of logits [rows, vocab] (bf16 or float32): each row's log-softmax at
+    targets[row] (int64), its rank (1 + the logits above it) and the top k (ids, logprobs;
+    ties: the lower id first), in two vector passes a row, with no float32 copy of the logits."""
+    if logits.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"logprob_rows: logits of {logits.dtype}, not bf16 or float32")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    targets = targets.to(torch.int64).contiguous()
+    out = _scores(logits.shape[0], k)
+    _check(
+        _lib.ms_logprob_rows(
+            logits.data_ptr(),
+            logits.stride(0),
+            int(logits.dtype == torch.float32),
+            logits.shape[0],
+            logits.shape[1],
+            targets.data_ptr(),
+            k,
+            *(t.data_ptr() for t in out),
+            _threads(),
+        ),
+        "logprob_rows (a target outside the vocabulary, or k larger than it)",
+    )
+    return out
+
+
+def logit_scores(
+    x: torch.Tensor,
+    weight: torch.Tensor | QWeight,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logprob_rows of the logits x [rows, K] (bf16) @ packed weight^T (+ bias), the lm_head's
+    own bf16 logits, computed and scored a tile of rows at a time in C: no [rows, vocab]
+    tensor is made (int4 weights, which ms_linear may not take, go through linear())."""
+    if isinstance(weight, QWeight) and weight.fmt == "int4":
+        return logprob_rows(linear(x, weight, bias), targets, k)
+    k_in = x.shape[-1]
+    n = weight.scale.shape[-1] if isinstance(weight, QWeight) else weight.shape[-2]
+    if not 0 <= _in_features(weight) - k_in <= 3:
+        raise ValueError(f"logit_scores: x has {k_in} features, the weight {_in_features(weight)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    targets = targets.to(torch.int64).contiguous()
+    out = _scores(x.shape[0], k)
+    w = wmat(weight)
+    _check(
+        _lib.ms_logit_scores(
+            x.data_ptr(),
+            x.stride(0),
+            x.shape[0],
+            k_in,
+            ctypes.byref(w),
+            n,
+            None if bias is None else bias.data_ptr(),
+            targets.data_ptr(),
+            k,
+            *(t.data_ptr() for t in out),
+            _threads(),
+        ),
+        "logit_scores (a target outside the vocabulary, or k larger than it)",
+    )
+    return out
 
 
 def embed_int8(table: QWeight, ids: torch.Tensor) -> torch.Tensor:
