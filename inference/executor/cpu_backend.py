@@ -27,16 +27,16 @@ from inference.models.decoder import Attention, Decoder, DecoderLayer
 from inference.models.layers import Linear, RMSNorm
 from inference.models.mla import AbsorbedAttention, MLAttention
 from inference.models.moe import DenseMLP, Experts, MoE, NoAuxMoE, Router, SharedExpertMoE
-from inference.quantization.qweight import QWeight
+from inference.quantization.qweight import FOUR_BIT, QWeight
 
 
 def _replacement(name: str, module: nn.Module, parent: nn.Module) -> nn.Module | None:
     kind = type(module)
-    if kind is QuantExperts and module.w13.fmt == "int4":
+    if kind is QuantExperts and module.w13.fmt in FOUR_BIT:
         if not cpu.int4_moe_fits(module.w13, module.w13.in_features):
             return None  # torch's path, one expert at a time
         return CpuExperts(module)
-    if kind is QuantLinear and module.weight.fmt == "int4" and cpu.INT4 is None:
+    if kind is QuantLinear and module.weight.fmt in FOUR_BIT and cpu.INT4 is None:
         return None  # no int4 linear kernel on this CPU: torch's path
     if kind in (Linear, QuantLinear) or (kind is Router and not module.fp32):
         return CpuLinear(module.weight, module.bias)
@@ -101,15 +101,16 @@ def install(model: nn.Module) -> FusedDecodeStep | None:
 
 
 def _int4_fits_the_fused_step(model: nn.Module) -> bool:
-    """The fused step's products (the main library's, through ms_set_int4) take int4 weights
-    on the kernels (none left on torch's path), rotated, whose inputs are whole octets."""
+    """The fused step's products (the main library's, through ms_set_int4) take 4-bit weights
+    (int4, rotated or not, mxfp4) on the kernels (none left on torch's path), whose inputs
+    are whole octets."""
     int4 = [
         w
         for m in model.modules()
         for w in (getattr(m, n, None) for n in ("weight", "w13", "w2"))
-        if isinstance(w, QWeight) and w.fmt == "int4"
+        if isinstance(w, QWeight) and w.fmt in FOUR_BIT
     ]
-    return all(w.packed and w.rotated and w.in_features % 8 == 0 for w in int4)
+    return all(w.packed and w.in_features % 8 == 0 for w in int4)
 
 
 _MAX_GROUPS = 64  # noaux_tc expert groups the fused router holds (csrc/layer.c)

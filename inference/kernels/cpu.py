@@ -24,10 +24,12 @@ row-major one; kernels/modules.py's modules hold them. 8-bit weights
 layout VNNI and AMX's int8 tiles read. int8 products (W8A8) run on AMX int8 tiles, VNNI
 (csrc/int8_vnni.c, its own library where the CPU has AVX512-VNNI or AVX-VNNI) or
 vpmaddubsw (every build), all exact integer sums; fp8 runs weight-only. int4 weights (W4A8)
-pack two values a byte ([Kp/8, N, 4], `pack_qweight`) for csrc/int4.c, a library per path
-(AVX512-VNNI, AVX-VNNI, or AVX2's vpmaddubsw), chosen as int8's is (INT4); the linear layer calls it directly and
-the MoE kernel and the one-call decode step through the products of a block it hands to the
-main library (ms_set_int4), where the inputs are whole octets and the rows rotated.
+and mxfp4 ones pack two values a byte ([Kp/8, N, 4], `pack_qweight`: int4's levels with
+their zero points, mxfp4's e2m1 codes) for csrc/int4.c, a library per path (AVX512-VNNI,
+AVX-VNNI, or AVX2's vpmaddubsw), chosen as int8's is (INT4); the linear layer calls it
+directly and the MoE kernel and the one-call decode step through the products of a block it
+hands to the main library (ms_set_int4), where the inputs are whole octets; their activation
+rows are rotated where the weights' are (unrotated: published checkpoints).
 
 The paged KV cache may hold 8-bit or int4 rows (KV_KINDS): the rope kernel quantizes as it writes
 and decode attention dequantizes as it reads.
@@ -181,9 +183,19 @@ def _build(sources: list[Path], flags: list[str], name: str) -> Path:
 
 class WMat(ctypes.Structure):
     """A packed weight as the kernels take it (csrc/kernels.h wmat): bf16 pairs, or 8-bit
-    quads with float32 scales per (group, column) and, for int8, column sums."""
+    quads with float32 scales per (group, column) and, for int8, column sums; or 4-bit octets
+    with scales, int4's zero points (NULL: symmetric) and whether their rows are plain
+    (unrotated)."""
 
-    _fields_ = [("data", _P), ("scale", _P), ("colsum", _P), ("group", _I64), ("kind", _I64)]
+    _fields_ = [
+        ("data", _P),
+        ("scale", _P),
+        ("colsum", _P),
+        ("group", _I64),
+        ("kind", _I64),
+        ("zero", _P),
+        ("plain", _I64),
+    ]
 
 
 class MoeGlu(ctypes.Structure):
@@ -193,7 +205,7 @@ class MoeGlu(ctypes.Structure):
     _fields_ = [("b13", _P), ("b2", _P), ("alpha", _F32), ("limit", _F32)]
 
 
-_W_KINDS = {"int8": 1, "fp8": 2, "int4": 3}
+_W_KINDS = {"int8": 1, "fp8": 2, "int4": 3, "mxfp4": 4}
 # the paged cache's row formats (models/paged_cache.py) as csrc/kernels.h numbers them (KV_*)
 _KV_KINDS = {torch.uint8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3, INT4: 4}
 
@@ -209,7 +221,17 @@ def wmat(w: torch.Tensor | QWeight | None) -> WMat:
         return WMat()
     if isinstance(w, QWeight):
         colsum = None if w.colsum is None else w.colsum.data_ptr()
-        return WMat(w.data.data_ptr(), w.scale.data_ptr(), colsum, w.group, _W_KINDS[w.fmt])
+        zero = None if w.zero is None else w.zero.data_ptr()
+        four_bit = w.fmt in quant.FOUR_BIT
+        return WMat(
+            w.data.data_ptr(),
+            w.scale.data_ptr(),
+            colsum,
+            _kernel_group(w) if four_bit else w.group,
+            _W_KINDS[w.fmt],
+            zero,
+            int(four_bit and not w.rotated),
+        )
     return WMat(w.data_ptr(), None, None, 0, 0)
 
 
@@ -398,7 +420,7 @@ def _int4_library(path: str) -> ctypes.CDLL:
         flags = list(_INT4[path][0])
     flags.append("-ffp-contract=off")
     lib = ctypes.CDLL(str(_build([_CSRC / "int4.c"], flags, f"int4-{path}")))
-    lib.ms_int4_linear.argtypes = _types("p i p i i p p i i p i n")
+    lib.ms_int4_linear.argtypes = _types("p i p i i p p p i i n p i n")
     return lib
 
 
@@ -596,21 +618,39 @@ def pack_qweight(w: QWeight) -> QWeight:
     return QWeight(w.fmt, data, w.scale.contiguous(), w.group, w.in_features, colsum)
 
 
+# mxfp4's doubled values (+ 12) -> their e2m1 codes (0 for both zeros)
+_E2M1_CODES = torch.zeros(25, dtype=torch.uint8)
+for _code, _value in reversed(list(enumerate(quant.E2M1_DOUBLED))):
+    _E2M1_CODES[_value + 12] = _code
+
+
 def _pack_int4(w: QWeight) -> QWeight:
-    """A row-major int4 weight -> csrc/int4.c's layout [..., Kp/8, N, 4] bytes (Kp: K rounded
-    up to 8): values as nibbles v + 8; byte j of a column's quad in octet o holds input 8o + j
-    low and 8o + 4 + j high, so a mask and a shift give two quads of the int8 layout."""
-    if w.group % 8:
+    """A row-major 4-bit weight -> csrc/int4.c's layout [..., Kp/8, N, 4] bytes (Kp: K rounded
+    up to 8): int4 values as their levels v + 8 (the zero points kept beside), mxfp4's as their
+    e2m1 codes; byte j of a column's quad in octet o holds input 8o + j low and 8o + 4 + j
+    high, so a mask and a shift give two quads of the int8 layout."""
+    if w.group % 8 and w.group < w.in_features:
         raise ValueError(f"int4 groups must be a multiple of 8 inputs (got {w.group})")
-    if w.zero is not None or w.fmt != "int4":  # (csrc/int4.c's zero points: next commit)
-        raise ValueError("the int4 kernels take symmetric int4 weights only, for now")
     k = w.data.shape[-1]
     kp = -(-k // 8) * 8
-    u = (F.pad(w.data, (0, kp - k)).to(torch.int16) + 8).to(torch.uint8)  # padding: value 0
+    if w.fmt == "mxfp4":
+        u = _E2M1_CODES[w.data.long() + 12]
+    else:
+        u = (w.data.to(torch.int16) + 8).to(torch.uint8)
+    u = F.pad(u, (0, kp - k))  # padding: activations there are 0
     octets = u.unflatten(-1, (kp // 8, 2, 4))
     nibbles = (octets[..., 0, :] | (octets[..., 1, :] << 4)).flatten(-2)  # [..., N, Kp/2]
     data = _pack(nibbles, 4)
-    return QWeight("int4", data, w.scale.contiguous(), w.group, w.in_features, rotated=w.rotated)
+    zero = None if w.zero is None else w.zero.contiguous()
+    return QWeight(
+        w.fmt, data, w.scale.contiguous(), w.group, w.in_features, rotated=w.rotated, zero=zero
+    )
+
+
+def _kernel_group(w: QWeight) -> int:
+    """The group a 4-bit weight's kernels read: its own, or the padded row where one group
+    spans all the inputs (per channel, K not a multiple of 8)."""
+    return -(-w.in_features // 8) * 8 if w.group >= w.in_features else w.group
 
 
 def unpack_weight(p: torch.Tensor, k: int) -> torch.Tensor:
@@ -645,7 +685,7 @@ def is_packed(w: torch.Tensor | QWeight, matrix_dims: int = 2) -> bool:
 def _in_features(w: torch.Tensor | QWeight) -> int:
     """The padded input width of a packed weight."""
     if isinstance(w, QWeight):
-        return (8 if w.fmt == "int4" else 4) * w.data.shape[-3]
+        return (8 if w.fmt in quant.FOUR_BIT else 4) * w.data.shape[-3]
     return 2 * w.shape[-3]
 
 
@@ -659,10 +699,10 @@ def linear(
     [..., N] bf16."""
     k = x.shape[-1]
     n = weight.scale.shape[-1] if isinstance(weight, QWeight) else weight.shape[-2]
-    if isinstance(weight, QWeight) and weight.fmt == "int4":
+    if isinstance(weight, QWeight) and weight.fmt in quant.FOUR_BIT:
         if INT4 is None:  # (the main library's int4 products are int4.c's)
             raise ValueError("linear: no int4 kernel on this CPU (enable() chose none)")
-        if not (weight.rotated and k % 8 == 0):  # ms_linear's rows: rotated, whole octets
+        if k % 8:  # ms_linear's 4-bit products read whole octets
             return _linear_int4(x, weight, bias)
     if not 0 <= _in_features(weight) - k <= 3:
         raise ValueError(f"linear: x has {k} features, the packed weight {_in_features(weight)}")
@@ -694,8 +734,8 @@ def linear(
 
 
 def _linear_int4(x: torch.Tensor, weight: QWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] times a packed int4 weight (+ bias) on csrc/int4.c's own linear (W4A8), for
-    the weights ms_linear does not take (unrotated, or K not a multiple of 8): activations
+    """x [..., K] times a packed 4-bit weight (+ bias) on csrc/int4.c's own linear (W4A8), for
+    the weights ms_linear does not take (K not a multiple of 8): activations
     quantized in torch, the bias added and rounded as the torch reference does, so the result
     is its float for float (as ms_linear's is)."""
     y = int4_products(x.reshape(-1, x.shape[-1]), weight)
@@ -705,9 +745,9 @@ def _linear_int4(x: torch.Tensor, weight: QWeight, bias: torch.Tensor | None) ->
 
 
 def int4_products(rows: torch.Tensor, weight: QWeight) -> torch.Tensor:
-    """rows [M, K] times a packed int4 weight -> [M, N] float32, on the path enable() chose
-    (INT4). The activations are quantized by the torch reference's own function
-    (quant.quantize_activations: rotated, int8 per row)."""
+    """rows [M, K] times a packed int4 / mxfp4 weight -> [M, N] float32, on the path enable()
+    chose (INT4). The activations are quantized by the torch reference's own function
+    (quant.quantize_activations: rotated where the weight is, int8 per row)."""
     k, n = rows.shape[-1], weight.out_features
     kp = _in_features(weight)
     if k != weight.in_features or INT4 is None:
@@ -728,8 +768,10 @@ def int4_products(rows: torch.Tensor, weight: QWeight) -> torch.Tensor:
             kp,
             weight.data.data_ptr(),
             weight.scale.data_ptr(),
-            weight.group,
+            None if weight.zero is None else weight.zero.data_ptr(),
+            _kernel_group(weight),
             n,
+            int(weight.fmt == "mxfp4"),
             y.data_ptr(),
             n,
             _threads(),
@@ -784,10 +826,8 @@ def moe(
     expert ids and router weights [T, A] -> the MoE output [T, D] bf16 and the tokens per
     expert [E]. `glu`: gpt-oss's biases and clamped SwiGLU (its tensors outlive the call)."""
     t, d = x.shape
-    if isinstance(w13, QWeight) and w13.fmt == "int4" and not int4_moe_fits(w13, d):
-        raise ValueError(
-            "moe: int4 experts need the int4 kernel, rotated weights, D and I % 8 == 0"
-        )
+    if isinstance(w13, QWeight) and w13.fmt in quant.FOUR_BIT and not int4_moe_fits(w13, d):
+        raise ValueError("moe: 4-bit experts need the int4 kernel and D and I % 8 == 0")
     if isinstance(w13, QWeight):
         e, i = w13.scale.shape[0], w13.scale.shape[-1] // 2
     else:
@@ -824,11 +864,11 @@ def moe(
 
 
 def int4_moe_fits(w13: QWeight, d: int) -> bool:
-    """Whether the MoE kernel takes these int4 experts: an int4 path chosen (INT4), rows
-    rotated (its activations are, as int8's), and D and I multiples of 8 (its int8 rows are
-    padded to 4 inputs, the int4 octets read 8)."""
+    """Whether the MoE kernel takes these 4-bit experts (int4, rotated or not, or mxfp4): an
+    int4 path chosen (INT4), and D and I multiples of 8 (its int8 rows are padded to 4 inputs,
+    the 4-bit octets read 8)."""
     i = w13.scale.shape[-1] // 2
-    return INT4 is not None and w13.rotated and d % 8 == 0 and i % 8 == 0
+    return INT4 is not None and d % 8 == 0 and i % 8 == 0
 
 
 def decode_attention(

@@ -196,8 +196,7 @@ def int4_from_levels(
     *lead, n, k = levels.shape
     if group <= 0 or (group % 8 and group < k):
         raise ValueError(f"int4 groups must be a multiple of 8 inputs or all of K={k} ({group})")
-    group = min(group, k)
-    g = -(-k // group)
+    g = -(-k // group)  # (a group of K or more: one per channel)
     if tuple(scales.shape) != (*lead, n, g):
         raise ValueError(f"int4 scales have shape {tuple(scales.shape)}, expected {(*lead, n, g)}")
     if levels.dtype.is_floating_point or levels.dtype == torch.bool:

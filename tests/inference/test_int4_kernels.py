@@ -31,9 +31,19 @@ INT4_PATHS = [
 CPU_FLAG = {"vnni": "avx512_vnni", "avxvnni": "avx_vnni"}
 
 
-@pytest.fixture(params=INT4_PATHS, ids=lambda p: f"{p[0]}-int4={p[3]}")
+def path_id(path) -> str:
+    return f"{path[0]}-int4={path[3]}"
+
+
+@pytest.fixture(params=INT4_PATHS, ids=path_id)
 def int4_path(request):
-    isa, vnni, emulated, expected = request.param
+    yield from forced_int4_path(request.param)
+
+
+def forced_int4_path(path):
+    """Enables one of INT4_PATHS for a test (skipped where this CPU cannot run it), yields its
+    name and restores the automatic choice after."""
+    isa, vnni, emulated, expected = path
     if platform.machine() not in ("x86_64", "AMD64") or isa not in cpu_kernels.runnable_isas():
         pytest.skip(f"this CPU cannot run the {isa} kernels")
     if CPU_FLAG.get(expected, "avx2") not in cpu_kernels.cpu_flags():
@@ -129,11 +139,14 @@ def test_moe_on_int4_experts_matches_the_torch_path(int4_path, t, d, i, e, top_k
     torch.testing.assert_close(out.float(), ref, rtol=2**-6, atol=float(ref.abs().max()) * 2**-6)
 
 
-def test_int4_experts_the_moe_kernel_cannot_take_are_refused():
+def test_int4_experts_the_moe_kernel_cannot_take_are_refused(int4_path):
     q13 = quant.quantize_int4(torch.randn(2, 12, 20))  # D = 20: not a multiple of 8
     assert not cpu_kernels.int4_moe_fits(q13, 20)
+    q13 = quant.quantize_int4(torch.randn(2, 20, 64))  # I = 10: not a multiple of 8
+    assert not cpu_kernels.int4_moe_fits(q13, 64)
+    # unrotated experts (published checkpoints) fit: their rows are quantized unrotated
     unrotated = quant.quantize_int4(torch.randn(2, 16, 64), rotated=False)
-    assert not cpu_kernels.int4_moe_fits(unrotated, 64)
+    assert cpu_kernels.int4_moe_fits(unrotated, 64)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
@@ -142,7 +155,13 @@ def test_the_one_call_decode_step_on_int4_computes_what_the_composed_layers_do(
 ):
     """A decode step of three sequences (contexts of 5, 20 and 37 tokens in scattered cache
     blocks) in one kernel call and through the layers composed op by op, on int4 weights."""
-    eng = engine(model_dirs(arch), quantization="int4")
+    fused_step_equals_the_composed_layers(engine(model_dirs(arch), quantization="int4"))
+
+
+def fused_step_equals_the_composed_layers(eng) -> None:
+    """One decode step of three sequences (contexts of 5, 20 and 37 tokens in scattered cache
+    blocks) in one kernel call and through the layers composed op by op: the same expert
+    counts, the same hidden rows but for bf16 roundings, the same greedy tokens."""
     model, caches = eng.executor.model, eng.executor.kv_caches
     fused = eng.executor.fused_step
     assert fused is not None
@@ -173,8 +192,12 @@ def test_the_one_call_decode_step_on_int4_computes_what_the_composed_layers_do(
     assert torch.equal(model.logits(one_call).argmax(-1), model.logits(composed).argmax(-1))
 
 
-def test_unrotated_int4_keeps_the_composed_layers(int4_path, model_dirs, monkeypatch):
+def test_unrotated_int4_runs_the_fused_step_on_unrotated_rows(int4_path, model_dirs, monkeypatch):
+    """MOESERVE_INT4_ROTATE=0: the kernels quantize the activation rows unrotated (wmat's
+    `plain`), the fused step included."""
     monkeypatch.setenv("MOESERVE_INT4_ROTATE", "0")
     eng = engine(model_dirs("mixtral"), quantization="int4")
-    assert eng.executor.fused_step is None  # the fused step's rows are rotated
-    assert isinstance(eng.executor.model.layers[0].attn.wqkv, CpuLinear)  # int4.c's linear
+    layer = eng.executor.model.layers[0]
+    assert isinstance(layer.attn.wqkv, CpuLinear) and not layer.attn.wqkv.weight.rotated
+    assert isinstance(layer.mlp.experts, CpuExperts)
+    fused_step_equals_the_composed_layers(eng)

@@ -110,8 +110,8 @@ void int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const in
         }
 }
 
-void quantize_row_s8(float *x, int64_t K, int8_t *q, int64_t Kq, float *scale) {
-    hadamard_rotate(x, K);
+void quantize_row_s8(float *x, int64_t K, int8_t *q, int64_t Kq, float *scale, int rotate) {
+    if (rotate) hadamard_rotate(x, K);
     const float amax = row_amax(x, K);
     int64_t k;
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -248,10 +248,11 @@ static void int8_blocks(const rows_t *a, int64_t m0, int64_t rows, const wmat *w
 
 /* ---- int4 x int8 ----------------------------------------------------------------------- */
 
-/* block j of an int4 weight (K a multiple of 8) times rows [m0, m0 + rows) of a's int8 rows,
- * on int4.c's products (int4_block), then each row's activation scale: the torch
- * reference's order (quant._int4_products). narrow: the narrow last block widened to 16
- * columns; sc: the block's scales per group. */
+/* block j of a 4-bit weight (int4, mxfp4; K a multiple of 8) times rows [m0, m0 + rows) of
+ * a's int8 rows, on int4.c's products (int4_block), then each row's activation scale: the
+ * torch reference's order (quant._int4_products). narrow: the narrow last block widened to 16
+ * columns; sc: the block's scales per group, then its zeros (int4's zero points; 8 where
+ * symmetric, 12 for mxfp4's looked-up values). */
 static void int4_blocks(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j,
                         uint8_t *narrow, float *sc, float *C, int64_t ldc, int64_t *cols) {
     const int64_t octets = K / 8, groups = (K + w->group - 1) / w->group, full = N / BLOCK;
@@ -262,9 +263,15 @@ static void int4_blocks(const rows_t *a, int64_t m0, int64_t rows, const wmat *w
         for (int64_t o = 0; o < octets; o++) memcpy(narrow + o * 64, B + o * *cols * 4, (size_t)(*cols * 4));
         B = narrow;
     }
+    int32_t *zp = (int32_t *)(sc + groups * BLOCK);
+    const int mx = w->kind == W_MXFP4, zero = mx ? 12 : 8;
     for (int64_t g = 0; g < groups; g++)
-        for (int64_t c = 0; c < BLOCK; c++) sc[g * BLOCK + c] = c < *cols ? w->scale[g * N + j * BLOCK + c] : 0.0f;
-    int4_block(a->s8 + m0 * a->ld8, a->ld8, rows, B, octets, w->group / 8, sc, C, ldc);
+        for (int64_t c = 0; c < BLOCK; c++) {
+            const int64_t at = g * N + j * BLOCK + c;
+            sc[g * BLOCK + c] = c < *cols ? w->scale[at] : 0.0f;
+            zp[g * BLOCK + c] = c >= *cols ? 0 : w->zero ? w->zero[at] : zero;
+        }
+    int4_block(a->s8 + m0 * a->ld8, a->ld8, rows, B, octets, w->group / 8, sc, zp, mx, C, ldc);
     for (int64_t m = 0; m < rows; m++) {
         const vf s = vf_set1(a->s8_scale[m0 + m]);
         for (int v = 0; v < VPB; v++) vf_store(C + m * ldc + v * VL, vf_mul(vf_load(C + m * ldc + v * VL), s));
@@ -280,7 +287,7 @@ void wblock8_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int6
     uint8_t *narrow = pad;
     bf16 *deq = (bf16 *)((char *)pad + round64((size_t)Kq * BLOCK));
     float *sc = (float *)((char *)deq + round64((size_t)Kq * BLOCK * sizeof(bf16)));
-    if (w->kind == W_INT4) {
+    if (four_bit(w)) {
         int4_blocks(a, m0, rows, w, N, K, j, narrow, sc, C, ldc, cols);
         return;
     }

@@ -1,25 +1,30 @@
-/* int4 weights times int8 activations (W4A8), the linear layer of quantization/qweight.py's
- * int4 format: a float32 scale per output column and group of inputs (128 by default), int8
- * activations with one scale a row (quantized by the caller, rotated where the weights are).
- * A library of its own, built per path and loaded where the CPU reports its extension
- * (cpu_kernels.enable): -DMS_AVX512 with -mavx512vnni, vpdpbusd on 16 columns; AVX2's with
- * -mavxvnni -DMS_INT4_VNNI, AVX-VNNI's vpdpbusd on 8 (on SIMDe's with -DMS_SIMDE: the tests'
- * emulation); or the AVX2 build, vpmaddubsw + vpmaddwd on 8 columns (every AVX2 CPU). With
- * -ffp-contract=off: the float sums are the torch reference's, rounding for rounding.
+/* 4-bit weights times int8 activations (W4A8), the linear layer of quantization/qweight.py's
+ * int4 and mxfp4 formats: a float32 scale per output column and group of inputs (int4: 32, 64,
+ * 128 or a whole column; mxfp4: 32), int8 activations with one scale a row (quantized by the
+ * caller, rotated where the weights are). A library of its own, built per path and loaded
+ * where the CPU reports its extension (cpu_kernels.enable): -DMS_AVX512 with -mavx512vnni,
+ * vpdpbusd on 16 columns; AVX2's with -mavxvnni -DMS_INT4_VNNI, AVX-VNNI's vpdpbusd on 8 (on
+ * SIMDe's with -DMS_SIMDE: the tests' emulation); or the AVX2 build, vpmaddubsw + vpmaddwd on
+ * 8 (every AVX2 CPU). With -ffp-contract=off: the float sums are the torch reference's,
+ * rounding for rounding. No AMX int8 path (no CPU we run on has AMX to check it).
  *
- * Packed layout (cpu_kernels.pack_qweight): values stored as unsigned nibbles v + 8 in
- * [0, 15]; blocks of 16 output columns, each a run of 64-byte rows, one per octet of inputs:
- * byte 4c + j of row o holds column c's input 8o + j in its low nibble and 8o + 4 + j in its
- * high one. A mask gives the low quad, a shift and the mask the high one: each lane of a
- * vector a column's 4 consecutive inputs, the quad vpdpbusd and vpmaddubsw read (the int8
- * layout's, half the bytes). The last N % 16 columns a narrower block, padded here.
+ * Packed layout (cpu_kernels.pack_qweight): unsigned nibbles in [0, 15]; blocks of 16 output
+ * columns, each a run of 64-byte rows, one per octet of inputs: byte 4c + j of row o holds
+ * column c's input 8o + j in its low nibble and 8o + 4 + j in its high one. A mask gives the
+ * low quad, a shift and the mask the high one: each lane of a vector a column's 4
+ * consecutive inputs, the quad vpdpbusd and vpmaddubsw read (the int8 layout's, half the
+ * bytes). The last N % 16 columns a narrower block, padded here.
+ * The nibbles' bytes u and each (group, column)'s integer zero z: int4's nibbles are the
+ * levels, u = level, z the zero point (8 where symmetric: u = v + 8); mxfp4's are e2m1 codes,
+ * which a register lookup (vpshufb) turns into u = 2 * e2m1 + 12 in [0, 24], z = 12. Either
+ * way the weight is (u - z) * scale.
  * ms_int4_linear is the linear layer; ms_int4_block the products of one block that the main
  * library's MoE kernel calls through kernels.h's int4_fn (cpu_kernels.enable sets it).
  *
- * Each group's exact sum: sum(nibble * x) - 8 * sum(x) (the nibbles' offset taken off with
- * the activations' group sum); unsigned nibbles times signed bytes is what both instructions
- * multiply, and no pair sum nears vpmaddubsw's int16 saturation (2 * 15 * 128). Then, in
- * order: acc = 0; acc += float(group sum) * scale[g], g = 0, 1, ...; y = acc * row scale.
+ * Each group's exact sum: sum(u * x) - z * sum(x) (the zero taken off with the activations'
+ * group sum, in int32); unsigned bytes times signed bytes is what both instructions multiply,
+ * and no pair sum nears vpmaddubsw's int16 saturation (2 * 24 * 127). Then, in order: acc =
+ * 0; acc += float(group sum) * scale[g], g = 0, 1, ...; y = acc * row scale.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -34,11 +39,21 @@
 
 static inline vi nibble_mask(void) { return vi_set1(0x0f0f0f0f); }
 
+/* mxfp4: e2m1 code c -> 2 * e2m1(c) + 12 (qweight.E2M1_DOUBLED + 12), one table a 128-bit lane */
+#define MX_TABLE 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
+#define MX_ZERO 12
+
 #if defined(MS_AVX512)
 static inline vi high_nibbles(vi w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble_mask()); }
 static inline vi dot4(vi acc, vi u8, vi s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
+static inline vi mx_table(void) { return _mm512_broadcast_i32x4(_mm_setr_epi8(MX_TABLE)); }
+static inline vi lookup(vi table, vi nibbles) { return _mm512_shuffle_epi8(table, nibbles); }
+static inline vi mullo(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
 #else
 static inline vi high_nibbles(vi w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble_mask()); }
+static inline vi mx_table(void) { return _mm256_broadcastsi128_si256(_mm_setr_epi8(MX_TABLE)); }
+static inline vi lookup(vi table, vi nibbles) { return _mm256_shuffle_epi8(table, nibbles); }
+static inline vi mullo(vi a, vi b) { return _mm256_mullo_epi32(a, b); }
 #if defined(MS_INT4_VNNI) && defined(MS_SIMDE)
 static inline vi dot4(vi acc, vi u8, vi s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
 #elif defined(MS_INT4_VNNI)
@@ -57,11 +72,16 @@ static inline vi quad(const int8_t *a) {
 }
 
 /* rows [0, rows) of q times one block of 16 columns: B its packed bytes (octets of 64 bytes),
- * sc its scales [G][16], asum the rows' group sums [rows][G]; y[m][0..16) */
-static void block_tile(int rows, const int8_t *q, int64_t ldq, const int32_t *asum, int64_t G, const float *sx,
-                       const uint8_t *B, int64_t octets, int64_t group_octets, const float *sc, float *y, int64_t ldy) {
+ * sc its scales [G][16], zp its zeros [G][16], asum the rows' group sums [rows][G]; y[m][0..16).
+ * mx (a constant where it is inlined): the nibbles are mxfp4 codes, looked up. */
+static inline __attribute__((always_inline)) void block_tile(int rows, const int8_t *q, int64_t ldq,
+                                                             const int32_t *asum, int64_t G, const float *sx,
+                                                             const uint8_t *B, int64_t octets, int64_t group_octets,
+                                                             const float *sc, const int32_t *zp, const int mx, float *y,
+                                                             int64_t ldy) {
     float acc[MR][BLOCK] __attribute__((aligned(64)));
     memset(acc, 0, sizeof acc);
+    const vi table = mx_table();
     for (int64_t g = 0; g < G; g++) {
         const int64_t o0 = g * group_octets, o1 = o0 + group_octets < octets ? o0 + group_octets : octets;
         vi isum[MR][VPB];
@@ -73,6 +93,10 @@ static void block_tile(int rows, const int8_t *q, int64_t ldq, const int32_t *as
                 const vi w = vi_load(B + o * 64 + v * 4 * VL);
                 lo[v] = vi_and(w, nibble_mask());
                 hi[v] = high_nibbles(w);
+                if (mx) {
+                    lo[v] = lookup(table, lo[v]);
+                    hi[v] = lookup(table, hi[v]);
+                }
             }
             for (int m = 0; m < rows; m++) {
                 const vi xl = quad(q + m * ldq + 8 * o), xh = quad(q + m * ldq + 8 * o + 4);
@@ -80,10 +104,12 @@ static void block_tile(int rows, const int8_t *q, int64_t ldq, const int32_t *as
             }
         }
         for (int m = 0; m < rows; m++) {
-            const vi offset = vi_slli(vi_set1(asum[m * G + g]), 3); /* 8 * the group's sum */
+            const vi s = vi_set1(asum[m * G + g]);
             for (int v = 0; v < VPB; v++) {
-                const vf s = vi_to_vf(vi_sub(isum[m][v], offset));
-                vf_store(acc[m] + v * VL, vf_add(vf_load(acc[m] + v * VL), vf_mul(s, vf_load(sc + g * BLOCK + v * VL))));
+                const vi offset = mullo(s, vi_load(zp + g * BLOCK + v * VL)); /* z * the group's sum */
+                const vf exact = vi_to_vf(vi_sub(isum[m][v], offset));
+                vf_store(acc[m] + v * VL,
+                         vf_add(vf_load(acc[m] + v * VL), vf_mul(exact, vf_load(sc + g * BLOCK + v * VL))));
             }
         }
     }
@@ -93,16 +119,26 @@ static void block_tile(int rows, const int8_t *q, int64_t ldq, const int32_t *as
     }
 }
 
+/* block_tile specialized on the nibbles' kind (mx: mxfp4 codes) */
+static void tile(int mx, int rows, const int8_t *q, int64_t ldq, const int32_t *asum, int64_t G, const float *sx,
+                 const uint8_t *B, int64_t octets, int64_t group_octets, const float *sc, const int32_t *zp, float *y,
+                 int64_t ldy) {
+    if (mx)
+        block_tile(rows, q, ldq, asum, G, sx, B, octets, group_octets, sc, zp, 1, y, ldy);
+    else
+        block_tile(rows, q, ldq, asum, G, sx, B, octets, group_octets, sc, zp, 0, y, ldy);
+}
+
 /* kernels.h's int4_fn, for the main library's products (the MoE kernel): rows of A times
  * one block, each group's activation sum taken over the bytes the products read */
 void ms_int4_block(const int8_t *A, int64_t lda, int64_t rows, const uint8_t *B, int64_t octets, int64_t group_octets,
-                   const float *sc, float *C, int64_t ldc) {
+                   const float *sc, const int32_t *zp, int mx, float *C, int64_t ldc) {
     const int64_t G = (octets + group_octets - 1) / group_octets;
     int32_t asum[MR * G];
     const float ones[MR] = {1.0f, 1.0f, 1.0f, 1.0f}; /* the caller scales the rows (x 1: exact) */
     for (int64_t m0 = 0; m0 < rows; m0 += MR) {
-        const int tile = rows - m0 < MR ? (int)(rows - m0) : MR;
-        for (int m = 0; m < tile; m++)
+        const int rows_here = rows - m0 < MR ? (int)(rows - m0) : MR;
+        for (int m = 0; m < rows_here; m++)
             for (int64_t g = 0; g < G; g++) {
                 const int8_t *x = A + (m0 + m) * lda;
                 const int64_t k1 = 8 * ((g + 1) * group_octets < octets ? (g + 1) * group_octets : octets);
@@ -110,16 +146,18 @@ void ms_int4_block(const int8_t *A, int64_t lda, int64_t rows, const uint8_t *B,
                 for (int64_t k = 8 * g * group_octets; k < k1; k++) s += x[k];
                 asum[m * G + g] = s;
             }
-        block_tile(tile, A + m0 * lda, lda, asum, G, ones, B, octets, group_octets, sc, C + m0 * ldc, ldc);
+        tile(mx, rows_here, A + m0 * lda, lda, asum, G, ones, B, octets, group_octets, sc, zp, C + m0 * ldc, ldc);
     }
 }
 
 /* y [M, N] float32 (stride ldy) = q [M, Kp] int8 (stride ldq; Kp a multiple of 8, zero past
- * the real inputs) times the packed int4 weight w [Kp/8][N][4] with scales [G][N] (G groups
- * of `group` inputs, a multiple of 8), times each row's scale sx [M]. Returns 0, -1 when out
+ * the real inputs) times the packed 4-bit weight w [Kp/8][N][4] with scales [G][N] (G groups
+ * of `group` inputs, a multiple of 8) and int4's zero points zero [G][N] (NULL: 8, or mxfp4's
+ * 12), times each row's scale sx [M]. mx: the nibbles are mxfp4 codes. Returns 0, -1 when out
  * of memory, 1 for bad sizes. */
 int ms_int4_linear(const int8_t *q, int64_t ldq, const float *sx, int64_t M, int64_t Kp, const uint8_t *w,
-                   const float *scale, int64_t group, int64_t N, float *y, int64_t ldy, int nthreads) {
+                   const float *scale, const int8_t *zero, int64_t group, int64_t N, int mx, float *y, int64_t ldy,
+                   int nthreads) {
     if (Kp % 8 || group % 8 || group <= 0 || M < 0 || N < 0) return 1;
     const int64_t octets = Kp / 8, G = (Kp + group - 1) / group, blocks = (N + BLOCK - 1) / BLOCK;
     const int64_t full = N / BLOCK;
@@ -135,11 +173,12 @@ int ms_int4_linear(const int8_t *q, int64_t ldq, const float *sx, int64_t M, int
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (M * N * Kp > 65536)
     {
-        /* per thread: the block's scales [G][16], a padded tail block and its outputs */
+        /* per thread: the block's scales and zeros [G][16], a padded tail block and its outputs */
         float *sc = aligned_alloc(64, sizeof(float) * (size_t)(G * BLOCK));
+        int32_t *zp = aligned_alloc(64, sizeof(int32_t) * (size_t)(G * BLOCK));
         uint8_t *pad = N > full * BLOCK ? aligned_alloc(64, (size_t)(octets * 64)) : NULL;
         float *ytail = aligned_alloc(64, sizeof(float) * MR * BLOCK);
-        if (!sc || !ytail || (N > full * BLOCK && !pad)) {
+        if (!sc || !zp || !ytail || (N > full * BLOCK && !pad)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -155,13 +194,17 @@ int ms_int4_linear(const int8_t *q, int64_t ldq, const float *sx, int64_t M, int
                     B = pad;
                 }
                 for (int64_t g = 0; g < G; g++)
-                    for (int64_t c = 0; c < BLOCK; c++) sc[g * BLOCK + c] = c < cols ? scale[g * N + j * BLOCK + c] : 0.0f;
+                    for (int64_t c = 0; c < BLOCK; c++) {
+                        const int64_t at = g * N + j * BLOCK + c;
+                        sc[g * BLOCK + c] = c < cols ? scale[at] : 0.0f;
+                        zp[g * BLOCK + c] = c >= cols ? 0 : zero ? zero[at] : mx ? MX_ZERO : 8;
+                    }
                 for (int64_t m0 = 0; m0 < M; m0 += MR) {
                     const int rows = M - m0 < MR ? (int)(M - m0) : MR;
                     const int direct = cols == BLOCK;
                     float *out = direct ? y + m0 * ldy + j * BLOCK : ytail;
-                    block_tile(rows, q + m0 * ldq, ldq, asum + m0 * G, G, sx + m0, B, octets, group / 8, sc, out,
-                               direct ? ldy : BLOCK);
+                    tile(mx, rows, q + m0 * ldq, ldq, asum + m0 * G, G, sx + m0, B, octets, group / 8, sc, zp, out,
+                         direct ? ldy : BLOCK);
                     if (!direct)
                         for (int m = 0; m < rows; m++)
                             memcpy(y + (m0 + m) * ldy + j * BLOCK, ytail + m * BLOCK, sizeof(float) * (size_t)cols);
@@ -169,6 +212,7 @@ int ms_int4_linear(const int8_t *q, int64_t ldq, const float *sx, int64_t M, int
             }
         }
         free(sc);
+        free(zp);
         free(pad);
         free(ytail);
     }

@@ -63,7 +63,7 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
                 }
                 if (Q) {
                     widen_row(row, K, row32, K);
-                    quantize_row_s8(row32, K, Q + (i * M + m) * Kq, Kq, S + i * M + m);
+                    quantize_row_s8(row32, K, Q + (i * M + m) * Kq, Kq, S + i * M + m, rows_rotate(w));
                 }
             }
 #pragma omp for collapse(3) schedule(static)

@@ -199,7 +199,7 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
                 float *row32 = tpad;
                 const int64_t r = pair_row[t * A];
                 widen_row(x + t * ldx, D, row32, D);
-                quantize_row_s8(row32, D, xs8 + r * Dq, Dq, xs8_scale + r);
+                quantize_row_s8(row32, D, xs8 + r * Dq, Dq, xs8_scale + r, rows_rotate(w13));
                 for (int64_t a = 1; a < A; a++) {
                     memcpy(xs8 + pair_row[t * A + a] * Dq, xs8 + r * Dq, Dq);
                     xs8_scale[pair_row[t * A + a]] = xs8_scale[r];
@@ -230,10 +230,10 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
                     for (int64_t i = 0; i < Ip; i++) hidden16[r * Ip + i] = f32_to_bf16(hidden[r * Ip + i]);
             }
         }
-        if (hidden8) { /* rotated in place: the int8 product reads only the quantized rows */
+        if (hidden8) { /* rotated in place (where w2's rows are): the int8 product reads only the quantized rows */
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < pairs; r++)
-                quantize_row_s8(hidden + r * Ip, I, hidden8 + r * Iq, Iq, hidden8_scale + r);
+                quantize_row_s8(hidden + r * Ip, I, hidden8 + r * Iq, Iq, hidden8_scale + r, rows_rotate(w2));
         }
 #pragma omp for schedule(dynamic, 4)
         for (int64_t it = 0; it < chunks * blocks2; it++) {

@@ -1,7 +1,7 @@
-/* A packed weight of any kind (kernels.h wmat: bf16, int8, fp8 or int4): the products of its blocks
- * every kernel calls (wblock_gemm, wblock_gemm_pair), dispatched on the weight's kind to the
- * bf16 products (gemm.c) or the 8-bit and int4 ones (gemm8.c), the scratch they need, the forms of
- * activation rows they read, and one expert of a stacked weight. */
+/* A packed weight of any kind (kernels.h wmat: bf16, int8, fp8, int4 or mxfp4): the products of
+ * its blocks every kernel calls (wblock_gemm, wblock_gemm_pair), dispatched on the weight's kind
+ * to the bf16 products (gemm.c) or the 8-bit and 4-bit ones (gemm8.c), the scratch they need, the
+ * forms of activation rows they read, and one expert of a stacked weight. */
 #include "kernels.h"
 
 wmat wmat_expert(const wmat *w, int64_t e, int64_t N, int64_t K) {
@@ -11,15 +11,16 @@ wmat wmat_expert(const wmat *w, int64_t e, int64_t N, int64_t K) {
         return x;
     }
     const int64_t groups = (K + w->group - 1) / w->group;
-    x.data = (const uint8_t *)w->data + e * N * (w->kind == W_INT4 ? ((K + 7) & ~(int64_t)7) / 2 : quad(K));
+    x.data = (const uint8_t *)w->data + e * N * (four_bit(w) ? ((K + 7) & ~(int64_t)7) / 2 : quad(K));
     x.scale = w->scale + e * groups * N;
+    x.zero = w->zero ? w->zero + e * groups * N : NULL;
     x.colsum = w->colsum ? w->colsum + e * ((N + BLOCK - 1) / BLOCK) * BLOCK : NULL;
     return x;
 }
 
 /* scratch per thread for wblock_gemm: a narrow 8-bit block, a dequantized bf16 block, the
- * block's scales per group (fp8; gemm8.c's wblock8_gemm lays these out), a narrow bf16 block
- * (weight_block) */
+ * block's scales per group (fp8; 4-bit: its scales and zeros, groups of 8 inputs or more fit
+ * in it; gemm8.c's wblock8_gemm lays these out), a narrow bf16 block (weight_block) */
 size_t pad_bytes(int64_t K) {
     const int64_t Kq = quad(K);
     return round64((size_t)Kq * BLOCK) + round64((size_t)Kq * BLOCK * sizeof(bf16)) +
@@ -28,10 +29,12 @@ size_t pad_bytes(int64_t K) {
 
 int rows_need_b16(const wmat *w, int64_t K) {
     (void)K;
-    return w->kind != W_INT8 && w->kind != W_INT4 && (tiles_read_bf16() || amx_enabled());
+    return w->kind != W_INT8 && !four_bit(w) && (tiles_read_bf16() || amx_enabled());
 }
 
-int rows_need_s8(const wmat *w) { return w->kind == W_INT8 || w->kind == W_INT4; }
+int rows_need_s8(const wmat *w) { return w->kind == W_INT8 || four_bit(w); }
+
+int rows_rotate(const wmat *w) { return !(four_bit(w) && w->plain); }
 
 void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j,
                  void *pad, float *C, int64_t ldc, int64_t *cols) {
