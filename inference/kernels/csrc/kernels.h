@@ -50,18 +50,23 @@ static inline int64_t quad(int64_t k) { return (k + 3) & ~(int64_t)3; }
  * Kq = K rounded up to 4), the layout vpdpbusd and AMX's int8 tiles read; a float32 scale
  * per (group of `group` inputs, column), scale[g * N + n]; int8 weights (their rows rotated,
  * quant.py) also carry each column's sum (colsum[n], n < N rounded up to 16) for products on
- * unsigned activations (VNNI). int4 (W4A8, its rows rotated as int8's): two values a byte,
- * blocks of 16 columns of input octets ([K8/8][16][4] bytes, K8 = K rounded up to 8; int4.c
- * has the layout), scales as the 8-bit ones'. Per-expert stacks are E such matrices back to
- * back (data, scales and sums alike). */
-enum { W_BF16 = 0, W_INT8 = 1, W_FP8 = 2, W_INT4 = 3 };
+ * unsigned activations (VNNI). 4-bit (W4A8: int4 levels, or mxfp4's e2m1 codes): two
+ * values a byte, blocks of 16 columns of input octets ([K8/8][16][4] bytes, K8 = K rounded up
+ * to 8; int4.c has the layout), scales as the 8-bit ones', int4's integer zero points per
+ * (group, column) (zero[g * N + n], int8; NULL: 8, symmetric); their rows rotated as int8's
+ * unless `plain` (published checkpoints: the activations are quantized unrotated). Per-expert
+ * stacks are E such matrices back to back (data, scales, sums and zeros alike). */
+enum { W_BF16 = 0, W_INT8 = 1, W_FP8 = 2, W_INT4 = 3, W_MXFP4 = 4 };
 typedef struct {
     const void *data;
     const float *scale;
     const int32_t *colsum;
     int64_t group;
     int64_t kind;
+    const int8_t *zero; /* int4: zero points [G][N], or NULL */
+    int64_t plain;      /* 4-bit: the weight's rows are not rotated (nor are the activations) */
 } wmat;
+static inline int four_bit(const wmat *w) { return w->kind == W_INT4 || w->kind == W_MXFP4; }
 
 /* Rows of activations in the forms the products read, for rows [0, rows) of one call:
  * f32: widened (FMA tiles; stride ld32); b16: bf16 (AMX, vdpbf16ps; stride ld16, or NULL);
@@ -92,12 +97,14 @@ typedef struct {
 typedef void (*int8_fn)(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const int8_job *jobs, int64_t count,
                         int64_t ldc);
 
-/* int4 blocks (int4.c, a library of its own): C[m][0..16) = sum over groups g, in order, of
- * float(exact sum of row m of A times the block's group g) * sc[g][0..16), for `rows` rows of
- * signed bytes (stride lda, 8 * octets columns); B one packed int4 block of `octets` 64-byte
- * rows, groups of group_octets rows. The activation scale is the caller's to multiply. */
+/* 4-bit blocks (int4.c, a library of its own): C[m][0..16) = sum over groups g, in order, of
+ * float(exact sum of row m of A times the block's group g, less zp[g][c] times the row's
+ * group sum) * sc[g][0..16), for `rows` rows of signed bytes (stride lda, 8 * octets
+ * columns); B one packed 4-bit block of `octets` 64-byte rows, groups of group_octets rows;
+ * mx: its nibbles are mxfp4 codes (looked up; zero 12), else int4 levels. The activation
+ * scale is the caller's to multiply. */
 typedef void (*int4_fn)(const int8_t *A, int64_t lda, int64_t rows, const uint8_t *B, int64_t octets,
-                        int64_t group_octets, const float *sc, float *C, int64_t ldc);
+                        int64_t group_octets, const float *sc, const int32_t *zp, int mx, float *C, int64_t ldc);
 
 /* AMX's bf16 product (amx.c): C = A B for a block and a group of rows, A as bf16. */
 typedef void (*amx_fn)(const bf16 *A, int64_t lda, int64_t rows, const bf16 *B, int64_t Kp, float *C, int64_t ldc);
@@ -173,10 +180,11 @@ int tiles_read_bf16(void);
  * products where set, else vpmaddubsw */
 void int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const int8_job *jobs, int64_t count,
                 int64_t ldc);
-/* one row of activations for int8 weights: x rotated in place (hadamard_rotate, as the
- * weights' rows were), then quantized symmetrically, q = rne(x * 127 / amax) in [-127, 127],
- * Kq entries (zero padded), and its scale amax / 127 (0 for a zero row) into *scale */
-void quantize_row_s8(float *x, int64_t K, int8_t *q, int64_t Kq, float *scale);
+/* one row of activations for int8 / 4-bit weights: x rotated in place where `rotate`
+ * (hadamard_rotate, as the weights' rows were; rows_rotate(w)), then quantized
+ * symmetrically, q = rne(x * 127 / amax) in [-127, 127], Kq entries (zero padded), and its
+ * scale amax / 127 (0 for a zero row) into *scale */
+void quantize_row_s8(float *x, int64_t K, int8_t *q, int64_t Kq, float *scale, int rotate);
 /* wblock_gemm (wmat.c) for 8-bit and int4 weights (int8, fp8, int4; int4 with K a multiple
  * of 8, the rows' quantized form read up to it): C[m][0..16) = rows [m0, m0 + rows) of a
  * times block j of w, scaled; pad: pad_bytes(K) of scratch (wmat.c, its layout there) */
@@ -193,6 +201,8 @@ wmat wmat_expert(const wmat *w, int64_t e, int64_t N, int64_t K);
 /* the forms of activations a product with w needs (see rows_t) */
 int rows_need_b16(const wmat *w, int64_t K);
 int rows_need_s8(const wmat *w);
+/* whether w's int8 rows are rotated (all but unrotated 4-bit weights) */
+int rows_rotate(const wmat *w);
 /* C[m][0..16) = rows [m0, m0 + rows) of a times block j of w (scaled: real products), the
  * block's real width in *cols; pad: scratch of pad_bytes(K) per thread */
 void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j,
