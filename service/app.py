@@ -31,6 +31,7 @@ from service.controllers.common import (
 )
 from service.controllers.openai import OpenAIController
 from service.controllers.probes import ProbesController
+from service.controllers.render import RenderController
 from service.controllers.tokenize import TokenizeController
 from service.errors import Overloaded, ServiceError
 from service.inspector.controller import inspector_routes
@@ -168,7 +169,13 @@ def create_app(state: ServingState) -> Litestar:
     )
     inspector = inspector_routes() if state.inspector is not None else []
     return Litestar(
-        route_handlers=[OpenAIController, TokenizeController, ProbesController, *inspector],
+        route_handlers=[
+            OpenAIController,
+            RenderController,
+            TokenizeController,
+            ProbesController,
+            *inspector,
+        ],
         state=State({"serving": state, "started_at": int(time.time()), "token_text": token_text}),
         request_class=_Request,
         exception_handlers={Exception: error_response},

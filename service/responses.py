@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 
@@ -166,6 +168,26 @@ class ModelCard(_Body, kw_only=True):
 class ModelList(_Body, kw_only=True):
     object: str = "list"
     data: list[ModelCard]
+
+
+# ---- vLLM's render endpoints ---------------------------------------------------------------
+class GenerateRequest(_Body, kw_only=True):
+    """vLLM's GenerateRequest, what /v1/chat/completions/render and /v1/completions/render
+    answer: the prompt's token ids exactly as the generation would run them (what vLLM's
+    router under kv_aware and llm-d's precise prefix scorer hash into blocks), and the
+    sampling parameters under vLLM's SamplingParams names. Text only: `features` (multimodal
+    placeholders) is always null here."""
+
+    request_id: str
+    token_ids: list[int]
+    features: None = None
+    sampling_params: dict[str, Any]  # vLLM's SamplingParams fields we have
+    model: str | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ---- tokenizer endpoints -----------------------------------------------------------------

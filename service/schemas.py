@@ -316,6 +316,14 @@ class TokenizeRequest(_Request, kw_only=True):
     tools: list[Tool] | None = None  # rendered with the messages, as chat completions does
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # vLLM's (its TokenizeChatRequest): vLLM's router sends it when it tokenizes a chat here
+    continue_final_message: Annotated[
+        bool,
+        Meta(
+            description="with messages: the last (assistant) message is left open; needs "
+            "add_generation_prompt false (vLLM's)"
+        ),
+    ] = False
 
 
 class DetokenizeRequest(_Request, kw_only=True):

@@ -43,8 +43,14 @@ class TokenizeController(Controller):
                 None,
                 data.add_generation_prompt,
                 tools,
+                data.continue_final_message,
             )
         else:
+            if data.continue_final_message:
+                raise BadRequest(
+                    "continue_final_message applies to messages, not to a prompt",
+                    param="continue_final_message",
+                )
             ids = await validation.text_ids(tokenizer, data.prompt, None, data.add_special_tokens)
         return TokenizeResponse(
             count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids

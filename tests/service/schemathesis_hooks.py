@@ -8,7 +8,8 @@ taken modulo it), or which strings a regex, grammar or JSON Schema compiler take
 ones are replaced by ones that compile (their refusal is tested in test_service_structured.py),
 tools keep distinct names, a named tool_choice names one of them and a forcing tool_choice
 comes without another constraint; a completion's max_tokens 0 comes with echo and its
-prompt_logprobs unstreamed (the document says both in words). Generations are also capped at GENERATE tokens, so that
+prompt_logprobs unstreamed, and continue_final_message comes with an assistant's last
+message and without add_generation_prompt (the document says these in words). Generations are also capped at GENERATE tokens, so that
 the run stays short on 2 cores."""
 
 from __future__ import annotations
@@ -81,12 +82,17 @@ def _constraints_inside(body: dict) -> None:
 @schemathesis.hook
 def before_call(ctx, case, kwargs) -> None:
     body = case.body
-    if (
-        not case.operation.path.endswith("completions")
-        or not isinstance(body, dict)
-        or case.meta is None
-        or not case.meta.generation.mode.is_positive
-    ):
+    path = case.operation.path.removesuffix("/render")  # vLLM's render: the same bodies
+    if not isinstance(body, dict) or case.meta is None or not case.meta.generation.mode.is_positive:
+        return
+    if body.get("continue_final_message") is True:  # the assistant's last message left open
+        messages = body.get("messages")
+        last = messages[-1] if isinstance(messages, list) and messages else None
+        if not isinstance(last, dict) or last.get("role") != "assistant":
+            body["continue_final_message"] = False  # nothing to continue (or /tokenize's prompt)
+        else:
+            body["add_generation_prompt"] = False  # no new turn
+    if not path.endswith("completions"):
         return
     _constraints_inside(body)
     count = _prompt_tokens(body)
@@ -101,7 +107,7 @@ def before_call(ctx, case, kwargs) -> None:
     if count is None or count >= MAX_MODEL_LEN - GENERATE:
         return
     room = GENERATE
-    chat = case.operation.path.endswith("chat/completions")
+    chat = path.endswith("chat/completions")
     keys = ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",)
     for key in keys:
         if _int(body.get(key)) and body[key] > room:
