@@ -2,7 +2,10 @@
 replicas publish with --kv-events-config, the router subscribes (--kv-event-source, with the
 replay sockets), and a prompt whose prefix one replica already holds goes to that replica. Each
 replica is first given its own prompt directly, so the router can only know where a prefix is
-from the events. Processes started and stopped by the test."""
+from the events; the router learns a request's token ids by asking each replica to render it
+(vLLM's /v1/chat/completions/render, /v1/completions/render). Completions with a repeated
+prefix, and multi-turn chats whose history grows each turn. Processes started and stopped by
+the test."""
 
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ def _served(server: ServerProcess) -> float:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir) -> Iterator[tuple[list[ServerProcess], str]]:
+def cluster(tiny_model_dir) -> Iterator[tuple[list[ServerProcess], str, str]]:
     with ExitStack() as stack:
         replicas, sources = [], []
         for _ in range(2):
@@ -63,9 +66,10 @@ def cluster(tiny_model_dir) -> Iterator[tuple[list[ServerProcess], str]]:
             sources.append((events, replay))
         for server in replicas:
             server.wait_ready()
-        port = free_port()
+        port, metrics_port = free_port(), free_port()
         argv = [
             ROUTER, "--host", HOST, "--port", port, "--policy", "kv_aware",
+            "--prometheus-host", HOST, "--prometheus-port", metrics_port,
             "--worker-urls", *(s.url for s in replicas),
             "--kv-event-model", tiny_model_dir, "--kv-event-block-size", 16,
         ]  # fmt: skip
@@ -77,11 +81,11 @@ def cluster(tiny_model_dir) -> Iterator[tuple[list[ServerProcess], str]]:
         router.start()
         url = f"http://{HOST}:{port}"
         wait_until(lambda: httpx.get(url + "/v1/models").status_code == 200, 60, "router ready")
-        yield replicas, url
+        yield replicas, url, f"http://{HOST}:{metrics_port}/metrics"
 
 
 def test_kv_aware_sends_a_prefix_to_the_replica_that_stored_it(cluster):
-    replicas, url = cluster
+    replicas, url, _ = cluster
     prefixes = [
         " ".join(f"{word}{i}" for i in range(120)) for word in ("alpha", "omega")
     ]  # about 480 tokens each: 30 blocks
@@ -99,3 +103,44 @@ def test_kv_aware_sends_a_prefix_to_the_replica_that_stored_it(cluster):
             after = [_served(r) for r in replicas]
             gained = [a - b for a, b in zip(after, before)]
             assert gained[replicas.index(holder)] == 3, (gained, holder.url)
+
+
+def _router_counter(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(url, timeout=10).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def test_kv_aware_keeps_each_chat_on_the_replica_holding_its_history(cluster):
+    """Multi-turn chat, as bench/replicas_bench.py sends it: each conversation's first turn
+    goes straight to one replica, every later turn (its whole history again, plus a new user
+    message) through the router, which renders the chat on each replica
+    (/v1/chat/completions/render) and finds the history's blocks among that replica's events."""
+    replicas, url, metrics = cluster
+    rendered_before = _router_counter(
+        metrics, "vllm_router_kv_routing_inputs_total", result="render"
+    )
+    system = {"role": "system", "content": "You answer briefly. " + " ".join(["rule"] * 40)}
+    for c, holder in enumerate([replicas[1], replicas[0], replicas[1]]):
+        history = [system, {"role": "user", "content": " ".join(f"q{c}w{i}" for i in range(60))}]
+        body = {"messages": history, "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+        first = httpx.post(holder.url + "/v1/chat/completions", json=body, timeout=60).json()
+        history.append({"role": "assistant", "content": first["choices"][0]["message"]["content"]})
+        time.sleep(1.0)  # the events reach the router's index
+        for turn in range(1, 3):
+            history.append({"role": "user", "content": f"and then {turn}? " * 20})
+            before = [_served(r) for r in replicas]
+            response = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            gained = [a - b for a, b in zip([_served(r) for r in replicas], before)]
+            assert gained[replicas.index(holder)] == 1, (c, turn, gained, holder.url)
+            reply = response.json()["choices"][0]["message"]["content"]
+            history.append({"role": "assistant", "content": reply})
+            time.sleep(0.5)
+    rendered = _router_counter(metrics, "vllm_router_kv_routing_inputs_total", result="render")
+    assert rendered - rendered_before == 2 * 3 * 2  # every replica rendered every routed turn
+    assert _router_counter(metrics, "vllm_router_kv_placement_lookups_total", result="hit") > 0
