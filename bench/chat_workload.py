@@ -1,9 +1,20 @@
 """A multi-turn chat workload (bench/replicas_bench.py): many conversations in flight at once,
 all opening with one short system prompt, each turn adding a user message of a few hundred
-tokens and then the reply to the conversation's own history. Bounded: every conversation runs
-its turns one after another and stops. Each turn is one streamed chat completion, recorded with
-where it went, its TTFT (first streamed token, as the client sees it), its tokens, and how it
-ended (a clean error or a stream cut short).
+tokens and then the reply to the conversation's own history. Each turn is one streamed chat
+completion, recorded with where it went, its TTFT (first streamed token, as the client sees
+it), its tokens, and how it ended (a clean error or a stream cut short).
+
+Two ways to send it:
+  - paced (open loop, the default of Workload): conversation c starts at c x
+    `arrival_interval_s` from the run's start, whatever the server is doing, and each next
+    turn goes `think_time_s` after the previous reply ended, as a user reading it would. Below
+    the replicas' capacity, a turn's TTFT is then its own prefill (shorter on a cache hit)
+    rather than the queue of every other conversation's prefill;
+  - closed loop (`arrival_interval_s=None`): every conversation starts at once and sends its
+    next turn as soon as its reply ends, the most load the conversations can make.
+Bounded and self-stopping either way: each conversation has its turns and ends, and a run
+stops at `max_wall_s` (turns not sent by then are recorded as such, turns in flight are
+cancelled and recorded as cut).
 
 The text is drawn from a fixed word list by a seeded generator: a `salt` gives another set of
 conversations of the same shape (benchmark arms that share replicas share no prefix).
@@ -42,16 +53,31 @@ WORDS = (
 
 @dataclass(frozen=True)
 class Workload:
-    conversations: int = 16  # all in flight at once
+    conversations: int = 32
     turns: int = 4
     user_words: int = 130  # about 200 tokens with the demo model's tokenizer
     system_words: int = 24
     max_tokens: int = 32  # each reply (ignore_eos: every reply has this many)
     seed: int = 0
+    # paced arrivals: conversation c starts at c x this (None: all at once, closed loop)
+    arrival_interval_s: float | None = 0.4
+    think_time_s: float = 1.0  # from a reply's end to the next turn (paced runs only)
+    max_wall_s: float = 600.0  # the run stops here, whatever is left
 
     @property
     def requests(self) -> int:
         return self.conversations * self.turns
+
+    @property
+    def paced(self) -> bool:
+        return self.arrival_interval_s is not None
+
+    def start_of(self, conversation: int) -> float:
+        """Seconds from the run's start to the conversation's first turn."""
+        return conversation * self.arrival_interval_s if self.paced else 0.0
+
+    def think(self) -> float:
+        return self.think_time_s if self.paced else 0.0
 
 
 @dataclass
@@ -68,7 +94,7 @@ class Turn:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     status: int | None = None  # HTTP status; None: no response at all
-    outcome: str = "ok"  # ok | http_error | stream_error | cut | transport_error
+    outcome: str = "ok"  # ok | http_error | stream_error | cut | transport_error | not_sent
     error: str | None = None
     got_tokens: bool = False  # some tokens arrived (a failure then came mid-stream)
 
@@ -142,10 +168,11 @@ async def run_conversations(
     on_turn: Callable[[Turn], None] | None = None,
     timeout: float = 600.0,
 ) -> tuple[list[Turn], float]:
-    """Runs every conversation to its end, all at once; turn k of conversation c goes to
-    `target(c, k)` (a URL). `on_turn(turn)` hears each finished turn as it finishes. Returns the
-    turns (in finishing order) and the run's wall time. A failed turn leaves its user message in
-    the history without a reply, and the conversation goes on."""
+    """Runs every conversation to its end (paced or all at once, as `workload` says); turn k of
+    conversation c goes to `target(c, k)` (a URL). `on_turn(turn)` hears each finished turn as
+    it finishes. Returns the turns (in finishing order; those never sent, at `max_wall_s`,
+    last) and the run's wall time. A failed turn leaves its user message in the history
+    without a reply, and the conversation goes on."""
     system = system_prompt(workload, salt)
     turns: list[Turn] = []
     t0 = time.perf_counter()
@@ -154,7 +181,10 @@ async def run_conversations(
 
         async def conversation(c: int) -> None:
             history = [{"role": "system", "content": system}]
+            await asyncio.sleep(max(0.0, workload.start_of(c) - (time.perf_counter() - t0)))
             for k, message in enumerate(user_messages(workload, salt, c)):
+                if k:
+                    await asyncio.sleep(workload.think())
                 history.append({"role": "user", "content": message})
                 body = {
                     "model": model,
@@ -166,13 +196,38 @@ async def run_conversations(
                     "stream_options": {"include_usage": True},
                 }
                 url = target(c, k)
-                turn = Turn(c, k, f"{salt or 'run'}-c{c}-t{k}", url, time.perf_counter() - t0)
-                turn, reply = await chat_turn(client, url, body, turn, t0)
+                turn = Turn(c, k, _request_id(salt, c, k), url, time.perf_counter() - t0)
+                try:
+                    turn, reply = await chat_turn(client, url, body, turn, t0)
+                except asyncio.CancelledError:  # the run's max_wall_s: recorded, then stop
+                    turn.outcome, turn.error = (
+                        "cut",
+                        f"cancelled at max_wall_s ({workload.max_wall_s} s)",
+                    )
+                    turns.append(turn)
+                    raise
                 if turn.ok:
                     history.append({"role": "assistant", "content": reply})
                 turns.append(turn)
                 if on_turn is not None:
                     on_turn(turn)
 
-        await asyncio.gather(*(conversation(c) for c in range(workload.conversations)))
-    return turns, time.perf_counter() - t0
+        tasks = [asyncio.ensure_future(conversation(c)) for c in range(workload.conversations)]
+        _, pending = await asyncio.wait(tasks, timeout=workload.max_wall_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    wall = time.perf_counter() - t0
+    sent = {(t.conversation, t.turn) for t in turns}
+    for c in range(workload.conversations):
+        for k in range(workload.turns):
+            if (c, k) not in sent:
+                turns.append(
+                    Turn(c, k, _request_id(salt, c, k), "", wall, outcome="not_sent",
+                         error=f"not sent by max_wall_s ({workload.max_wall_s} s)")
+                )  # fmt: skip
+    return turns, wall
+
+
+def _request_id(salt: str, conversation: int, turn: int) -> str:
+    return f"{salt or 'run'}-c{conversation}-t{turn}"

@@ -6,8 +6,19 @@ router of its own in front of the same two replicas, compared on:
 
   - prefix-cache hit ratio, from our metrics: vllm:prefix_cache_hits_total / _queries_total
     (tokens) scraped from each replica's /metrics before and after the arm;
-  - TTFT p50 / p99 (first streamed token, as the client sees it through the router);
-  - throughput (output tokens and requests per second over the arm's wall time).
+  - TTFT p50 / p99 (first streamed token, as the client sees it through the router), also
+    over the turns after a conversation's first (those a cache can serve);
+  - throughput (output tokens and requests per second over the arm's wall time);
+  - the share of the replicas' cores busy over the arm (their processes' CPU time, API and
+    engine core, over wall time x cores), per replica and together: a paced arm well below 1
+    measures routing, not queueing.
+
+Arrivals are paced by default (chat_workload: conversations start on a fixed schedule, each
+next turn after a think time), so TTFT shows what a cache hit saves rather than the queue
+behind every other conversation's prefill; --closed-loop sends every conversation at once.
+If an arm's cores are busy near 1, its TTFT is queueing again: raise --arrival-interval.
+The router's own view of each arm is kept too: its vllm_router_kv_* and prefix-routing
+counters (for kv_aware: whether the replicas rendered each request's tokens, index hits).
 
 The oracle arm runs the same workload with every turn on the replica that served its
 conversation's previous turn (conversation c on replica c % 2, addressed directly, no router):
@@ -57,7 +68,12 @@ from inference.checkpoints.demo_model import ensure_demo_model
 
 RESULTS = Path(__file__).resolve().parent / "results" / "replicas_bench.json"
 POLICIES = ("round_robin", "cache_aware", "kv_aware")
-QUICK = Workload(conversations=4, turns=3, user_words=40, system_words=12, max_tokens=4)
+QUICK = Workload(
+    conversations=4, turns=3, user_words=40, system_words=12, max_tokens=4,
+    arrival_interval_s=0.3, think_time_s=0.2, max_wall_s=180.0,
+)  # fmt: skip
+ROUTER_SERIES = ("vllm_router_kv_", "vllm_router_prefix_routing_decisions")
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -77,6 +93,32 @@ def prefix_cache_counters(url: str) -> dict[str, float]:
 def inspected(url: str) -> list[dict]:
     """The requests a replica's inspector recorded (newest first)."""
     return httpx.get(url + "/inspect/api/requests", timeout=30).json()["requests"]
+
+
+def replica_cpu_seconds(replica: Replica) -> float:
+    """CPU time (user + system) its API process and engine core have used so far."""
+    total = 0
+    for pid in (replica.server.pid, replica.server.engine_core_pid()):
+        if pid is None:
+            continue
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone (the kill run)
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return total / _CLOCK_TICKS
+
+
+def router_counters(metrics_url: str) -> dict[str, float]:
+    """The router's own routing counters ("name{labels}" -> value) off its /metrics."""
+    text = httpx.get(metrics_url, timeout=30).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(ROUTER_SERIES):
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
 
 
 def placement(workers: Sequence[Replica], turns: list[Turn], dead: dict | None = None) -> dict:
@@ -116,25 +158,40 @@ def _percentile(values: list[float], q: float) -> float | None:
 def summary(turns: list[Turn], wall_s: float) -> dict:
     ok = [t for t in turns if t.ok]
     ttfts = [t.ttft for t in ok if t.ttft is not None]
+    later = [t.ttft for t in ok if t.ttft is not None and t.turn > 0]
     tokens = sum(t.completion_tokens for t in ok)
     return {
         "requests": len(turns),
         "ok": len(ok),
         "failed": len(turns) - len(ok),
+        "not_sent": sum(t.outcome == "not_sent" for t in turns),
         "prompt_tokens": sum(t.prompt_tokens for t in ok),
         "output_tokens": tokens,
         "wall_s": wall_s,
         "ttft_p50_s": _percentile(ttfts, 50),
         "ttft_p99_s": _percentile(ttfts, 99),
+        "ttft_later_turns_p50_s": _percentile(later, 50),
+        "ttft_later_turns_p99_s": _percentile(later, 99),
         "output_tokens_per_s": tokens / wall_s if wall_s else None,
         "requests_per_s": len(ok) / wall_s if wall_s else None,
     }
 
 
-def run_arm(workers: Sequence[Replica], workload: Workload, model: str, salt: str, target) -> dict:
-    """The workload with turns sent where `target(c, k)` says; hits from each replica's counters."""
+def run_arm(
+    workers: Sequence[Replica],
+    workload: Workload,
+    model: str,
+    salt: str,
+    target,
+    router_metrics: str | None = None,
+) -> dict:
+    """The workload with turns sent where `target(c, k)` says; hits from each replica's
+    counters, busy cores from their CPU time, and (`router_metrics`) the router's counters."""
     before = [prefix_cache_counters(r.server.url) for r in workers]
+    routed_before = router_counters(router_metrics) if router_metrics else {}
+    cpu_before = [replica_cpu_seconds(r) for r in workers]
     turns, wall = asyncio.run(run_conversations(workload, model, target, salt=salt))
+    cpu = [replica_cpu_seconds(r) - b for r, b in zip(workers, cpu_before, strict=True)]
     after = [prefix_cache_counters(r.server.url) for r in workers]
     per_replica = [
         {k: a[k] - b[k] for k in ("queries", "hits")} for a, b in zip(after, before, strict=True)
@@ -152,11 +209,20 @@ def run_arm(workers: Sequence[Replica], workload: Workload, model: str, salt: st
                 **r,
                 "hit_ratio": r["hits"] / r["queries"] if r["queries"] else None,
                 "requests": sum(1 for i in where.values() if i == n),
+                "cores_busy": cpu[n] / (wall * len(workers[n].cpus)),
             }
             for n, r in enumerate(per_replica)
         ],
+        "cores_busy": sum(cpu) / (wall * sum(len(r.cpus) for r in workers)),
         "sticky_share": sticky_share(turns, where),
+        "router": _counter_deltas(router_counters(router_metrics), routed_before)
+        if router_metrics
+        else None,
     }
+
+
+def _counter_deltas(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
 
 
 # ---- the kill run -----------------------------------------------------------------------------
@@ -342,10 +408,10 @@ def run_bench(
                 workers, workload, model, "oracle", lambda c, k: workers[c % 2].server.url
             )
             for policy in policies:
-                router, url, _ = start_router(workers, model_dir, policy)
+                router, url, metrics = start_router(workers, model_dir, policy)
                 try:
                     arms[policy] = run_arm(
-                        workers, workload, model, policy, lambda c, k, url=url: url
+                        workers, workload, model, policy, lambda c, k, url=url: url, metrics
                     )
                 finally:
                     router.stop()
@@ -403,17 +469,18 @@ def table(result: dict) -> str:
     rows = [
         (
             "| arm | hit ratio | share of oracle hits | sticky | TTFT p50 ms | TTFT p99 ms "
-            "| output tok/s | req/s | failed |"
+            "| later turns TTFT p50 ms | output tok/s | req/s | cores busy | failed |"
         ),
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, arm in result["arms"].items():
         share = 1.0 if name == "oracle" else result["share_of_oracle_hits"].get(name)
         rows.append(
             f"| {name} | {num(arm['hit_ratio'])} | {num(share)} | {num(arm['sticky_share'], '.2f')}"
             f" | {ms(arm['ttft_p50_s'])} | {ms(arm['ttft_p99_s'])}"
+            f" | {ms(arm['ttft_later_turns_p50_s'])}"
             f" | {num(arm['output_tokens_per_s'], '.1f')} | {num(arm['requests_per_s'], '.2f')}"
-            f" | {arm['failed']} |"
+            f" | {num(arm['cores_busy'], '.2f')} | {arm['failed']} |"
         )
     return "\n".join(rows)
 
@@ -427,6 +494,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--turns", type=int)
     parser.add_argument("--user-words", type=int)
     parser.add_argument("--max-tokens", type=int)
+    parser.add_argument(
+        "--arrival-interval", type=float, help="seconds between conversation starts (paced)"
+    )
+    parser.add_argument("--think-time", type=float, help="seconds from a reply to the next turn")
+    parser.add_argument(
+        "--closed-loop", action="store_true", help="every conversation at once, no think time"
+    )
+    parser.add_argument("--max-wall", type=float, help="an arm stops here (seconds)")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--kill-policy", default="cache_aware", help="'none': no kill run")
     parser.add_argument("--kill-after", type=float, default=0.4, help="share of turns done")
@@ -447,6 +522,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
     }
     workload = dataclasses.replace(workload, **{k: v for k, v in overrides.items() if v})
+    pacing = {
+        "arrival_interval_s": args.arrival_interval,
+        "think_time_s": args.think_time,
+        "max_wall_s": args.max_wall,
+    }
+    workload = dataclasses.replace(workload, **{k: v for k, v in pacing.items() if v is not None})
+    if any(v is not None and v < 0 for v in pacing.values()):
+        parser.error("--arrival-interval, --think-time and --max-wall must be >= 0")
+    if args.closed_loop:
+        workload = dataclasses.replace(workload, arrival_interval_s=None, think_time_s=0.0)
     model_dir = args.model or str(ensure_demo_model(args.preset))
     result = run_bench(
         model_dir,
