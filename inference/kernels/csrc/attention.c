@@ -6,6 +6,13 @@
 /* ---- decode attention ---------------------------------------------------------------- */
 
 #define ATT_CHUNK 32 /* context positions per pass: their K and V rows widened once for all heads */
+#define SPLIT_BYTES ((size_t)64 << 20) /* the most the splits' partial results may take */
+
+/* How many work items a row's context splits into: at least 64 positions each, at most cap. */
+static inline int64_t row_splits(int64_t len, int64_t window, int64_t cap) {
+    const int64_t n = window > 0 && len > window ? window : len, most = (n + 63) / 64;
+    return most < 1 ? 1 : most > cap ? cap : most;
+}
 
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
     vf acc = vf_zero();
@@ -75,13 +82,16 @@ static void prefetch_rows(const int32_t *table, int64_t block_size, int64_t p0, 
     }
 }
 
-/* One query token per sequence over its paged context, for all sequences of a step, read
- * straight from the cache by block table (no gathered copy). Work items are (sequence,
- * context split); each walks its positions in chunks whose key and value rows (all kv heads
- * of a slot: adjacent in the cache, so the chunk is read in whole lines) are widened to
- * float32 once for every query head, with an online softmax (flash-decoding), and the
+/* One query token per row over its paged context, for all rows of a step, read straight from
+ * the cache by block table (no gathered copy). A sequence may bring several queries: rows
+ * sharing its block table, at consecutive positions, each row's context its own length
+ * (causal: speculative verification's k + 1 positions). Work items are (row, context
+ * split); each walks its positions in chunks whose key and value rows (all kv heads of a
+ * slot: adjacent in the cache, so the chunk is read in whole lines) are widened to float32
+ * once for every query head, with an online softmax (flash-decoding), and the
  * splits, which keep every core busy when there are fewer sequences than threads, are
- * merged by their softmax statistics at the end.
+ * merged by their softmax statistics at the end; a row's splits follow from its own length
+ * only, so its result does not depend on the other rows.
  * q [B, H, dk] (row stride ldq); key row of (slot, kv head g) at k_cache + slot * k_slot +
  * g * k_head, value row likewise (MLA passes the latent cache as both, dv < dk), in the
  * cache's format kv_kind (strides in its elements: bf16 or bytes; an int8 row's scale at
@@ -104,34 +114,44 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
      * prefetching */
     const int64_t elem = kv_kind == KV_BF16 ? 2 : 1, tail = kv_kind == KV_BF16 ? 0 : 2;
     const int64_t k_bytes = ((G - 1) * k_head + dk) * elem + tail, v_bytes = ((G - 1) * v_head + dv) * elem + tail;
-    int64_t longest = 1; /* positions read, at most */
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t n = window > 0 && context_lens[b] > window ? window : context_lens[b];
-        longest = n > longest ? n : longest;
-    }
-    int64_t splits = (4 * nthreads + B - 1) / B;
-    const int64_t most = (longest + 63) / 64; /* at least 64 positions per split */
-    splits = splits > most ? most : splits;
-    splits = splits < 1 ? 1 : splits;
-    const int64_t span = (longest + splits - 1) / splits;
     const int64_t part = dv + 2; /* per head: max score, sum of exponentials, dv weighted values */
-    const size_t partial_bytes = round64((size_t)B * splits * H * part * sizeof(float));
+    /* Each row's context splits by its own length alone (at least 64 positions a split, at
+     * most 4 per thread), never by the rest of the batch: a row rounds alike in any batch, so
+     * the k + 1 positions a speculating sequence verifies as k + 1 rows round exactly as its
+     * plain decode steps do. Only when the partials would pass SPLIT_BYTES do rows take fewer. */
+    int64_t cap = 4 * (int64_t)nthreads, total = 0;
+    for (;;) {
+        total = 0;
+        for (int64_t b = 0; b < B; b++) total += row_splits(context_lens[b], window, cap);
+        if (cap == 1 || (size_t)total * H * part * sizeof(float) <= SPLIT_BYTES) break;
+        cap /= 2;
+    }
+    const size_t partial_bytes = round64((size_t)total * H * part * sizeof(float));
+    const size_t index_bytes = round64((size_t)(B + 1 + total) * sizeof(int64_t));
     const size_t local_bytes = round64((size_t)(H * dk + ATT_CHUNK + G * ATT_CHUNK * (dk + dv) + dv) * sizeof(float));
     region_enter();
-    char *scratch = region_alloc(partial_bytes + (size_t)nthreads * local_bytes);
+    char *scratch = region_alloc(partial_bytes + index_bytes + (size_t)nthreads * local_bytes);
     if (!scratch) {
         region_leave();
         return -1;
     }
     float *partials = (float *)scratch;
+    /* first[b]: row b's first work item (its splits follow); owner[it]: the row of item it */
+    int64_t *first = (int64_t *)(scratch + partial_bytes), *owner = first + B + 1;
+    first[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        first[b + 1] = first[b] + row_splits(context_lens[b], window, cap);
+        for (int64_t it = first[b]; it < first[b + 1]; it++) owner[it] = b;
+    }
 #pragma omp parallel num_threads(nthreads)
     {
-        float *qf = (float *)(scratch + partial_bytes + (size_t)omp_get_thread_num() * local_bytes);
+        float *qf = (float *)(scratch + partial_bytes + index_bytes + (size_t)omp_get_thread_num() * local_bytes);
         float *sh = qf + H * dk, *kf = sh + ATT_CHUNK, *vfl = kf + G * ATT_CHUNK * dk, *merged = vfl + G * ATT_CHUNK * dv;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < B * splits; it++) {
-            const int64_t b = it / splits, s = it % splits, len = context_lens[b];
+        for (int64_t it = 0; it < total; it++) {
+            const int64_t b = owner[it], s = it - first[b], len = context_lens[b];
             const int64_t lo = window > 0 && len > window ? len - window : 0; /* first position read */
+            const int64_t splits = first[b + 1] - first[b], span = (len - lo + splits - 1) / splits;
             const int64_t c0 = lo + s * span, c1 = c0 + span < len ? c0 + span : len;
             float *res = partials + it * H * part;
             for (int64_t h = 0; h < H; h++) {
@@ -195,7 +215,8 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * H; bh++) {
             const int64_t b = bh / H, h = bh % H;
-            const float *res = partials + b * splits * H * part + h * part;
+            const float *res = partials + first[b] * H * part + h * part;
+            const int64_t splits = first[b + 1] - first[b];
             float top = sinks ? sinks[h] : -INFINITY;
             for (int64_t s = 0; s < splits; s++) top = res[s * H * part] > top ? res[s * H * part] : top;
             float sum = sinks ? expf(sinks[h] - top) : 0.0f; /* the sink's share of the denominator */
