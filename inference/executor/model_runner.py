@@ -64,55 +64,63 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> RunnerOutput:
         bs = self.block_size
-        decode = [s for s, n in sched.scheduled if n == 1]
-        prefill = [(s, n) for s, n in sched.scheduled if n > 1]
-        input_ids = [s.token_ids[s.num_computed_tokens] for s in decode]
-        positions = [s.num_computed_tokens for s in decode]
+        # A speculating sequence's last token and its k drafts run as k + 1 decode rows (its
+        # block table each, its own context length each: causal), so verification is a decode
+        # step: the fused one-call step where the model has it, rounding as plain decode does.
+        decode = [s for s, n in sched.scheduled if n == 1 or s.spec_token_ids]
+        prefill = [(s, n) for s, n in sched.scheduled if n > 1 and not s.spec_token_ids]
+        rows = [  # (sequence, position) of each decode row
+            (s, s.num_computed_tokens + j) for s in decode for j in range(1 + len(s.spec_token_ids))
+        ]
+        input_ids = [
+            s.token_ids[p] if p < s.num_tokens else s.spec_token_ids[p - s.num_tokens]
+            for s, p in rows
+        ]
+        positions = [p for _, p in rows]
         slot_parts = [
-            torch.tensor(
-                [s.block_table[p // bs] * bs + p % bs for s, p in zip(decode, positions)],
-                dtype=torch.long,
-            )
+            torch.tensor([s.block_table[p // bs] * bs + p % bs for s, p in rows], dtype=torch.long)
         ]
         decode_slots = decode_mask = block_tables = context_lens = None
-        if decode and self.paged_kernel:
+        if rows and self.paged_kernel:
             width = max(len(s.block_table) for s in decode)
             block_tables = torch.tensor(
-                [s.block_table + [0] * (width - len(s.block_table)) for s in decode],
+                [s.block_table + [0] * (width - len(s.block_table)) for s, _ in rows],
                 dtype=torch.int32,
             )
             context_lens = torch.tensor(positions, dtype=torch.int32) + 1
-        elif decode:
+        elif rows:
             context = max(positions) + 1
-            decode_slots = self._slots([s.block_table for s in decode], context)
-            if len(decode) > 1:  # one row has no padding to mask
+            decode_slots = self._slots([s.block_table for s, _ in rows], context)
+            if len(rows) > 1:  # one row has no padding to mask
                 lens = torch.tensor(positions) + 1
                 decode_mask = (torch.arange(context).unsqueeze(0) < lens.unsqueeze(1)).view(
-                    len(decode), 1, 1, context
+                    len(rows), 1, 1, context
                 )
         # a one-token chunk inside a prompt runs as a decode row too, but samples nothing
-        sample_rows = [i for i, s in enumerate(decode) if s.num_computed_tokens + 1 == s.num_tokens]
-        sampled = [decode[i] for i in sample_rows]
+        sample_rows, verify_rows = [], []  # verify_rows: (sequence, first row, rows)
+        first = 0
+        for s in decode:
+            if s.spec_token_ids:
+                verify_rows.append((s, first, 1 + len(s.spec_token_ids)))
+            elif s.num_computed_tokens + 1 == s.num_tokens:
+                sample_rows.append(first)
+            first += 1 + len(s.spec_token_ids)
+        sampled = [rows[i][0] for i in sample_rows]
         chunks = []
-        verify_rows: list[tuple[Sequence, int, int]] = []  # (sequence, first row, rows)
         for s, n in prefill:
             start, p0 = len(input_ids), s.num_computed_tokens
-            if s.spec_token_ids:  # its last token and drafts: k + 1 positions verified at once
-                input_ids.extend(s.token_ids[p0:] + s.spec_token_ids)
-                verify_rows.append((s, start, n))
-            else:
-                input_ids.extend(s.token_ids[p0 : p0 + n])
+            input_ids.extend(s.token_ids[p0 : p0 + n])
             positions.extend(range(p0, p0 + n))
             slots = self._slots([s.block_table], p0 + n)[0]
             slot_parts.append(slots[p0:])
             chunks.append(PrefillChunk(start, n, p0, slots.to(self.device) if p0 else None))
-            if p0 + n == s.num_tokens and not s.spec_token_ids:  # reaches the end: sample
+            if p0 + n == s.num_tokens:  # reaches the end: sample
                 sample_rows.append(start + n - 1)
                 sampled.append(s)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_parts).to(dev),
-            num_decode=len(decode),
+            num_decode=len(rows),
             decode_slots=None if decode_slots is None else decode_slots.to(dev),
             decode_mask=None if decode_mask is None else decode_mask.to(dev),
             prefills=chunks,
@@ -131,7 +139,7 @@ class ModelRunner:
             self.kv_caches,
         )
         # rows still inside a prompt (a one-token chunk runs as a decode row)
-        prompt_rows = [(s, row, 1) for row, s in enumerate(decode)]
+        prompt_rows = [(s, row, 1) for row, (s, _) in enumerate(rows) if not s.spec_token_ids]
         prompt_rows += [(s, c.start, c.length) for (s, _), c in zip(prefill, chunks)]
         prompt_logprobs = [
             (s, s.num_computed_tokens + 1, self._prompt_logprobs(hidden, start, n, s))

@@ -162,6 +162,23 @@ def test_greedy_identical_with_speculation_under_chunked_prefill_and_preemption(
     assert totals["drafts"] > 0
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_greedy_identical_with_speculation(model_dirs, arch):
+    """In bf16 too: a sequence's last token and its drafts are verified as k + 1 rows of the
+    decode step (the fused one-call step on the CPU kernels), each rounding as a plain decode
+    step does, so the output is the same token for token, drafts accepted or not."""
+    path = model_dirs(arch)
+    limits = {"device": DEVICE, "dtype": "bfloat16", "kv_cache_tokens": 1024}
+    plain = LLMEngine.from_pretrained(path, **limits)
+    batch = prompts(plain.args.vocab_size, [5, 33, 12])
+    batch.append(batch[2] * 4)  # repeats itself: drafts get accepted
+    expected, _ = _run(plain, batch, GREEDY_32)
+    spec = LLMEngine.from_pretrained(path, speculative_config=NGRAM, **limits)
+    got, totals = _run(spec, batch, GREEDY_32)
+    assert got == expected
+    assert totals["accepted"] > 0
+
+
 def test_repeating_output_accepts_drafts_and_stored_blocks_hold_only_kept_tokens(model_dirs):
     """A prompt that repeats itself: drafts get accepted (the step's counts), the prefix cache's
     KV events carry only tokens the sequence kept, and the blocks of rejected drafts go back."""
