@@ -334,7 +334,7 @@ _SIGNATURES = {
     "ms_rope_cache": "p i i i i i i p p p n p p i n",
     "ms_greedy": "p i i i p n",
     "ms_logprob_rows": "p i n i i p i p p p p n",
-    "ms_logit_scores": "p i i i w i p p i p p p p n",
+    "ms_logit_scores": "p i i i w i p p i p p p p i n",
     "ms_embed_int8": "p i p i p i i p n",
     "ms_set_amx": "p p",
     "ms_set_int8": "p p",
@@ -1060,10 +1060,12 @@ def logit_scores(
     bias: torch.Tensor | None,
     targets: torch.Tensor,
     k: int,
+    tile_rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logprob_rows of the logits x [rows, K] (bf16) @ packed weight^T (+ bias), the lm_head's
-    own bf16 logits, computed and scored a tile of rows at a time in C: no [rows, vocab]
-    tensor is made (int4 weights, which ms_linear may not take, go through linear())."""
+    own bf16 logits, computed and scored a tile of rows at a time in C (tile_rows; 0: as many
+    as 16M logits hold): no [rows, vocab] tensor is made (int4 weights, which ms_linear may
+    not take, go through linear())."""
     if isinstance(weight, QWeight) and weight.fmt == "int4":
         return logprob_rows(linear(x, weight, bias), targets, k)
     k_in = x.shape[-1]
@@ -1087,6 +1089,7 @@ def logit_scores(
             targets.data_ptr(),
             k,
             *(t.data_ptr() for t in out),
+            tile_rows,
             _threads(),
         ),
         "logit_scores (a target outside the vocabulary, or k larger than it)",

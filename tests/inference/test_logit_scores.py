@@ -73,7 +73,7 @@ def test_ties_masked_logits_strided_rows_and_the_whole_vocabulary(path):
 def test_the_lm_heads_logits_score_a_tile_at_a_time(path, fmt, rows):
     """ms_logit_scores runs the lm_head in tiles of rows and scores each: the same logits
     cpu.linear gives (the model's own), the same scores as scoring them whole."""
-    vocab, hidden = 3001, 96  # a narrow last column block; 300 rows: more than one tile
+    vocab, hidden = 3001, 96  # a narrow last column block
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(vocab, hidden, generator=g) / 5
     weight = (
@@ -84,8 +84,8 @@ def test_the_lm_heads_logits_score_a_tile_at_a_time(path, fmt, rows):
     x = torch.randn(rows, hidden, generator=g).bfloat16()
     targets = torch.randint(0, vocab, (rows,), generator=g)
     logits = cpu_kernels.linear(x, weight)
-    for k in (0, 4):
-        scores = cpu_kernels.logit_scores(x, weight, None, targets, k)
+    for k, tile_rows in ((0, 0), (4, 0), (4, 64)):  # 64: tiles of 64 rows, the last partial
+        scores = cpu_kernels.logit_scores(x, weight, None, targets, k, tile_rows)
         check(scores, logits, targets, k)
 
 

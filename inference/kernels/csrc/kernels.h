@@ -18,7 +18,7 @@
  *   norm_rope.c  ms_rmsnorm, ms_rope_cache -> kv_rows.c
  *   embed.c      ms_embed_int8      -> hadamard.c
  *   greedy.c     ms_greedy          (no calls out)
- *   logits.c     ms_logit_scores, ms_logprob_rows -> region.c, linear.c
+ *   logits.c     ms_logit_scores, ms_logprob_rows -> region.c, gemm.c, linear.c
  *   layer.c      ms_decode_step     -> region.c, linear.c, moe.c, attention.c, norm_rope.c
  *
  * cpu.py binds the exported ms_* kernels; amx.c and int8_vnni.c are libraries of their own
@@ -261,13 +261,13 @@ void ms_greedy(const bf16 *x, int64_t ldx, int64_t rows, int64_t n, int64_t *out
 /* logits.c: prompt scoring. Each row's target logprob and rank (1 + the logits above the
  * target's) and its top k (ids, logprobs; ties: the lower id first), of logits x (bf16, or
  * float32 with f32 set; row stride ldx) or of the lm_head's own logits of hidden rows x times
- * w (+ bias), computed a tile of rows at a time. -2: a target outside the vocabulary or k
- * outside [0, vocab]; -1: no scratch memory. */
+ * w (+ bias), computed tile_rows rows at a time (0: logits.c's choice). -2: a target outside
+ * the vocabulary or k outside [0, vocab]; -1: no scratch memory. */
 int ms_logprob_rows(const void *x, int64_t ldx, int f32, int64_t rows, int64_t n, const int64_t *targets, int64_t k,
                     float *target_lp, int64_t *rank, int64_t *top_ids, float *top_lp, int nthreads);
 int ms_logit_scores(const bf16 *x, int64_t ldx, int64_t M, int64_t K, const wmat *w, int64_t N, const bf16 *bias,
                     const int64_t *targets, int64_t k, float *target_lp, int64_t *rank, int64_t *top_ids, float *top_lp,
-                    int nthreads);
+                    int64_t tile_rows, int nthreads);
 /* layer.c: ms_decode_step, its layer_spec mirrored by cpu.py (declared there) */
 
 #endif

@@ -2,8 +2,7 @@
  * probability of one target token, its rank and the top k, without a [rows, vocab] float32
  * log-softmax ever held. ms_logit_scores runs the lm_head itself over tiles of rows (ms_linear
  * into one bf16 tile of scratch, the logits the model's own bf16 lm_head gives) and scores
- * each tile while it is in cache; ms_logprob_rows scores logits already computed (bf16 or
- * float32).
+ * each tile; ms_logprob_rows scores logits already computed (bf16 or float32).
  *
  * A row takes two vector passes: its maximum and its top k, then the sum of exp(x - max) and
  * the count of logits above the target's. log_softmax(x)[t] = x[t] - (max + log(sum)); the
@@ -12,7 +11,13 @@
 
 #include "kernels.h"
 
-#define TILE_ELEMS (4 << 20) /* logits per tile of rows (8 MB of bf16): stays in L3 */
+/* Logits per tile of rows (32 MB of bf16). Large on purpose: ms_linear splits a call's row
+ * chunks between threads, which then read the same weight blocks at about the same time (one
+ * read from DRAM serves both), where a tile of one chunk splits the columns and each thread
+ * streams its own half. On the small demo's lm_head (32000 x 512, 512 rows, 2 threads; a
+ * shared AMD EPYC, proportions only) tiles of 96 rows cost ~1.5x the lm_head alone, one tile
+ * of 512 rows ~1.1x. */
+#define TILE_ELEMS (16 << 20)
 
 #if defined(MS_AVX512)
 static inline unsigned lanes_above(vf a, vf b) { return (unsigned)_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
@@ -102,15 +107,15 @@ int ms_logprob_rows(const void *x, int64_t ldx, int f32, int64_t rows, int64_t n
 
 int ms_logit_scores(const bf16 *x, int64_t ldx, int64_t M, int64_t K, const wmat *w, int64_t N, const bf16 *bias,
                     const int64_t *targets, int64_t k, float *target_lp, int64_t *rank, int64_t *top_ids, float *top_lp,
-                    int nthreads) {
+                    int64_t tile_rows, int nthreads) {
     if (N < 1 || k < 0 || k > N) return -2;
     for (int64_t r = 0; r < M; r++)
         if (targets[r] < 0 || targets[r] >= N) return -2;
     if (M == 0) return 0;
-    /* rows per tile: the tile in L3, yet rows enough that the weight (read once a tile) is
-     * not streamed much more often than ms_linear's own chunks stream it */
-    int64_t tile = TILE_ELEMS / N;
-    tile = tile < 32 ? 32 : tile > 256 ? 256 : tile;
+    /* rows per tile (tile_rows 0): whole chunks of ms_linear's rows (a partial one runs its
+     * register tiles short), as many as TILE_ELEMS logits hold (at least one chunk) */
+    const int64_t chunk = chunk_rows(even(K)), fit = TILE_ELEMS / N / chunk;
+    int64_t tile = tile_rows > 0 ? tile_rows : chunk * (fit > 1 ? fit : 1);
     tile = tile < M ? tile : M;
     region_enter();
     bf16 *logits = region_alloc((size_t)tile * N * sizeof(bf16));
