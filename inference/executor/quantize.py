@@ -4,11 +4,20 @@ and int4 the embedding table too, in int8 (a scale per row). int4 keeps the lm_h
 as llama.cpp's Q4_K_M keeps its output layer at 6 bits: the logits take its error whole. Routers and norms stay in the model's dtype, as does MLA's
 kv_b_proj (the absorbed projections are derived from it). The modules installed here run
 quantization/qweight.py's torch path; on the CPU kernels executor/cpu_backend.py replaces them
-again with the same weights packed."""
+again with the same weights packed.
+
+int4's choices (Int4Choices, bench/NOTES.md measures each on SmolLM2): groups of 128 inputs,
+rotated rows, levels, scales and integer zero points by quantization/int4_search.py's search
+(llama.cpp's Q4_K fit); with `wide`, the projections llama.cpp's Q4_K_M keeps at 6 bits
+(attn_v, ffn_down of the layers its use_more_bits picks) kept int8 here: the fused q/k/v and
+the dense down projection of those layers (stacked experts stay 4-bit: one format a stack).
+The MOESERVE_INT4_* variables switch each choice, to measure it."""
 
 from __future__ import annotations
 
 import os
+import re
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,6 +27,7 @@ from inference.models.layers import Linear
 from inference.models.moe import Experts, grouped_dispatch, swiglu
 from inference.quantization import qweight as quant
 from inference.quantization.hadamard import rotate_by_products
+from inference.quantization.int4_search import METHODS, quantize_int4_searched
 from inference.quantization.qweight import QWeight
 
 
@@ -69,6 +79,47 @@ class QuantEmbedding(nn.Module):
         return rotate_by_products(rows).to(self.dtype).view(*ids.shape, -1)
 
 
+@dataclass(frozen=True)
+class Int4Choices:
+    group: int = quant.INT4_GROUP
+    method: str = "search"  # int4_search.METHODS
+    rotated: bool = True
+    wide: bool = True  # int8 for the sensitive projections (see the module docstring)
+
+    @classmethod
+    def from_environ(cls) -> Int4Choices:
+        """The defaults, or MOESERVE_INT4_GROUP / _METHOD / _ROTATE / _WIDE (bench/quant_bench.py's
+        int4 rows measure each)."""
+        env, base = os.environ, cls()
+        method = env.get("MOESERVE_INT4_METHOD", base.method)
+        if method not in METHODS:
+            raise ValueError(f"MOESERVE_INT4_METHOD={method}: expected one of {', '.join(METHODS)}")
+        group = env.get("MOESERVE_INT4_GROUP", str(base.group))
+        if not group.isdigit() or int(group) % 8:
+            raise ValueError(f"MOESERVE_INT4_GROUP={group}: expected a multiple of 8")
+        return cls(
+            int(group),
+            method,
+            env.get("MOESERVE_INT4_ROTATE", "1" if base.rotated else "0") != "0",
+            env.get("MOESERVE_INT4_WIDE", "1" if base.wide else "0") != "0",
+        )
+
+
+def uses_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits (llama-quant.cpp): the first and last eighth of the layers
+    and every third between, the layers whose attn_v and ffn_down Q4_K_M widens."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+_SENSITIVE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:attn\.wqkv|mlp\.w2)$")
+
+
+def kept_wide(name: str, layers: int) -> bool:
+    """Whether int4 keeps this Linear in int8 (Int4Choices.wide)."""
+    found = _SENSITIVE.search(name)
+    return found is not None and uses_more_bits(int(found.group(1)), layers)
+
+
 def quantize_model(
     model: nn.Module,
     fmt: str,
@@ -80,24 +131,28 @@ def quantize_model(
     checkpoint shipped them (parameter name -> row-major QWeight), used as they are; with
     only_published, what the checkpoint kept in 16 bits stays so."""
 
-    # a measuring switch (bench/quant_bench.py's int4_unrotated row): what the rotation buys
-    rotate_int4 = os.environ.get("MOESERVE_INT4_ROTATE", "1") != "0"
+    choices = Int4Choices.from_environ() if fmt == "int4" else None
+    layers = sum(
+        1 for name, _ in model.named_modules() if re.fullmatch(r"(.*\.)?layers\.\d+", name)
+    )
 
-    def weight(name: str, w: torch.Tensor, lm: bool = False) -> QWeight | None:
+    def weight(name: str, w: torch.Tensor, wide: bool = False) -> QWeight | None:
+        """wide: int4 keeps it int8 (the lm_head, the sensitive projections)."""
         kept = published.get(name) if fmt == "fp8" else None
         if kept is None and only_published:
             return None
         if kept is not None:
             return kept
-        if fmt == "int4" and not lm:
-            return quant.quantize_int4(w.data, rotated=rotate_int4)
+        if fmt == "int4" and not wide:
+            return quantize_int4_searched(w.data, choices.group, choices.method, choices.rotated)
         return quant.quantize(w.data, "int8" if fmt == "int4" else fmt)
 
     def replace(name: str, module: nn.Module, parent: nn.Module) -> nn.Module | None:
         if type(module) is Linear:  # not its subclasses: routers stay in the model's dtype
             if name.endswith("attn.wkv_b") or (name == "lm_head" and not lm_head):
                 return None
-            w = weight(f"{name}.weight", module.weight, lm=name == "lm_head")
+            wide = name == "lm_head" or (fmt == "int4" and choices.wide and kept_wide(name, layers))
+            w = weight(f"{name}.weight", module.weight, wide)
             return None if w is None else QuantLinear(w, module.bias)
         if isinstance(module, Experts):
             w13, w2 = weight(f"{name}.w13", module.w13), weight(f"{name}.w2", module.w2)

@@ -12,9 +12,11 @@ from torch import nn
 
 from inference import LLMEngine, SamplingParams
 from inference.errors import InvalidParameterError
+from inference.executor.quantize import kept_wide
 from inference.models.layers import Linear
 from inference.models.moe import Experts
 from inference.quantization import qweight as quant
+from inference.quantization.int4_search import quantize_int4_searched
 from tests.inference.parity_checks import prompts
 from tests.inference.test_cpu_kernels import (  # every family, and the fixture
     ARCHS,
@@ -44,16 +46,22 @@ def prompt_logprobs(eng: LLMEngine, batch: list[list[int]]) -> torch.Tensor:
 
 def dequantized_twin(path) -> LLMEngine:
     """A float32 engine whose weights are replaced by what int4 serves, dequantized: every
-    layer quantize_model quantizes, int4 (the lm_head and the embedding int8, as int4 keeps
-    them)."""
+    layer quantize_model quantizes, int4 by int4_search's default choices (the lm_head, the
+    embedding and the sensitive projections int8, as int4 keeps them)."""
     eng = engine(path, dtype="float32")
+    layers = len(eng.executor.model.layers)
+
+    def int4(w: torch.Tensor) -> torch.Tensor:
+        return quantize_int4_searched(w, quant.INT4_GROUP, "search", rotated=True).dequantize()
+
     for name, module in eng.executor.model.named_modules():
         if type(module) is Linear:
-            fmt = "int8" if name == "lm_head" else "int4"
-            module.weight.data.copy_(quant.quantize(module.weight.data, fmt).dequantize())
+            wide = name == "lm_head" or kept_wide(name, layers)
+            w = module.weight.data
+            module.weight.data.copy_(quant.quantize_int8(w).dequantize() if wide else int4(w))
         elif isinstance(module, Experts):
             for w in (module.w13, module.w2):
-                w.data.copy_(quant.quantize_int4(w.data).dequantize())
+                w.data.copy_(int4(w.data))
         elif isinstance(module, nn.Embedding):
             module.weight.data.copy_(quant.quantize_int8(module.weight.data).dequantize())
     return eng
