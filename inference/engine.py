@@ -74,8 +74,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(dtype, self.device, getattr(hf_config, "dtype", None))
         self.tokenizer = load_tokenizer(path)
         published = checkpoint_quantization(hf_config)
-        # an fp8 checkpoint is served as fp8; mxfp4 experts are dequantized at load
-        self.quantization = config.quantization or ("fp8" if published == "fp8" else "none")
+        # a quantized checkpoint is served as published (fp8; gptq, awq, compressed-tensors,
+        # mxfp4 in 4 bits); --quantization none serves its weights dequantized
+        self.quantization = config.quantization or published
         self.kv_cache_dtype = config.kv_cache_dtype
         self.executor = ex = ModelExecutor(
             path, family_of(hf_config), args, self.device, self.dtype, config, self.quantization,

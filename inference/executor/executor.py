@@ -45,9 +45,10 @@ class ModelExecutor:
         published: str,
         startup: StartupClock | None = None,
     ) -> None:
-        """quantization: the weights' format to serve (none, int8, int4, fp8); published: the
-        checkpoint's own (none, fp8). `startup`: the clock its phases are marked on (the
-        engine marked load_weights)."""
+        """quantization: the weights' format to serve (none, int8, int4, fp8, or the
+        checkpoint's own); published: the checkpoint's own (none, fp8, gptq, awq,
+        compressed-tensors, mxfp4: loader.checkpoint_quantization). `startup`: the clock its
+        phases are marked on (the engine marked load_weights)."""
         self.args, self.device, self.dtype, self.config = args, device, dtype, config
         self.startup = clock = startup or StartupClock()
         self.quantization = quantization
@@ -65,12 +66,14 @@ class ModelExecutor:
             # an FP8 checkpoint served as fp8 keeps what it shipped in 16 bits (its lm_head);
             # so does a bf16 one quantized to fp8 here: e4m3's 3 mantissa bits on the lm_head
             # cost SmolLM2 4.5% of perplexity, int8's 0.3% (bench/NOTES.md)
+            # served as published: only what the checkpoint quantized (its lm_head where so)
+            as_published = quantization == published
             quantize_model(
                 self.model,
                 quantization,
                 published_fp8,
-                lm_head=quantization in ("int8", "int4"),
-                only_published=published == "fp8" and quantization == "fp8",
+                lm_head=quantization in ("int8", "int4") or as_published,
+                only_published=as_published,
             )
             self._note_quantized_path()
         if cpu_bf16:
@@ -106,7 +109,7 @@ class ModelExecutor:
         for module in model.modules():  # what the reference keeps in float32 (rope tables...)
             if getattr(module, "keep_in_fp32", False):
                 module.float()
-        keep = self.quantization == "fp8"
+        keep = self.quantization == published != "none" or self.quantization == "fp8"
         published_fp8 = load_weights(model, path, self.args, family, keep)
         return model.eval(), published_fp8
 

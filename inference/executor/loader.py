@@ -5,18 +5,24 @@ the checkpoint's family (models/), and checked for presence and shape."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
 
+import structlog
 import torch
 from safetensors import safe_open
 
 from inference.errors import ModelLoadError
 from inference.hf_overrides import apply_hf_overrides, hf_overrides
 from inference.models.args import Family, ModelArgs
+from inference.quantization import awq, compressed_tensors, gptq, mxfp4
 from inference.quantization import qweight as quant
+from inference.quantization.published import Int4Levels, UnservedVariant
 from inference.quantization.qweight import QWeight
+
+log = structlog.get_logger("inference.loader")
 
 _TOP_LEVEL = {
     "model.embed_tokens.weight": "embed.weight",
@@ -126,26 +132,49 @@ def _rows(param_name: str, part: str | None, param: torch.Tensor, args: ModelArg
     return slice(0, half) if part == "gate" else slice(half, 2 * half)
 
 
+# the published 4-bit formats: each one's module (its config, its tensors, their unpacking)
+INT4_FORMATS = {"gptq": gptq, "awq": awq, "compressed-tensors": compressed_tensors}
+
+
+def quantization_config(hf_config) -> dict | None:
+    qc = getattr(hf_config, "quantization_config", None)
+    return None if qc is None else qc if isinstance(qc, dict) else qc.to_dict()
+
+
 def checkpoint_quantization(hf_config) -> str:
     """What the checkpoint itself is quantized as: "fp8" for FP8 checkpoints (quant_method
-    fp8, or compressed-tensors with float 8-bit weights), "none" for plain ones; any other
-    scheme is refused (its weights would not load as published)."""
-    qc = getattr(hf_config, "quantization_config", None)
+    fp8, or compressed-tensors with float 8-bit weights), the 4-bit formats as published
+    ("gptq", "awq", "compressed-tensors" pack-quantized, gpt-oss's "mxfp4"), "none" for
+    plain ones; any other scheme, or a variant of these we do not serve, is refused naming
+    the config field."""
+    qc = quantization_config(hf_config)
     if qc is None:
         return "none"
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = qc.get("quant_method")
-    if method in ("fp8", "mxfp4"):  # mxfp4: gpt-oss's experts, dequantized at load
+    if method in ("fp8", "mxfp4"):
         return method
-    if method == "compressed-tensors":
+    if method == "compressed-tensors" and not compressed_tensors.is_int4(qc):
         weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
         if weights and all(w.get("type") == "float" and w.get("num_bits") == 8 for w in weights):
             return "fp8"
+    if method in INT4_FORMATS:
+        int4_scheme(qc)  # refuses the variants we do not serve
+        return method
     raise ModelLoadError(
-        f"checkpoint quantized with {method!r} ({qc.get('format') or ''}); supported: plain "
-        "bf16/float16/float32 checkpoints, FP8 ones (fp8, compressed-tensors float8) and "
+        f"quantization_config.quant_method = {method!r} ({qc.get('format') or ''}) is not "
+        "served; served: plain bf16/float16/float32 checkpoints, FP8 ones (fp8, "
+        "compressed-tensors float8), 4-bit gptq, awq, compressed-tensors pack-quantized and "
         "gpt-oss's mxfp4"
     )
+
+
+def int4_scheme(qc: dict):
+    """The published 4-bit format's scheme (its module's scheme()), refusing variants we do
+    not serve with a ModelLoadError naming the config field."""
+    try:
+        return INT4_FORMATS[qc["quant_method"]].scheme(qc)
+    except UnservedVariant as exc:
+        raise ModelLoadError(f"{qc['quant_method']} checkpoint: {exc}") from exc
 
 
 class _Fp8Parts:
@@ -178,15 +207,82 @@ class _Fp8Parts:
         return QWeight("fp8", self.data.view(quant.FP8), scale, self.group, k)
 
 
+class _Int4Parts:
+    """The levels, scales and zero points of a fused parameter, filled part by part (q/k/v,
+    gate/up, experts) as a published 4-bit checkpoint's modules come."""
+
+    def __init__(self, param: torch.Tensor, name: str) -> None:
+        self.name = name
+        self.levels = torch.zeros(param.shape, dtype=torch.uint8)
+        self.scales: torch.Tensor | None = None  # [..., N, G]
+        self.zeros: torch.Tensor | None = None  # [..., N, G], 8 where symmetric
+        self.group: int | None = None
+        self.act_order = False  # a part whose groups are not contiguous inputs
+
+    def fill(self, index, rows: slice, part: Int4Levels) -> None:
+        if self.group is None:
+            self.group = part.group
+            groups = -(-self.levels.shape[-1] // part.group)
+            shape = (*self.levels.shape[:-1], groups)
+            self.scales = torch.zeros(shape, dtype=torch.float32)
+            self.zeros = torch.full(shape, 8, dtype=torch.int16)
+        if part.group != self.group:
+            raise ModelLoadError(
+                f"{self.name}: its parts come in groups of {self.group} and {part.group} "
+                "inputs (one fused weight takes one group size)"
+            )
+        self.act_order |= part.perm is not None
+        at = (lambda t: t[rows]) if index is None else (lambda t: t[index][rows])
+        at(self.levels).copy_(part.levels)
+        at(self.scales).copy_(part.scales)
+        if part.zeros is not None:
+            at(self.zeros).copy_(part.zeros)
+
+    def qweight(self) -> QWeight:
+        zeros = None if bool((self.zeros == 8).all()) else self.zeros
+        return quant.int4_from_levels(self.levels, self.scales, zeros, self.group)
+
+
+def _int4_module(name: str, f, located: dict[str, Path], fmt, scheme) -> list[Int4Levels]:
+    """A published 4-bit module's tensors (NAME = its main tensor, fmt.WEIGHT) unpacked: one
+    Int4Levels per matrix (several for a stacked [E, N, K] module)."""
+    module = name.removesuffix("." + fmt.WEIGHT)
+    tensors = {fmt.WEIGHT: f.get_tensor(name)}
+    for part in fmt.PARTS:
+        full = f"{module}.{part}"
+        if part != fmt.WEIGHT and full in located:
+            with safe_open(located[full], framework="pt") as g:
+                tensors[part] = g.get_tensor(full)
+    try:
+        unpacked = fmt.unpack(tensors, scheme, module)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    return unpacked if isinstance(unpacked, list) else [unpacked]
+
+
+def _int4_part_of(name: str, located: dict[str, Path], fmt) -> bool:
+    """Whether NAME is a side tensor of a published 4-bit module (read with its main one)."""
+    module, _, part = name.rpartition(".")
+    return part in fmt.PARTS and part != fmt.WEIGHT and f"{module}.{fmt.WEIGHT}" in located
+
+
+def _rowwise(convert):
+    """A rule's convert (checkpoint layout [..., K, N] -> ours [..., N, K], as gpt-oss's
+    transposed experts need) applied to row-major [..., N, X] tensors: levels, scales."""
+    return lambda t: convert(t.transpose(-1, -2))
+
+
 def load_weights(
-    model, path: Path, args: ModelArgs, family: Family, keep_fp8: bool = False
+    model, path: Path, args: ModelArgs, family: Family, keep_published: bool = False
 ) -> dict[str, QWeight]:
     """Copies every checkpoint tensor into the model, by the family's rules; raises on a
     missing, unknown-shaped or absent weight. A family with multi-token-prediction layers
     (Family.mtp_layers) loads past the checkpoint's layers after its last decoder layer: they
-    are not run (speculative decoding will). Parameters must already have their final dtype and device. FP8 tensors
-    are dequantized into the parameters; with keep_fp8, also returned as they were published
-    (parameter name -> QWeight, row-major) for engines serving fp8 weights."""
+    are not run (speculative decoding will). Parameters must already have their final dtype
+    and device. Quantized tensors (FP8; GPTQ, AWQ, compressed-tensors and MXFP4 in 4 bits)
+    are dequantized into the parameters, as the format's own library dequantizes them; with
+    keep_published, also returned as they were published (parameter name -> QWeight,
+    row-major) for engines serving them so. What the checkpoint keeps in 16 bits stays so."""
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}  # parameter -> number of elements written
     files = checkpoint_files(path)
@@ -194,7 +290,14 @@ def load_weights(
     for file in files:
         with safe_open(file, framework="pt") as f:
             located.update(dict.fromkeys(f.keys(), file))
+    qc = _config_quantization(path)
+    fmt = INT4_FORMATS.get(qc.get("quant_method")) if qc else None
+    if fmt is compressed_tensors and not compressed_tensors.is_int4(qc):
+        fmt = None  # float 8-bit weights: the fp8 path
+    scheme = int4_scheme(qc) if fmt is not None else None
     fp8: dict[str, _Fp8Parts] = {}
+    int4: dict[str, _Int4Parts] = {}
+    kept: dict[str, QWeight] = {}  # whole parameters as published (mxfp4 experts)
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
@@ -202,10 +305,18 @@ def load_weights(
                     family.mtp_layers and _layer_index(name) >= args.num_layers
                 ):
                     continue
-                mxfp4 = name.endswith(_MXFP4_BLOCKS)
-                if name.endswith(_MXFP4_SCALES) and _blocks_of(name) in located:
+                if fmt is not None and _int4_part_of(name, located, fmt):
+                    continue  # read with its module's main tensor
+                is_mxfp4 = name.endswith(mxfp4.BLOCKS)
+                if name.endswith(mxfp4.SCALES) and mxfp4.blocks_name(name) in located:
                     continue  # read with its blocks
-                tgt = _target(name.removesuffix(_MXFP4_BLOCKS), args, family.weights)
+                is_int4 = fmt is not None and name.endswith("." + fmt.WEIGHT)
+                weight_name = (
+                    name.removesuffix(fmt.WEIGHT) + "weight"
+                    if is_int4
+                    else name.removesuffix(mxfp4.BLOCKS)
+                )
+                tgt = _target(weight_name, args, family.weights)
                 if tgt is None:
                     if ".rotary_emb." in name:
                         continue
@@ -222,7 +333,21 @@ def load_weights(
                 dest = param[expert] if expert is not None else param
                 rows = _rows(pname, part, dest, args)
                 dest = dest[rows]
-                tensor = _mxfp4_weight(name, f, located) if mxfp4 else f.get_tensor(name)
+                published = None
+                if is_int4:
+                    unpacked = _int4_module(name, f, located, fmt, scheme)
+                    tensor = torch.stack([u.dequantize() for u in unpacked])
+                    tensor = tensor if len(unpacked) > 1 else tensor[0]
+                    if convert is not None:
+                        raise ModelLoadError(
+                            f"{name}: {args.architecture}'s layout of this weight is not "
+                            f"served in {qc['quant_method']}"
+                        )
+                elif is_mxfp4:
+                    published = _mxfp4_weight(name, f, located)
+                    tensor = published.dequantize(torch.bfloat16).transpose(-1, -2)
+                else:
+                    tensor = f.get_tensor(name)
                 if convert is not None:
                     tensor = convert(tensor)
                 if tuple(tensor.shape) != tuple(dest.shape):
@@ -234,11 +359,22 @@ def load_weights(
                     scales, group = _fp8_scales(name, tensor, located)
                     w = QWeight("fp8", tensor, scales.transpose(0, 1), group, tensor.shape[-1])
                     dest.copy_(w.dequantize(dest.dtype))
-                    if keep_fp8 and tensor.dim() == 2:
+                    if keep_published and tensor.dim() == 2:
                         parts = fp8.setdefault(pname, _Fp8Parts(params[pname]))
                         parts.fill(expert, rows, tensor, scales, group)
                 else:
                     dest.copy_(tensor)
+                if keep_published and is_int4:
+                    parts = int4.setdefault(pname, _Int4Parts(params[pname], name))
+                    if len(unpacked) > 1:  # a stacked module: every expert at once
+                        for e, u in enumerate(unpacked):
+                            parts.fill(e, rows, u)
+                    else:
+                        parts.fill(expert, rows, unpacked[0])
+                if keep_published and published is not None:
+                    if expert is not None or part is not None:
+                        raise ModelLoadError(f"{name}: MXFP4 weights come whole per parameter")
+                    kept[pname] = _converted(published, convert)
                 filled[pname] = filled.get(pname, 0) + tensor.numel()
     if args.tie_word_embeddings and "lm_head.weight" not in filled:
         params["lm_head.weight"].data.copy_(params["embed.weight"].data)
@@ -249,43 +385,71 @@ def load_weights(
             f"{path}: checkpoint lacks weights for: {', '.join(missing[:8])}"
             + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         )
-    kept = {name: parts.qweight() for name, parts in fp8.items()}
-    return {name: w for name, w in kept.items() if w is not None}
+    if fmt is not None and not any(n.endswith("." + fmt.WEIGHT) for n in located):
+        raise ModelLoadError(
+            f"{path}: quantization_config.quant_method is {qc['quant_method']!r} but no "
+            f"weight is stored so (no *.{fmt.WEIGHT} tensor)"
+        )
+    for pname, parts in int4.items():
+        kept[pname] = _served_int4(pname, parts)
+    for pname, parts in fp8.items():
+        w = parts.qweight()
+        if w is not None:
+            kept[pname] = w
+    return kept
 
 
-# gpt-oss's MXFP4 tensors: NAME_blocks [..., N, K/32, 16] (two e2m1 values a byte, the low
-# nibble first) and NAME_scales [..., N, K/32] (e8m0: a power of two, biased by 127)
-_MXFP4_BLOCKS, _MXFP4_SCALES = "_blocks", "_scales"
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+def _config_quantization(path: Path) -> dict | None:
+    """config.json's quantization_config (the loader reads the tensors it describes)."""
+    try:
+        return json.loads((path / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError):
+        return None
 
 
-def _blocks_of(scales_name: str) -> str:
-    return scales_name.removesuffix(_MXFP4_SCALES) + _MXFP4_BLOCKS
+def _served_int4(pname: str, parts: _Int4Parts) -> QWeight | None:
+    """A published 4-bit parameter as served: its levels in 4 bits. Act-order parts (groups
+    not contiguous inputs) would need their activations gathered into the groups' order,
+    which no layer does yet: stacked experts are refused naming desc_act; a dense layer is
+    served from its dequantized 16-bit weights (None), said at start-up."""
+    if not parts.act_order:
+        return parts.qweight()
+    if parts.levels.dim() > 2:
+        raise ModelLoadError(
+            f"{parts.name}: act-order (quantization_config.desc_act, a g_idx whose groups are "
+            "not contiguous inputs) is not served on MoE experts (each expert has its own "
+            "input order); re-quantize with desc_act false"
+        )
+    log.warning(
+        "act-order weight served dequantized",
+        weight=pname,
+        reason="quantization_config.desc_act: its g_idx groups are not contiguous inputs",
+    )
+    return None
 
 
-def _mxfp4_weight(name: str, f, located: dict[str, Path]) -> torch.Tensor:
-    """An MXFP4 checkpoint tensor dequantized (bfloat16) in the layout its unquantized
-    checkpoints store: [..., K, N] (transformers' convert_moe_packed_tensors)."""
-    scales_name = name.removesuffix(_MXFP4_BLOCKS) + _MXFP4_SCALES
+def _converted(w: QWeight, convert) -> QWeight:
+    """A row-major published weight put in our layout by its rule's convert (gpt-oss's
+    transposed, interleaved experts): the same row permutation of its values and scales."""
+    if convert is None:
+        return w
+    data = _rowwise(convert)(w.data)
+    scale = _rowwise(convert)(w.scale.transpose(-1, -2)).transpose(-1, -2)
+    return dataclasses.replace(w, data=data.contiguous(), scale=scale.contiguous())
+
+
+def _mxfp4_weight(name: str, f, located: dict[str, Path]) -> QWeight:
+    """An MXFP4 checkpoint tensor (NAME_blocks and its NAME_scales) as an mxfp4 QWeight,
+    row-major [..., N, K] in the tensor's own row order."""
+    scales_name = mxfp4.scales_name(name)
     if scales_name not in located:
         raise ModelLoadError(f"MXFP4 weight {name!r} has no {scales_name!r} beside it")
-    blocks = f.get_tensor(name)
     with safe_open(located[scales_name], framework="pt") as g:
         scales = g.get_tensor(scales_name)
-    if blocks.dtype != torch.uint8 or blocks.shape[-1] != 16:
-        raise ModelLoadError(
-            f"{name}: MXFP4 blocks must be uint8 [..., K/32, 16], got {blocks.dtype} "
-            f"{tuple(blocks.shape)}"
-        )
-    if scales.dtype != torch.uint8 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
-        raise ModelLoadError(
-            f"{scales_name}: MXFP4 scales must be uint8 of shape {tuple(blocks.shape[:-1])} "
-            f"(one per block of 32 in {name}), got {scales.dtype} {tuple(scales.shape)}"
-        )
-    lut = torch.tensor(_E2M1, dtype=torch.float32)
-    values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)
-    values = torch.ldexp(values.flatten(-2), scales.to(torch.int32).sub(127).unsqueeze(-1))
-    return values.flatten(-2).to(torch.bfloat16).transpose(-1, -2).contiguous()
+    try:
+        return mxfp4.weight(name, f.get_tensor(name), scales)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
 
 
 def _fp8_scales(

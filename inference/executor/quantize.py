@@ -138,7 +138,7 @@ def quantize_model(
 
     def weight(name: str, w: torch.Tensor, wide: bool = False) -> QWeight | None:
         """wide: int4 keeps it int8 (the lm_head, the sensitive projections)."""
-        kept = published.get(name) if fmt == "fp8" else None
+        kept = published.get(name) if fmt == "fp8" or only_published else None
         if kept is None and only_published:
             return None
         if kept is not None:

@@ -150,7 +150,10 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(model_dirs, tmp_pat
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     ckpt = write_mxfp4_checkpoint(model_dirs("gpt_oss"), tmp_path / "mxfp4")
-    engine = LLMEngine.from_pretrained(ckpt, dtype="float32", kv_cache_tokens=256)
+    # --quantization none: dequantized at load into the model's dtype
+    engine = LLMEngine.from_pretrained(
+        ckpt, dtype="float32", kv_cache_tokens=256, quantization="none"
+    )
     tensors = load_file(ckpt / "model.safetensors")
     prefix = "model.layers.0.mlp.experts."
     gate_up = convert_moe_packed_tensors(
@@ -164,6 +167,13 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(model_dirs, tmp_pat
     assert torch.equal(experts.w13, torch.cat((w13[:, 0::2], w13[:, 1::2]), dim=1))
     assert torch.equal(experts.w2, down.transpose(1, 2))
     assert engine.quantization == "none"
+    # served as published (the default): the same weights, held in 4 bits
+    served = LLMEngine.from_pretrained(ckpt, dtype="float32", kv_cache_tokens=256)
+    assert served.quantization == "mxfp4"
+    held = served.executor.model.layers[0].mlp.experts
+    assert held.w13.fmt == held.w2.fmt == "mxfp4"
+    assert torch.equal(held.w13.dequantize(), experts.w13)
+    assert torch.equal(held.w2.dequantize(), experts.w2)
 
 
 def test_an_mxfp4_checkpoint_decodes_as_transformers_does(model_dirs, tmp_path):
@@ -180,7 +190,9 @@ def test_an_mxfp4_checkpoint_decodes_as_transformers_does(model_dirs, tmp_path):
         expected = ref.generate(
             torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24
         )[0, len(prompt) :].tolist()
-    engine = LLMEngine.from_pretrained(ckpt, dtype="float32", kv_cache_tokens=256)
+    engine = LLMEngine.from_pretrained(
+        ckpt, dtype="float32", kv_cache_tokens=256, quantization="none"
+    )  # dequantized, as transformers runs it (in 4 bits: tests/inference/test_published_4bit.py)
     out = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     assert out[0].token_ids == expected
 

@@ -152,9 +152,9 @@ def test_a_checkpoint_in_another_quantization_scheme_is_refused(model_dirs, tmp_
     for f in src.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "hqq", "nbits": 4}  # (GPTQ loads: 4-bit)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="'gptq'"):
+    with pytest.raises(ModelLoadError, match="quant_method = 'hqq'"):
         engine(tmp_path)
 
 
