@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from inference.executor import cpu_backend
 from inference.kernels import cpu as cpu_kernels
 from inference.kernels.modules import CpuExperts, CpuLinear
 from inference.models.moe import grouped_dispatch, select_experts
@@ -170,33 +171,42 @@ def test_moe_on_published_4bit_experts_matches_the_torch_path(int4_path, fmt, gr
     torch.testing.assert_close(out.float(), ref, rtol=2**-6, atol=float(ref.abs().max()) * 2**-6)
 
 
-# the model's weights quantized at load as each published format would hold them (in place of
-# quantize_int4, which the test patches)
-_symmetric = quant.quantize_int4
+# each published format as a quantizer of a float weight [..., N, K]
 PUBLISHED = {
-    "int4-asymmetric-g32": lambda w, rotated=True: asymmetric_int4(w, 32),
-    "int4-symmetric-channel": lambda w, rotated=True: _symmetric(
-        w, group=w.shape[-1], rotated=False
-    ),
-    "mxfp4": lambda w, rotated=True: mxfp4(w),
+    "int4-asymmetric-g32": lambda w: asymmetric_int4(w, 32),
+    "int4-symmetric-channel": lambda w: quant.quantize_int4(w, group=w.shape[-1], rotated=False),
+    "mxfp4": mxfp4,
 }
+# the qwen2_moe layers given 4-bit weights (the routers and the lm_head keep theirs)
+FOUR_BIT_LAYERS = ("attn.wqkv", "attn.wo", "shared.w13", "shared.w2")
 
 
 @pytest.mark.parametrize("fmt", list(PUBLISHED))
-def test_the_one_call_decode_step_on_published_4bit_weights(
-    int4_path, model_dirs, monkeypatch, fmt
-):
-    """Models whose every linear layer and expert holds unrotated 4-bit weights of a published
-    format: served on the kernels (linear, MoE, the fused step), and one fused decode step
-    equals the composed layers."""
-    monkeypatch.setattr(quant, "quantize_int4", PUBLISHED[fmt])
-    eng = engine(model_dirs("qwen2_moe"), quantization="int4")
-    layer = eng.executor.model.layers[0]
-    wqkv, experts = layer.attn.wqkv, layer.mlp.moe.experts
-    assert isinstance(wqkv, CpuLinear) and isinstance(experts, CpuExperts)
-    for w in (wqkv.weight, experts.w13):  # the format asked for, not the default int4
-        assert w.packed and not w.rotated
-        assert w.fmt == ("mxfp4" if fmt == "mxfp4" else "int4")
-        assert (w.zero is not None) == fmt.startswith("int4-asym")
-    assert eng.executor.fused_step is not None
+def test_the_one_call_decode_step_on_published_4bit_weights(int4_path, model_dirs, fmt):
+    """A model whose attention, dense MLP and experts hold unrotated 4-bit weights of a
+    published format (its bf16 weights requantized in place, the fused step installed again
+    over them): one fused decode step equals the composed layers."""
+    eng = engine(model_dirs("qwen2_moe"))
+    model, quantize = eng.executor.model, PUBLISHED[fmt]
+    swapped = 0
+    for name, module in model.named_modules():
+        if isinstance(module, CpuLinear) and name.endswith(FOUR_BIT_LAYERS):
+            w = cpu_kernels.unpack_weight(module.weight, 2 * module.weight.shape[-3]).float()
+            del module.weight  # a bf16 parameter, where quantized layers hold a QWeight
+            module.weight = cpu_kernels.pack_qweight(quantize(w))
+            swapped += 1
+        elif isinstance(module, CpuExperts):
+            for attr in ("w13", "w2"):
+                packed = getattr(module, attr)
+                w = cpu_kernels.unpack_weight(packed, 2 * packed.shape[-3]).float()
+                delattr(module, attr)
+                setattr(module, attr, cpu_kernels.pack_qweight(quantize(w)))
+            swapped += 1
+    assert swapped == 5 * len(model.layers)
+    eng.executor.fused_step = cpu_backend.install(model)
+    assert eng.executor.fused_step is not None  # the fused step takes every 4-bit weight
+    layer = model.layers[0]
+    for w in (layer.attn.wqkv.weight, layer.mlp.moe.experts.w13):
+        assert w.packed and not w.rotated and w.fmt == fmt.split("-")[0]
+        assert (w.zero is not None) == (fmt == "int4-asymmetric-g32")
     fused_step_equals_the_composed_layers(eng)
