@@ -221,3 +221,26 @@ def test_a_4bit_config_over_plain_weights_is_refused(model_dirs, tmp_path):
     (tmp_path / "plain" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=r"no \*\.qweight tensor"):
         engine(tmp_path / "plain")
+
+
+def test_the_server_reports_the_published_format(published):
+    """moeserve_model_info and gRPC ModelInfo name the checkpoint's format (SPEC section 13)."""
+    import grpc
+    import httpx
+
+    from bench.harness import InProcessServer
+    from service.proto.moeserve.v1 import inference_pb2 as pb
+    from service.proto.moeserve.v1 import inference_pb2_grpc
+    from tests.service.conftest import make_settings
+
+    settings = make_settings(
+        published("awq-g128"), dtype="bfloat16", grpc_port=0, kv_cache_tokens=1024
+    )
+    with InProcessServer(settings) as srv:
+        text = httpx.get(srv.url + "/metrics").text
+        info = next(s for s in text.splitlines() if s.startswith("moeserve_model_info{"))
+        assert 'quantization="awq"' in info
+        with grpc.insecure_channel(srv.grpc_target) as channel:
+            reply = inference_pb2_grpc.InferenceStub(channel).ModelInfo(pb.ModelInfoRequest())
+        assert reply.quantization == "awq"
+        assert reply.weight_bytes == srv.engine.weight_bytes
