@@ -5,9 +5,10 @@ A prefill computes the logits of one row; scoring needs every row's over the who
 vocabulary, so the lm_head runs at every position. What is avoided is everything else a
 [rows, vocab] float32 log-softmax costs (its copies, a comparison tensor, a top-k over it):
 on the CPU kernels the lm_head and the scoring run a tile of rows at a time in C
-(kernels/csrc/logits.c) and no [rows, vocab] tensor is made; other logits on the CPU are
-scored by the same C passes; elsewhere (a GPU, kernels off) torch scores pieces of rows
-through a logsumexp instead of a full log-softmax.
+(kernels/csrc/logits.c: one bf16 tile of logits in its scratch, no tensor of torch's);
+other logits on the CPU are scored by the same C passes; elsewhere (a GPU, kernels off) torch
+scores pieces of rows through a logsumexp instead of a full log-softmax. Scoring then costs
+the lm_head's products on every row and little else (bench/scoring_bench.py's floor).
 """
 
 from __future__ import annotations
