@@ -19,7 +19,10 @@ from inference.hf_overrides import hf_overrides
 from inference.kv_events import kv_events_config
 from inference.spec_decode.config import speculative_config
 
-QUANTIZATIONS = ("none", "int8", "int4", "fp8")  # weights (quantization/qweight.py)
+# weights (quantization/qweight.py); the last four, vLLM's names of a published checkpoint's
+# own format, are served as published (and must be the checkpoint's)
+PUBLISHED_FORMATS = ("gptq", "awq", "compressed-tensors", "mxfp4")
+QUANTIZATIONS = ("none", "int8", "int4", "fp8", *PUBLISHED_FORMATS)
 KV_CACHE_DTYPES = (
     "auto",
     "int8",

@@ -14,8 +14,8 @@ from pathlib import Path
 import structlog
 
 from inference.block_manager import BlockManager
-from inference.config import EngineConfig, resolve_device, resolve_dtype
-from inference.errors import InvalidParameterError
+from inference.config import PUBLISHED_FORMATS, EngineConfig, resolve_device, resolve_dtype
+from inference.errors import InvalidParameterError, ModelLoadError
 from inference.executor.executor import ModelExecutor
 from inference.executor.loader import (
     checkpoint_quantization,
@@ -76,6 +76,11 @@ class LLMEngine:
         published = checkpoint_quantization(hf_config)
         # a quantized checkpoint is served as published (fp8; gptq, awq, compressed-tensors,
         # mxfp4 in 4 bits); --quantization none serves its weights dequantized
+        if config.quantization in PUBLISHED_FORMATS and config.quantization != published:
+            raise ModelLoadError(
+                f"--quantization {config.quantization} serves a checkpoint as published; "
+                f"{path} is {published!r} (quantization_config.quant_method)"
+            )
         self.quantization = config.quantization or published
         self.kv_cache_dtype = config.kv_cache_dtype
         self.executor = ex = ModelExecutor(

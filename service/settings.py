@@ -91,8 +91,10 @@ _HELP = {
     "fp8_e4m3, fp8_e5m2",
     "quantization": "weights: none, int8 (W8A8: int8 weights and per-token int8 activations), "
     "int4 (W4A8: 4-bit weights, a scale per 128 inputs, int8 activations) or fp8 (e4m3, "
-    "weight-only on the CPU); default: as the checkpoint ships (fp8 for FP8 "
-    "checkpoints, else none)",
+    "weight-only on the CPU), or a published checkpoint's own format (gptq, awq, "
+    "compressed-tensors, mxfp4: 4-bit as published); default: as the checkpoint ships "
+    "(fp8 for FP8 checkpoints, its 4-bit format for GPTQ/AWQ/compressed-tensors/MXFP4 ones, "
+    "else none; none serves those dequantized)",
     "compile": "torch.compile the decode steps at start-up (faster decoding, slower start)",
     "hf_overrides": "vLLM's, as JSON: config.json fields replaced at load, e.g. "
     '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": '

@@ -244,3 +244,10 @@ def test_the_server_reports_the_published_format(published):
             reply = inference_pb2_grpc.InferenceStub(channel).ModelInfo(pb.ModelInfoRequest())
         assert reply.quantization == "awq"
         assert reply.weight_bytes == srv.engine.weight_bytes
+
+
+def test_quantization_may_name_the_checkpoints_own_format_as_vllm_does(published):
+    path = published("gptq-sym-g128")
+    assert engine(path, dtype="float32", quantization="gptq").quantization == "gptq"
+    with pytest.raises(ModelLoadError, match=r"--quantization awq .*'gptq'.*quant_method"):
+        engine(path, dtype="float32", quantization="awq")
