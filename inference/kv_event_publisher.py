@@ -1,8 +1,10 @@
 """Publishes KV-cache event batches over ZeroMQ as vLLM's ZmqEventPublisher does, so its
 subscribers work unchanged: a PUB socket sends (topic, 8-byte big-endian sequence number,
 msgpack KVEventBatch) per batch; an optional ROUTER socket answers a replay request (an 8-byte
-big-endian start sequence) with every buffered (sequence, payload) from there on, then the
-end marker (-1, b"").
+big-endian start sequence) with every buffered (topic, sequence, payload) from there on, then
+the end marker (b"", -1, b""): current vLLM's replay frames, which vLLM's router (0.1.17)
+requires (it drops a replay without the topic frame, and with it every event published
+before it subscribed: a router started after the replicas could then anchor no later block).
 
 The engine core's step only appends the batch to a queue (`publish`); encoding, sending and
 replay run on this publisher's thread, so a slow subscriber or network never slows a step. A
@@ -105,8 +107,9 @@ class ZmqEventPublisher:
         first = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= first:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_SEQ, b""))
+                frames = (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
+                self._replay.send_multipart(frames)
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
 
 def start_publisher(config: KVEventsConfig | None) -> ZmqEventPublisher | None:

@@ -221,17 +221,19 @@ def test_the_publisher_sends_sequenced_batches_and_replays_them(publisher):
         seqs = [s for s, _ in received]
         assert seqs == sorted(seqs) and seqs[0] > first_seq
         assert [h for _, h in received] == [[0], [1], [2]]
-        # replay: an 8-byte big-endian start -> every buffered batch from there, then -1
+        # replay: an 8-byte big-endian start -> every buffered (topic, seq, batch) from there,
+        # then (b"", -1, b""), as current vLLM's (vLLM's router drops a replay without topics)
         replay = ctx.socket(zmq.DEALER)
         replay.setsockopt(zmq.RCVTIMEO, 5000)
         replay.connect(f"tcp://127.0.0.1:{replay_port}")
         replay.send_multipart((b"", seqs[1].to_bytes(8, "big")))
         replayed = []
         while True:
-            _, seq, payload = replay.recv_multipart()
+            _, topic, seq, payload = replay.recv_multipart()
             if seq == END_SEQ:
-                assert payload == b""
+                assert topic == payload == b""
                 break
+            assert topic == b"kv@a"
             replayed.append((int.from_bytes(seq, "big"), decode_vllm(payload).events[0]))
         assert [s for s, _ in replayed] == seqs[1:]
         assert [e.block_hashes for _, e in replayed] == [[1], [2]]

@@ -128,9 +128,10 @@ def test_the_engine_publishes_its_cache_as_vllm_does(served):
         replay.send_multipart((b"", (0).to_bytes(8, "big")))
         replayed = {}
         while True:
-            _, seq, payload = replay.recv_multipart()
+            _, topic, seq, payload = replay.recv_multipart()  # current vLLM's frames
             if seq == END_SEQ:
                 break
+            assert topic == b"moeserve"  # the server's topic
             replayed[int.from_bytes(seq, "big")] = decode_vllm(payload)
         replay.close(linger=0)
         assert isinstance(replayed[0].events[0], VllmAllBlocksCleared)  # a fresh cache first

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -41,8 +42,31 @@ def _served(server: ServerProcess) -> float:
     )
 
 
+@contextmanager
+def _kv_aware_router(replicas, sources, model_dir) -> Iterator[tuple[str, str]]:
+    """vllm-router under kv_aware in front of `replicas`, subscribed to their events (with
+    replay): (its URL, its /metrics URL)."""
+    port, metrics_port = free_port(), free_port()
+    argv = [
+        ROUTER, "--host", HOST, "--port", port, "--policy", "kv_aware",
+        "--prometheus-host", HOST, "--prometheus-port", metrics_port,
+        "--worker-urls", *(s.url for s in replicas),
+        "--kv-event-model", model_dir, "--kv-event-block-size", 16,
+    ]  # fmt: skip
+    for server, (events, replay) in zip(replicas, sources):
+        argv += ["--kv-event-source", f"{server.url}=tcp://127.0.0.1:{events}"]
+        argv += ["--kv-event-replay-source", f"{server.url}=tcp://127.0.0.1:{replay}"]
+    with ManagedProcess(argv, stop_timeout=10, name="vllm-router") as router:
+        url = f"http://{HOST}:{port}"
+        try:
+            wait_until(lambda: httpx.get(url + "/v1/models").status_code == 200, 60, "router")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; vllm-router's log:\n{router.tail()}") from None
+        yield url, f"http://{HOST}:{metrics_port}/metrics"
+
+
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir) -> Iterator[tuple[list[ServerProcess], str, str]]:
+def cluster(tiny_model_dir) -> Iterator[tuple[list[ServerProcess], str, str, Callable]]:
     with ExitStack() as stack:
         replicas, sources = [], []
         for _ in range(2):
@@ -66,26 +90,13 @@ def cluster(tiny_model_dir) -> Iterator[tuple[list[ServerProcess], str, str]]:
             sources.append((events, replay))
         for server in replicas:
             server.wait_ready()
-        port, metrics_port = free_port(), free_port()
-        argv = [
-            ROUTER, "--host", HOST, "--port", port, "--policy", "kv_aware",
-            "--prometheus-host", HOST, "--prometheus-port", metrics_port,
-            "--worker-urls", *(s.url for s in replicas),
-            "--kv-event-model", tiny_model_dir, "--kv-event-block-size", 16,
-        ]  # fmt: skip
-        for server, (events, replay) in zip(replicas, sources):
-            argv += ["--kv-event-source", f"{server.url}=tcp://127.0.0.1:{events}"]
-            argv += ["--kv-event-replay-source", f"{server.url}=tcp://127.0.0.1:{replay}"]
-        router = ManagedProcess(argv, stop_timeout=10, name="vllm-router")
-        stack.callback(router.stop)
-        router.start()
-        url = f"http://{HOST}:{port}"
-        wait_until(lambda: httpx.get(url + "/v1/models").status_code == 200, 60, "router ready")
-        yield replicas, url, f"http://{HOST}:{metrics_port}/metrics"
+        another = partial(_kv_aware_router, replicas, sources, str(tiny_model_dir))
+        url, metrics = stack.enter_context(another())
+        yield replicas, url, metrics, another
 
 
 def test_kv_aware_sends_a_prefix_to_the_replica_that_stored_it(cluster):
-    replicas, url, _ = cluster
+    replicas, url, _, _ = cluster
     prefixes = [
         " ".join(f"{word}{i}" for i in range(120)) for word in ("alpha", "omega")
     ]  # about 480 tokens each: 30 blocks
@@ -120,7 +131,7 @@ def test_kv_aware_keeps_each_chat_on_the_replica_holding_its_history(cluster):
     goes straight to one replica, every later turn (its whole history again, plus a new user
     message) through the router, which renders the chat on each replica
     (/v1/chat/completions/render) and finds the history's blocks among that replica's events."""
-    replicas, url, metrics = cluster
+    replicas, url, metrics, _ = cluster
     rendered_before = _router_counter(
         metrics, "vllm_router_kv_routing_inputs_total", result="render"
     )
@@ -144,3 +155,27 @@ def test_kv_aware_keeps_each_chat_on_the_replica_holding_its_history(cluster):
     rendered = _router_counter(metrics, "vllm_router_kv_routing_inputs_total", result="render")
     assert rendered - rendered_before == 2 * 3 * 2  # every replica rendered every routed turn
     assert _router_counter(metrics, "vllm_router_kv_placement_lookups_total", result="hit") > 0
+
+
+def test_a_router_started_after_the_replicas_served_learns_their_blocks_by_replay(cluster):
+    """The replicas publish before this router subscribes: its first live batch from each
+    shows it a gap, and the replay socket (current vLLM's frames: topic, sequence, batch)
+    fills in what came before, so a prefix stored earlier is found, and so are the later
+    blocks chained onto it."""
+    replicas, _, _, another = cluster
+    prefix = " ".join(f"early{i}" for i in range(120))
+    holder = replicas[1]
+    direct = {"prompt": prefix + " start", "max_tokens": 2}
+    assert httpx.post(holder.url + "/v1/completions", json=direct, timeout=60).is_success
+    with another() as (url, metrics):
+        for n, replica in enumerate(replicas):  # a live batch from each: the gap shows
+            other = {"prompt": " ".join(f"live{n}x{i}" for i in range(40)), "max_tokens": 1}
+            assert httpx.post(replica.url + "/v1/completions", json=other, timeout=60).is_success
+        time.sleep(1.5)  # the replays reach the router's index
+        for turn in range(2):
+            before = [_served(r) for r in replicas]
+            body = {"prompt": f"{prefix} late {turn}", "max_tokens": 2}
+            assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+            gained = [a - b for a, b in zip([_served(r) for r in replicas], before)]
+            assert gained[replicas.index(holder)] == 1, (turn, gained)
+        assert _router_counter(metrics, "vllm_router_kv_placement_lookups_total", result="hit")
