@@ -106,7 +106,9 @@ def test_a_model_serves_its_int4_linear_layers_on_the_kernel(int4_path, model_di
     wqkv = model.layers[0].attn.wqkv
     assert isinstance(wqkv, CpuLinear) and wqkv.weight.fmt == "int4" and wqkv.weight.packed
     n, k = wqkv.weight.out_features, wqkv.weight.in_features
-    assert wqkv.weight.nbytes == n * k // 2 + 4 * n * -(-k // 128)  # 4 bits + a scale per 128
+    groups = n * -(-k // 128)  # 4 bits a weight, a float32 scale (and an int8 zero) per 128
+    zeros = 0 if wqkv.weight.zero is None else groups
+    assert wqkv.weight.nbytes == n * k // 2 + 4 * groups + zeros
     assert isinstance(model.layers[0].mlp.moe.experts, CpuExperts)  # the MoE kernel
     assert eng.executor.fused_step is not None  # the one-call decode step too
     batch = prompts(eng.args.vocab_size, [30])
