@@ -28,8 +28,12 @@ replicas' inspectors (the x-request-id the client sent; the router passes it on)
 
 The replicas stay up across arms (a start costs more than an arm on the demo model), so each arm
 draws its own conversations and system prompt (chat_workload's salt): no arm finds another's
-blocks in a cache, and a cache holding an earlier arm's blocks only has free, evictable blocks.
-A warm-up request per replica runs first.
+blocks in a cache but those wholly before the salted words (the chat template's opening and
+"You are a terse assistant.": the first block with the demo tokenizer), and a cache holding
+an earlier arm's blocks only has free, evictable blocks. A warm-up request per replica runs
+first. kv_aware's router, started for its arm, learns what the replicas cached before it
+(that block, which every later block chains onto) from their replay sockets; its
+`arms.kv_aware.router` counters show index hits and misses.
 
 Then the kill run: a router (--kill-policy) in front of both, the same kind of workload, and
 once --kill-after of its turns have finished, replica 1 (its API process and engine core) gets
