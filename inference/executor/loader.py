@@ -17,7 +17,7 @@ from safetensors import safe_open
 from inference.errors import ModelLoadError
 from inference.hf_overrides import apply_hf_overrides, hf_overrides
 from inference.models.args import Family, ModelArgs
-from inference.quantization import awq, compressed_tensors, gptq, mxfp4
+from inference.quantization import autoround, awq, compressed_tensors, gptq, mxfp4
 from inference.quantization import qweight as quant
 from inference.quantization.published import Int4Levels, UnservedVariant
 from inference.quantization.qweight import QWeight
@@ -133,7 +133,12 @@ def _rows(param_name: str, part: str | None, param: torch.Tensor, args: ModelArg
 
 
 # the published 4-bit formats: each one's module (its config, its tensors, their unpacking)
-INT4_FORMATS = {"gptq": gptq, "awq": awq, "compressed-tensors": compressed_tensors}
+INT4_FORMATS = {
+    "gptq": gptq,
+    "awq": awq,
+    "compressed-tensors": compressed_tensors,
+    "auto-round": autoround,  # GPTQ's or AWQ's packing (autoround.packing_module)
+}
 
 
 def quantization_config(hf_config) -> dict | None:
@@ -166,6 +171,13 @@ def checkpoint_quantization(hf_config) -> str:
         "compressed-tensors float8), 4-bit gptq, awq, compressed-tensors pack-quantized and "
         "gpt-oss's mxfp4"
     )
+
+
+def int4_reader(qc: dict):
+    """(the module that unpacks this 4-bit checkpoint's tensors, its scheme)."""
+    scheme = int4_scheme(qc)
+    fmt = INT4_FORMATS[qc["quant_method"]]
+    return (autoround.packing_module(qc) if fmt is autoround else fmt), scheme
 
 
 def int4_scheme(qc: dict):
@@ -291,10 +303,13 @@ def load_weights(
         with safe_open(file, framework="pt") as f:
             located.update(dict.fromkeys(f.keys(), file))
     qc = _config_quantization(path)
-    fmt = INT4_FORMATS.get(qc.get("quant_method")) if qc else None
-    if fmt is compressed_tensors and not compressed_tensors.is_int4(qc):
-        fmt = None  # float 8-bit weights: the fp8 path
-    scheme = int4_scheme(qc) if fmt is not None else None
+    fmt = scheme = None
+    method = qc.get("quant_method") if qc else None
+    # (float 8-bit compressed-tensors checkpoints take the fp8 path)
+    if method in INT4_FORMATS and (
+        method != "compressed-tensors" or compressed_tensors.is_int4(qc)
+    ):
+        fmt, scheme = int4_reader(qc)
     fp8: dict[str, _Fp8Parts] = {}
     int4: dict[str, _Int4Parts] = {}
     kept: dict[str, QWeight] = {}  # whole parameters as published (mxfp4 experts)

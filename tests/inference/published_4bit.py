@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from inference.checkpoints.demo_model import family_preset, write_demo_model
-from inference.executor.loader import INT4_FORMATS
+from inference.executor.loader import int4_reader
 
 # (format argument of AutoRound's export, symmetric, group size; -1: per channel)
 VARIANTS = {
@@ -38,6 +38,7 @@ VARIANTS = {
     "awq-sym-g128": ("auto_awq", True, 128),
     "ct-sym-g128": ("llm_compressor", True, 128),
     "ct-asym-channel": ("llm_compressor", False, -1),
+    "autoround-sym-g128": ("auto_round", True, 128),  # AutoRound's own format
 }
 ARCH = "qwen2_moe"  # experts, attention and a dense MLP (the shared expert)
 
@@ -102,7 +103,8 @@ def gptq_reference(t: dict[str, torch.Tensor], module: str, qc: dict) -> torch.T
         layer.qweight = qweight[:, cols].contiguous()
         layer.qzeros = t[f"{module}.qzeros"][:, start // 8 : cols.stop // 8].contiguous()
         layer.scales = t[f"{module}.scales"][:, cols].float().contiguous()
-        layer.g_idx = t[f"{module}.g_idx"]
+        if f"{module}.g_idx" in t:  # (AutoRound's own format has none: groups in order)
+            layer.g_idx = t[f"{module}.g_idx"]
         with torch.no_grad():
             rows.append(layer(torch.eye(k)).t().float())
     return torch.cat(rows)
@@ -133,8 +135,18 @@ def ct_reference(t: dict[str, torch.Tensor], module: str, qc: dict) -> torch.Ten
     return PackedQuantizationCompressor.decompress(state, scheme)["weight"].float()
 
 
-REFERENCES = {"gptq": gptq_reference, "awq": awq_reference, "compressed-tensors": ct_reference}
-MAIN_TENSOR = {"gptq": "qweight", "awq": "qweight", "compressed-tensors": "weight_packed"}
+REFERENCES = {
+    "gptq": gptq_reference,
+    "awq": awq_reference,
+    "compressed-tensors": ct_reference,
+    "auto-round": gptq_reference,  # its auto_round:auto_gptq packing is GPTQ v1's
+}
+MAIN_TENSOR = {
+    "gptq": "qweight",
+    "awq": "qweight",
+    "compressed-tensors": "weight_packed",
+    "auto-round": "qweight",
+}
 
 
 def quantized_modules(path: Path) -> list[str]:
@@ -155,7 +167,7 @@ def dequantized_twin(path: Path, out: Path) -> Path:
     tensors = read_all(path)
     plain = {}
     modules = set(quantized_modules(path))
-    parts = set(INT4_FORMATS[method].PARTS)
+    parts = set(int4_reader(qc)[0].PARTS)
     for name, value in tensors.items():
         module, _, part = name.rpartition(".")
         if module not in modules or part not in parts:  # biases stay beside the weight

@@ -22,7 +22,7 @@ import torch
 
 from inference import LLMEngine, SamplingParams
 from inference.errors import ModelLoadError
-from inference.executor.loader import INT4_FORMATS
+from inference.executor.loader import int4_reader
 from inference.executor.quantize import QuantExperts, QuantLinear
 from tests.inference import published_4bit as pub
 from tests.inference.parity_checks import prompts
@@ -30,7 +30,12 @@ from tests.inference.parity_checks import prompts
 pytest.importorskip("auto_round")
 pytest.importorskip("compressed_tensors")
 
-FORMAT_OF = {"auto_gptq": "gptq", "auto_awq": "awq", "llm_compressor": "compressed-tensors"}
+FORMAT_OF = {
+    "auto_gptq": "gptq",
+    "auto_awq": "awq",
+    "llm_compressor": "compressed-tensors",
+    "auto_round": "auto-round",
+}
 # our int4 W4A8 against its own dequantized weights (tests/inference/test_int4.py): the int8
 # activations' rounding and bf16's
 W4A8_TOLERANCE = 0.06
@@ -69,8 +74,7 @@ def test_weights_unpack_as_the_publishing_library_dequantizes_them(published, va
     qc = pub.quantization_config(path)
     method = qc["quant_method"]
     assert method == FORMAT_OF[pub.VARIANTS[variant][0]]
-    fmt = INT4_FORMATS[method]
-    scheme = fmt.scheme(qc)
+    fmt, scheme = int4_reader(qc)
     tensors = pub.read_all(path)
     modules = pub.quantized_modules(path)
     kinds = {m.split(".mlp.")[-1].split(".")[0] if ".mlp." in m else "self_attn" for m in modules}
@@ -86,7 +90,9 @@ def test_weights_unpack_as_the_publishing_library_dequantizes_them(published, va
     assert "model.layers.0.mlp.gate.weight" in tensors and "lm_head.weight" in tensors
 
 
-@pytest.mark.parametrize("variant", ["gptq-asym-g128", "awq-g128", "ct-asym-channel"])
+@pytest.mark.parametrize(
+    "variant", ["gptq-asym-g128", "awq-g128", "ct-asym-channel", "autoround-sym-g128"]
+)
 def test_logits_match_the_library_dequantized_model(published, variant, tmp_path):
     path = published(variant)
     method = pub.quantization_config(path)["quant_method"]
@@ -166,6 +172,13 @@ def test_act_order_experts_are_refused_naming_desc_act(published, tmp_path):
             "input_activations",
         ),
         ("gptq-sym-g128", {"quant_method": "exl2"}, "quant_method"),
+        ("autoround-sym-g128", {"packing_format": "auto_round:marlin"}, "packing_format"),
+        (
+            "autoround-sym-g128",
+            {"extra_config": {"model.layers.0.self_attn.q_proj": {"bits": 8}}},
+            "quantization_config.extra_config",
+        ),
+        ("autoround-sym-g128", {"data_type": "mx_fp"}, "quantization_config.data_type"),
     ],
 )
 def test_variants_we_do_not_serve_are_refused_naming_the_field(
