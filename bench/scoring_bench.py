@@ -11,7 +11,10 @@ hits every arm alike; each arm's figure is the median of its rounds' batch times
 result the ratio of the scoring arms' medians to the prefill arm's. Every arm of every round
 gets prompts of its own first token (the rest the same), so no prompt is a prefix-cache hit
 (a scoring request reads its prompt through the model, where a plain one could skip it).
-Writes bench/results/scoring.json (not with --quick, a check that it runs).
+Then, the server stopped, bench/scoring_parts.py times the parts in one process on the same
+engine (prefill, the lm_head on every row, the scoring as the runner does it, torch's
+log-softmax way before it). Writes bench/results/scoring.json (not with --quick, a check that
+it runs).
 
 The arithmetic sets a floor above 1: a prefill runs the lm_head on one row, scoring on every
 row (each position's log-softmax needs all its logits), so scoring does the prefill's work
@@ -39,6 +42,7 @@ import httpx
 from bench.decode_floor import checkpoint_weight_bytes_per_token
 from bench.harness import ServerProcess
 from bench.machine import cpu_name
+from bench.scoring_parts import measure_parts
 from inference.checkpoints.demo_model import ensure_demo_model
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scoring.json"
@@ -122,6 +126,9 @@ def measure(
     with ServerProcess(model_dir, *args, start_timeout=600) as srv:
         url = f"http://127.0.0.1:{srv.rest_port}"
         times = asyncio.run(_rounds(url, srv.started["model"], vocab, rounds, batch, prompt_len))
+    # then, the server gone, the same engine's parts in this process (bench/scoring_parts.py)
+    dtype = server_args[server_args.index("--dtype") + 1] if "--dtype" in server_args else "auto"
+    parts = measure_parts(model_dir, rounds, batch, prompt_len, dtype)
     medians = {arm: statistics.median(t) for arm, t in times.items()}
     return {
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -138,6 +145,7 @@ def measure(
         "echo_over_prefill": medians["echo"] / medians["prefill"],
         "prompt_logprobs_over_prefill": medians["prompt_logprobs"] / medians["prefill"],
         "arithmetic_floor": arithmetic_floor(model_dir, prompt_len),
+        "parts": parts,
         "target": "ratios <= 1 (scoring costs no more than a prefill); floor by multiply-adds in"
         " arithmetic_floor.floor_ratio",
     }
@@ -162,7 +170,10 @@ def main() -> None:
     print(
         f"scoring / prefill, ratio of medians: echo {result['echo_over_prefill']:.3f}, "
         f"prompt_logprobs {result['prompt_logprobs_over_prefill']:.3f} "
-        f"(floor by multiply-adds {result['arithmetic_floor']['floor_ratio']:.3f})"
+        f"(floor by multiply-adds {result['arithmetic_floor']['floor_ratio']:.3f}, "
+        f"measured: prefill + lm_head {result['parts']['floor']:.3f}; scoring passes "
+        f"{result['parts']['scoring_over_lm_head']:.3f}x the lm_head, torch's log-softmax "
+        f"{result['parts']['log_softmax_over_lm_head']:.3f}x)"
         + ("" if args.quick else f" -> {RESULTS}")
     )
 

@@ -1064,7 +1064,7 @@ def logit_scores(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logprob_rows of the logits x [rows, K] (bf16) @ packed weight^T (+ bias), the lm_head's
     own bf16 logits, computed and scored a tile of rows at a time in C (tile_rows; 0: as many
-    as 16M logits hold, in the kernels' scratch): no [rows, vocab] tensor is made (int4
+    as 32M logits hold, in the kernels' scratch): no [rows, vocab] tensor is made (int4
     weights, which ms_linear may not take, go through linear())."""
     if isinstance(weight, QWeight) and weight.fmt == "int4":
         return logprob_rows(linear(x, weight, bias), targets, k)

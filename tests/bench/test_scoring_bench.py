@@ -1,13 +1,15 @@
 """bench/scoring_bench.py runs end to end against a served tiny model (a function check, no
 timing asserted): every arm of every round answered, in alternating order, each prompt
-scored whole by the scoring arms, and the result names its ratios and workload; the
-arithmetic floor it reports, counted by hand on the tiny model."""
+scored whole by the scoring arms, the in-process parts each timed every round, and the result
+names its ratios and workload; the arithmetic floor it reports, counted by hand on the tiny
+model."""
 
 from __future__ import annotations
 
 import pytest
 
 from bench.scoring_bench import ARMS, arithmetic_floor, measure
+from bench.scoring_parts import PARTS
 
 
 @pytest.mark.slow
@@ -22,6 +24,11 @@ def test_the_bench_times_every_arm_each_round_and_reports_ratios(tiny_model_dir)
     assert result["prompt_logprobs_over_prefill"] > 0
     assert result["workload"]["rounds"] == 2 and result["workload"]["prompt_len"] == 48
     assert result["arithmetic_floor"] == arithmetic_floor(tiny_model_dir, 48)
+    parts = result["parts"]
+    assert set(parts["seconds"]) == set(PARTS)
+    assert all(len(t) == 2 and min(t) > 0 for t in parts["seconds"].values())
+    median = parts["median_seconds"]
+    assert parts["floor"] == (median["prefill"] + median["lm_head"]) / median["prefill"]
 
 
 def test_the_arithmetic_floor_counts_a_tokens_multiply_adds_by_hand(tiny_model_dir):

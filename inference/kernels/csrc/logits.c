@@ -11,13 +11,14 @@
 
 #include "kernels.h"
 
-/* Logits per tile of rows (32 MB of bf16). Large on purpose: ms_linear splits a call's row
- * chunks between threads, which then read the same weight blocks at about the same time (one
- * read from DRAM serves both), where a tile of one chunk splits the columns and each thread
- * streams its own half. On the small demo's lm_head (32000 x 512, 512 rows, 2 threads; a
- * shared AMD EPYC, proportions only) tiles of 96 rows cost ~1.5x the lm_head alone, one tile
- * of 512 rows ~1.1x. */
-#define TILE_ELEMS (16 << 20)
+/* Logits per tile of rows (64 MB of bf16: ~1000 rows of a 32000-token vocabulary, ~200 of
+ * 151936). Large on purpose: ms_linear splits a call's row chunks between threads, which then
+ * read the same weight blocks at about the same time (one read from DRAM serves both), where
+ * a tile of one chunk splits the columns and each thread streams its own half. On the small
+ * demo's lm_head (32000 x 512, 2 threads; a shared AMD EPYC, proportions only), against the
+ * lm_head alone: 512 rows in tiles of 96 ~1.5x; 511 rows as 480 + 31 ~1.14x, in one tile
+ * ~1.04x. */
+#define TILE_ELEMS (32 << 20)
 
 #if defined(MS_AVX512)
 static inline unsigned lanes_above(vf a, vf b) { return (unsigned)_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
@@ -113,9 +114,12 @@ int ms_logit_scores(const bf16 *x, int64_t ldx, int64_t M, int64_t K, const wmat
         if (targets[r] < 0 || targets[r] >= N) return -2;
     if (M == 0) return 0;
     /* rows per tile (tile_rows 0): whole chunks of ms_linear's rows (a partial one runs its
-     * register tiles short), as many as TILE_ELEMS logits hold (at least one chunk) */
+     * register tiles short), at most as many as TILE_ELEMS logits hold (at least one chunk),
+     * the rows shared evenly between the tiles (no short last one) */
     const int64_t chunk = chunk_rows(even(K)), fit = TILE_ELEMS / N / chunk;
-    int64_t tile = tile_rows > 0 ? tile_rows : chunk * (fit > 1 ? fit : 1);
+    const int64_t most = chunk * (fit > 1 ? fit : 1), tiles = (M + most - 1) / most;
+    const int64_t even_share = (M + tiles - 1) / tiles;
+    int64_t tile = tile_rows > 0 ? tile_rows : (even_share + chunk - 1) / chunk * chunk;
     tile = tile < M ? tile : M;
     region_enter();
     bf16 *logits = region_alloc((size_t)tile * N * sizeof(bf16));
