@@ -349,10 +349,16 @@ def _int4_products(rows: torch.Tensor, w: QWeight) -> torch.Tensor:
     scale, group by group; y = acc * sx."""
     q, sx = quantize_activations(rows, w)
     values = w.integers()
+    # the group sums are exact integers: in float32 where no sum can reach 2^24 (any order of
+    # adding is then exact) and float32 products are not lowered (TF32, bf16), else float64
+    bound = 127 * int(values.abs().max()) * min(w.group, w.in_features) if values.numel() else 0
+    full = torch.get_float32_matmul_precision() == "highest"
+    exact = torch.float32 if bound < 2**24 and full else torch.float64
+    q, values = q.to(exact), values.to(exact)
     acc = torch.zeros(q.shape[0], w.out_features, dtype=torch.float32, device=rows.device)
     for g, start in enumerate(range(0, w.in_features, w.group)):
         part = slice(start, start + w.group)
-        sums = q[:, part].double() @ values[:, part].double().t()  # exact integer sums
+        sums = q[:, part] @ values[:, part].t()  # exact integer sums
         acc = acc + sums.float() * w.scale[g]
     return acc * sx.unsqueeze(-1)
 

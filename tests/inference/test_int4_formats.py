@@ -154,3 +154,19 @@ def test_mxfp4_nibble_order_is_low_then_high():
 def test_bad_mxfp4_tensors_are_clear_errors(blocks, scales, message):
     with pytest.raises(ValueError, match=message):
         quant.mxfp4_from_blocks(blocks, scales)
+
+
+def test_group_sums_beyond_float32s_integers_stay_exact():
+    """A whole column of 2048 inputs at level 15 against zero point -128 (143 a weight): sums
+    up to 37M, past float32's exact integers (2^24), are still the exact integer sums,
+    rounded once."""
+    k = 2048
+    levels = torch.full((3, k), 15, dtype=torch.uint8)
+    levels[1, ::3] = 0
+    w = quant.int4_from_levels(levels, torch.ones(3, 1) / 7, torch.full((3, 1), -128), k)
+    x = 1 + 0.2 * torch.rand(2, k, generator=torch.Generator().manual_seed(5))
+    q, sx = quant.quantize_activations(x, w)
+    sums = q.long() @ w.integers().long().t()  # int64: exact
+    assert int(sums.abs().max()) > 2**24
+    expect = sums.float() * w.scale[0] * sx.unsqueeze(-1)
+    assert torch.equal(quant.linear(x, w), expect)

@@ -128,10 +128,12 @@ def test_every_mxfp4_code_and_the_scales_extremes_are_exact(int4_path):
     assert torch.equal(cpu_kernels.int4_products(x, packed), quant._int4_products(x, qw))
 
 
-def test_int4_zero_points_at_their_extremes_are_exact(int4_path):
-    """Levels 0 and 15 against zero points from -128 to 127 over many groups of 32, every
+@pytest.mark.parametrize("group", [32, 2048])
+def test_int4_zero_points_at_their_extremes_are_exact(int4_path, group):
+    """Levels 0 and 15 against zero points from -128 to 127 over many groups of 32 or one of
+    2048 (sums to 37M, past float32's exact integers: rounded once, as the reference's), every
     activation +-127: the int32 offsets z * sum(x) neither wrap nor round."""
-    n, k, group = 32, 2048, 32
+    n, k = 32, 2048
     levels = torch.zeros(n, k, dtype=torch.uint8)
     levels[::2] = 15
     zeros = torch.tensor([-128, 127, 0, 16]).repeat(n // 4).unsqueeze(-1).expand(n, k // group)
