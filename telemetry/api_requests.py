@@ -1,7 +1,9 @@
 """Requests by type and answer, as SGLang's users ask for them (SPEC section 13 issue 37):
 moeserve_api_requests_total{model, api, request_type, http_status, grpc_code}.
 
-request_type is the REST route's kind (completion, chat, tokenize, detokenize, models) or
+request_type is the REST route's kind (completion, chat, tokenize, detokenize, models, and
+vLLM's render routes completion_render and chat_render, which vLLM's router under kv_aware
+calls on every replica for each request it routes) or
 the gRPC method (Generate, GenerateStream, Tokenize, ModelInfo); http_status the status sent
 (REST; "" on gRPC, which Prometheus shows as no label), grpc_code the status code's name
 (gRPC; "" on REST). Every value comes from a fixed set: statuses outside KNOWN_HTTP become
@@ -19,6 +21,8 @@ REST_TYPES = {
     "/tokenize": "tokenize",
     "/detokenize": "detokenize",
     "/v1/models": "models",
+    "/v1/completions/render": "completion_render",
+    "/v1/chat/completions/render": "chat_render",
 }
 GRPC_METHODS = ("Generate", "GenerateStream", "Tokenize", "ModelInfo")
 KNOWN_HTTP = frozenset(

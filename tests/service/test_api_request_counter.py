@@ -37,6 +37,14 @@ def test_rest_requests_count_by_route_kind_and_status(srv):
         ("post", "/v1/chat/completions", {"messages": []}, "chat", "400"),
         ("post", "/tokenize", {"prompt": "Hi"}, "tokenize", "200"),
         ("get", "/v1/models", None, "models", "200"),
+        (
+            "post",
+            "/v1/chat/completions/render",
+            {"messages": [{"role": "user", "content": "Hi"}]},
+            "chat_render",
+            "200",
+        ),
+        ("post", "/v1/completions/render", {"prompt": "Hi", "n": 0}, "completion_render", "400"),
         ("post", "/v1/completions", {"prompt": "Hi", "model": "nope"}, "completion", "404"),
     ]
     with httpx.Client(base_url=srv.url, timeout=30) as http:
