@@ -2,10 +2,14 @@
 published CRD schema (the v1.6.0 copy in crds/), the built-in kinds against Kubernetes' (strict),
 and the pieces meet: the pool selects deploy/k8s's moeserve pods on their REST port, its
 endpoint picker reference is the EPP Service and port, the EPP watches that pool and reads the
-mounted config, whose profile only names declared plugins."""
+mounted config, whose profile only names declared plugins. The picker's configs use only plugin
+types the pinned picker registers, with parameters its config structs know; the precise
+prefix-cache scorer meets the pods as model-servers/kv-events-patch.yaml configures them."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 import shutil
 import subprocess
@@ -17,6 +21,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest
 from stack_support import K8S_DIR, load_yaml_all, metric_families_from_text
 
+from inference.config import EngineConfig
+from inference.kv_events import kv_events_config
 from telemetry.metrics import ServiceMetrics
 
 POOL_DIR = K8S_DIR / "inference-pool"
@@ -27,6 +33,52 @@ BUILTIN = [o for o in OBJECTS if o["kind"] != "InferencePool"]
 MOESERVE = next(o for o in load_yaml_all(K8S_DIR / "deployment.yaml") if o["kind"] == "Deployment")
 (BASE_HPA,) = load_yaml_all(K8S_DIR / "hpa.yaml")
 (BASE_ADAPTER,) = load_yaml_all(K8S_DIR / "prometheus-adapter.yaml")
+(BASE_SERVICE,) = load_yaml_all(K8S_DIR / "service.yaml")
+KV_EVENTS_PATCH = POOL_DIR / "model-servers" / "kv-events-patch.yaml"
+
+# Plugin types the pinned picker registers, each the value of its Go constant in
+# llm-d-inference-scheduler at 520af47896e5 (pkg/epp/framework/plugins/register.go and
+# cmd/epp/runner/runner.go register them): the ones this repo's configs may use.
+KNOWN_PLUGIN_TYPES = {
+    "single-profile-handler",  # scheduling/profilehandler/single/single_profile_handler.go
+    "decode-filter",  # scheduling/filter/bylabel/roles.go
+    "prefix-cache-scorer",  # scheduling/scorer/prefix/plugin.go
+    "precise-prefix-cache-scorer",  # scheduling/scorer/preciseprefixcache/precise_prefix_cache.go
+    "load-aware-scorer",  # scheduling/scorer/loadaware/load_aware.go
+    "kv-cache-utilization-scorer",  # scheduling/scorer/kvcacheutilization/kvcache_utilization.go
+    "queue-scorer",  # scheduling/scorer/queuedepth/queue.go
+    "max-score-picker",  # scheduling/picker/maxscore/picker.go
+    "token-producer",  # requestcontrol/dataproducer/tokenizer/tokenizer.go
+    "endpoint-notification-source",  # datalayer/source/notifications/endpoint_datasource.go
+    "metrics-data-source",  # datalayer/source/metrics/datasource.go
+    "core-metrics-extractor",  # datalayer/extractor/metrics/factories.go
+}
+# The parameters each plugin's config struct reads (its json tags): Go's json.Unmarshal drops
+# an unknown key silently, so a misspelt one would leave its default in force unnoticed.
+# Nested objects: llm-d-kv-cache v0.8.0's kvblock.TokenProcessorConfig, kvevents.Config and
+# kvevents.PodDiscoveryConfig; the token producer's vllmConfig (tokenizer/vllm_http.go).
+PLUGIN_PARAMETERS = {
+    "precise-prefix-cache-scorer": {
+        "tokenProcessorConfig": {"blockSize", "hashSeed"},
+        "indexerConfig": None,  # kvcache.Config: many backends, checked by the picker
+        "kvEventsConfig": {
+            "zmqEndpoint",
+            "topicFilter",
+            "concurrency",
+            "engineType",
+            "discoverPods",
+            "podDiscoveryConfig",
+        },
+        "speculativeIndexing": None,
+        "speculativeTTL": None,
+    },
+    "token-producer": {
+        "modelName": None,
+        "vllm": {"http", "timeout", "mmTimeout"},
+        "udsTokenizerConfig": None,
+    },
+}
+POD_DISCOVERY_PARAMETERS = {"podLabelSelector", "podNamespace", "socketPort"}
 
 
 def _one(kind: str) -> dict:
@@ -171,3 +223,124 @@ def test_the_adapter_queries_are_valid_promql(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 0 and "SUCCESS" in proc.stdout, proc.stdout + proc.stderr
+
+
+def _picker_configs() -> dict[str, dict]:
+    (configmap,) = [o for o in OBJECTS if o["metadata"]["name"] == "moeserve-epp-config"]
+    return {key: yaml.safe_load(text) for key, text in configmap["data"].items()}
+
+
+@pytest.mark.parametrize("key", sorted(_picker_configs()))
+def test_each_picker_config_uses_known_plugins_and_parameters(key):
+    config = _picker_configs()[key]
+    assert (config["apiVersion"], config["kind"]) == ("llm-d.ai/v1alpha1", "EndpointPickerConfig")
+    types = [p["type"] for p in config["plugins"]]
+    assert len(types) == len(set(types))  # referenced by type: each declared once
+    assert set(types) <= KNOWN_PLUGIN_TYPES, set(types) - KNOWN_PLUGIN_TYPES
+    for plugin in config["plugins"]:
+        allowed = PLUGIN_PARAMETERS.get(plugin["type"], {})
+        parameters = plugin.get("parameters", {})
+        assert set(parameters) <= set(allowed), (plugin["type"], set(parameters) - set(allowed))
+        for name, value in parameters.items():
+            if allowed[name] is not None:
+                assert set(value) <= allowed[name], (plugin["type"], name, value)
+        discovery = parameters.get("kvEventsConfig", {}).get("podDiscoveryConfig", {})
+        assert set(discovery) <= POD_DISCOVERY_PARAMETERS
+    refs = [p["pluginRef"] for profile in config["schedulingProfiles"] for p in profile["plugins"]]
+    for source in config.get("dataLayer", {}).get("sources", []):
+        refs += [source["pluginRef"]] + [e["pluginRef"] for e in source.get("extractors", [])]
+    assert set(refs) <= set(types)
+    (profile,) = config["schedulingProfiles"]
+    assert profile["plugins"][-1]["pluginRef"] == "max-score-picker"
+
+
+def _patched_moeserve() -> dict:
+    jsonpatch = pytest.importorskip("jsonpatch")
+    ops = yaml.safe_load(KV_EVENTS_PATCH.read_text())
+    return jsonpatch.apply_patch(MOESERVE, ops)
+
+
+def _container_args(deployment: dict) -> list[str]:
+    return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_the_picker_runs_the_precise_scorer_as_the_pods_publish_for_it():
+    """epp.yaml reads the precise config. Its token producer renders through the moeserve
+    Service for the served model; its scorer cuts blocks as the engine does and subscribes to
+    each pod's port; the patched pods publish there (a --kv-events-config the server accepts)
+    under the topic the scorer keys pods by: kv@<pod IP>:<pool target port>@<served model>."""
+    container = _one("Deployment")["spec"]["template"]["spec"]["containers"][0]
+    config_file = container["args"][container["args"].index("--config-file") + 1]
+    config = _picker_configs()[config_file.rsplit("/", 1)[1]]
+    plugins = {p["type"]: p.get("parameters", {}) for p in config["plugins"]}
+    scorer = plugins["precise-prefix-cache-scorer"]
+    assert "indexerConfig" in scorer  # the factory refuses a config without one
+
+    base_args = _container_args(MOESERVE)
+    served = base_args[base_args.index("--served-model-name") + 1]
+    producer = plugins["token-producer"]
+    assert producer["modelName"] == served  # the render routes 404 another model
+    http_port = next(p["port"] for p in BASE_SERVICE["spec"]["ports"] if p["name"] == "http")
+    assert producer["vllm"]["http"] == f"http://{BASE_SERVICE['metadata']['name']}:{http_port}"
+
+    engine_block = next(
+        f.default for f in dataclasses.fields(EngineConfig) if f.name == "block_size"
+    )
+    assert scorer["tokenProcessorConfig"]["blockSize"] == engine_block
+    events = scorer["kvEventsConfig"]
+    assert events["discoverPods"] is True and "zmqEndpoint" not in events
+    port = events["podDiscoveryConfig"]["socketPort"]
+
+    patched = _patched_moeserve()
+    args = _container_args(patched)
+    assert args[: len(base_args)] == base_args  # the patch only adds
+    text = args[args.index("--kv-events-config") + 1]
+    pod = patched["spec"]["template"]["spec"]
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    # the kubelet expands $(POD_IP) in args; the server then parses what it gets
+    published = kv_events_config(text.replace("$(POD_IP)", "10.1.2.3"))
+    assert published is not None and published.publishes
+    assert published.endpoint == f"tcp://*:{port}"
+    ports = {p["name"]: p["containerPort"] for p in pod["containers"][0]["ports"]}
+    assert ports["kv-events"] == port
+    (target,) = _one("InferencePool")["spec"]["targetPorts"]
+    assert published.topic == f"kv@10.1.2.3:{target['number']}@{served}"
+    assert published.topic.startswith(events["topicFilter"])
+    assert len(published.topic.split("@")) == 3  # llm-d's parseTopic: kv@<pod>@<model>
+    assert json.loads(text)["topic"] == f"kv@$(POD_IP):{target['number']}@{served}"
+
+
+def test_the_patched_moeserve_deployment_is_valid():
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    patched = _patched_moeserve()
+    kubernetes_validate.validate(patched, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_kubectl_applies_the_documented_patch_as_written():
+    """The command the docs give (kubectl patch --type json --patch-file), run locally on the
+    base Deployment, yields the Deployment the tests above check."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed; check not run")
+    proc = subprocess.run(
+        [
+            kubectl,
+            "patch",
+            "--local",
+            "-f",
+            str(K8S_DIR / "deployment.yaml"),
+            "--type",
+            "json",
+            "--patch-file",
+            str(KV_EVENTS_PATCH),
+            "-o",
+            "json",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == _patched_moeserve()
