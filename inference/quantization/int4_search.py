@@ -31,6 +31,7 @@ from inference.quantization.qweight import QWeight, int4_from_levels
 
 LEVELS = 15  # the largest 4-bit level
 METHODS = ("symmetric", "minmax", "search")
+CHUNK = 1 << 22  # values quantized at once (quantize_int4_levels)
 
 
 @dataclass
@@ -57,10 +58,28 @@ def quantize_int4_levels(
     steps: int = 20,
 ) -> Int4Levels:
     """w [..., N, K] (any float dtype) -> Int4Levels: groups of `group` inputs along K (a last,
-    shorter group padded with zeros, which read back exactly), levels by `method`."""
+    shorter group padded with zeros, which read back exactly), levels by `method`. Rows are
+    quantized CHUNK values at a time: the search holds several float32 copies of what it
+    works on, and an MoE layer's stacked experts are hundreds of millions of values."""
     if method not in METHODS:
         raise ValueError(f"int4 method {method!r}: expected one of {', '.join(METHODS)}")
     k = w.shape[-1]
+    rows = w.reshape(-1, k)
+    step = max(1, CHUNK // max(k, 1))
+    if rows.shape[0] > step:
+        parts = [
+            quantize_int4_levels(rows[i : i + step], group, method, integer_zeros, steps)
+            for i in range(0, rows.shape[0], step)
+        ]
+        lead = w.shape[:-1]
+        return Int4Levels(
+            torch.cat([p.levels for p in parts]).reshape(*lead, k),
+            torch.cat([p.scales for p in parts]).reshape(*lead, -1),
+            None
+            if parts[0].zeros is None
+            else torch.cat([p.zeros for p in parts]).reshape(*lead, -1),
+            group,
+        )
     groups = -(-k // group)
     blocks = F.pad(w.float(), (0, groups * group - k)).unflatten(-1, (groups, group))
     if method == "symmetric":

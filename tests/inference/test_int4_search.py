@@ -127,3 +127,16 @@ def test_the_sensitive_projections_are_llama_cpps():
     assert kept_wide("model.layers.0.attn.wqkv", 30) and kept_wide("layers.5.mlp.w2", 30)
     assert not kept_wide("layers.5.attn.wo", 30) and not kept_wide("layers.4.mlp.w2", 30)
     assert not kept_wide("layers.0.mlp.experts", 30)
+
+
+def test_chunks_of_rows_give_the_same_levels(monkeypatch):
+    """Large stacks are quantized a chunk of rows at a time (memory): the same result."""
+    from inference.quantization import int4_search
+
+    w = torch.stack([weight(n=20, k=256, seed=s) for s in range(3)])  # experts [3, 20, 256]
+    whole = quantize_int4_levels(w, 64, "search", integer_zeros=True)
+    monkeypatch.setattr(int4_search, "CHUNK", 7 * 256)  # 7 rows a chunk: 60 rows, uneven
+    parts = quantize_int4_levels(w, 64, "search", integer_zeros=True)
+    assert parts.levels.shape == (3, 20, 256) and parts.scales.shape == (3, 20, 4)
+    assert torch.equal(parts.levels, whole.levels) and torch.equal(parts.zeros, whole.zeros)
+    assert torch.equal(parts.scales, whole.scales)
