@@ -214,7 +214,16 @@ int tiles_read_bf16(void) {
  * whole tiles. */
 #define AMX_MIN_ROWS 4
 
-static inline int amx_takes(int64_t rows, int64_t Kp) { return amx_block && rows >= AMX_MIN_ROWS && Kp % 32 == 0; }
+/* Up to this many rows (decode steps), each row takes the one-row tile alone, so a row rounds
+ * the same in any batch: speculative verification's k + 1 rows of a sequence as its plain
+ * decode steps' one (greedy output identical with and without drafts). A decode step is bound
+ * by reading the weights; the block stays in cache across the rows. AMX, whose tiles round
+ * otherwise, takes only more rows than these. */
+#define INVARIANT_ROWS 16
+
+static inline int amx_takes(int64_t rows, int64_t Kp) {
+    return amx_block && rows >= AMX_MIN_ROWS && rows > INVARIANT_ROWS && Kp % 32 == 0;
+}
 
 /* C[m][0..16) for m < rows, any number of rows: on AMX when it takes them, else in register
  * tiles of MR rows. A: the rows as float32 (stride lda); A16: as bf16 (stride lda16, Kp
@@ -226,11 +235,15 @@ void block_gemm(const float *A, int64_t lda, int64_t rows, const bf16 *B, int64_
         return;
     }
 #if defined(MS_AVX512_BF16)
+    if (rows <= INVARIANT_ROWS) {
+        for (int64_t m = 0; m < rows; m++) tile1_bf16(A16 + m * lda16, B, Kp, C + m * ldc);
+        return;
+    }
     block_gemm_bf16(A16, lda16, rows, B, Kp, C, ldc);
     return;
 #endif
-    if (rows == 1) {
-        tile1(A, B, Kp, C);
+    if (rows <= INVARIANT_ROWS) {
+        for (int64_t m = 0; m < rows; m++) tile1(A + m * lda, B, Kp, C + m * ldc);
         return;
     }
     for (int64_t m0 = 0; m0 < rows; m0 += MR) {
