@@ -4,7 +4,8 @@ a shared VM hits both arms of each pair); each figure is the ratio of the median
 speculation to the median without. Targets: >= 1.6x where the answer repeats the prompt,
 >= 0.97x on free prose, >= 0.95x at 32 concurrent streams.
 
-  repeat:    one stream asked to rewrite a given function (the answer copies most of it)
+  repeat:    one stream asked to rename a given function and show it whole (the answer copies
+             the prompt's code)
   prose:     one stream writing a story (little to look up)
   streams32: 32 concurrent prose streams (past disable_by_batch_size: no speculation)
 
@@ -36,21 +37,28 @@ SPEC = {
 }
 TARGETS = {"repeat": 1.6, "prose": 0.97, "streams32": 0.95}
 
-CODE = '''def moving_average(values, window):
-    """The mean of each run of `window` consecutive values."""
-    if window <= 0:
-        raise ValueError("window must be positive")
-    averages = []
-    total = sum(values[:window])
-    averages.append(total / window)
-    for i in range(window, len(values)):
-        total += values[i] - values[i - window]
-        averages.append(total / window)
-    return averages
+# The repeat workload edits a given function: rename it and show the whole function, so the
+# answer copies the prompt. (SmolLM2-135M follows this one, copying the body line for line;
+# asked to rename a parameter of a loop it rewrote the loop instead, and drafts were seldom
+# accepted.)
+CODE = '''def describe_user(user):
+    """A one-line summary of a user record."""
+    name = user.get("name", "unknown")
+    email = user.get("email", "unknown")
+    city = user.get("city", "unknown")
+    country = user.get("country", "unknown")
+    age = user.get("age", 0)
+    if age < 18:
+        group = "minor"
+    elif age < 65:
+        group = "adult"
+    else:
+        group = "senior"
+    return f"{name} <{email}>, {city}, {country} ({group})"
 '''
 REPEAT = (
-    "Here is a Python function:\n\n" + CODE + "\nRewrite it with the parameter `values` "
-    "renamed to `samples`, changing nothing else.\n\n"
+    "Rename the function `describe_user` to `summarize_user`. Keep everything else the same "
+    "and show the whole function.\n\n```python\n" + CODE + "```"
 )
 OPENINGS = [
     "The lighthouse keeper had not seen a ship in",
@@ -60,13 +68,26 @@ OPENINGS = [
 ]
 
 
+def user_turn(tokenizer, text: str) -> list[int]:
+    """The prompt as /v1/chat/completions would send it (the chat template, where the model
+    has one: SmolLM2-Instruct answers the request instead of continuing the text)."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+    return tokenizer.encode(text)
+
+
 def workloads(engine: LLMEngine) -> dict[str, list[list[int]]]:
     tok = engine.tokenizer
-    prose = [tok.encode(f"Write a short story. {o}") for o in OPENINGS]
+    prose = [user_turn(tok, f"Write a short story. {o}") for o in OPENINGS]
     return {
-        "repeat": [tok.encode(REPEAT)],
+        "repeat": [user_turn(tok, REPEAT)],
         "prose": prose[:1],
-        "streams32": [prose[i % len(prose)] + tok.encode(f" ({i})") for i in range(32)],
+        "streams32": [
+            user_turn(tok, f"Write a short story. {OPENINGS[i % len(OPENINGS)]} ({i})")
+            for i in range(32)
+        ],
     }
 
 
