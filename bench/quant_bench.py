@@ -80,6 +80,8 @@ ACCURACY_CONFIGS = {
     "int8_weights_kv": {"quantization": "int8", "kv_cache_dtype": "int8"},  # W8A8 as served
     "fp8_e4m3_kv": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8_e5m2_kv": {"kv_cache_dtype": "fp8_e5m2"},
+    # two values a byte, a scale per 32 (models/paged_cache.py), read back by each later chunk
+    "int4_kv": {"kv_cache_dtype": "int4"},
 }
 
 
@@ -291,12 +293,12 @@ def bench_speed(rounds: int, preset: str = "small") -> dict:
     # KV capacity: the same byte budget in each format, as the engine sizes it
     budget = engines["bf16"].kv_cache_bytes
     capacity = {}
-    for fmt in ("auto", "int8", "fp8_e4m3"):
+    for fmt in ("auto", "int8", "fp8_e4m3", "int4"):
         engine = LLMEngine.from_pretrained(
             model_dir, device="cpu", dtype="bfloat16", kv_cache_bytes=budget, kv_cache_dtype=fmt
         )
         capacity[fmt] = {"tokens": engine.kv_cache_tokens, "bytes": engine.kv_cache_bytes}
-    for fmt in ("int8", "fp8_e4m3"):
+    for fmt in ("int8", "fp8_e4m3", "int4"):
         capacity[fmt]["tokens_ratio"] = round(
             capacity[fmt]["tokens"] / capacity["auto"]["tokens"], 3
         )
@@ -331,6 +333,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     both = not (args.accuracy or args.speed)
+    if args.llamacpp:  # before hours of our rows
+        from bench.peers.run_peers import require_peers
+
+        require_peers(["llamacpp"])
     out = RESULTS / "quant_bench.json"
     record = json.loads(out.read_text()) if out.exists() else {}
     record |= {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name()}
