@@ -26,6 +26,7 @@ QUANTIZATIONS = ("none", "int8", "int4", "fp8", *PUBLISHED_FORMATS)
 KV_CACHE_DTYPES = (
     "auto",
     "int8",
+    "int4",
     "fp8_e4m3",
     "fp8_e5m2",
 )  # the paged cache (models/paged_cache.py)
@@ -43,7 +44,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: min(max_position_embeddings, kv cache)
     kv_cache_tokens: int | None = None  # CPU default 65536; GPU: sized from free memory
     kv_cache_bytes: int | None = None  # the same budget in bytes (instead of tokens)
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8, fp8_e4m3, fp8_e5m2
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8, int4, fp8_e4m3, fp8_e5m2
     quantization: str | None = None  # weights: none, int8, int4, fp8; None: as the checkpoint ships
     max_waiting: int = 256
     block_size: int = 16

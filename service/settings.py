@@ -86,9 +86,10 @@ _HELP = {
     "max_waiting": "waiting-queue bound; beyond it requests get 429 / RESOURCE_EXHAUSTED",
     "kv_cache_tokens": "KV cache size in tokens (CPU; GPU default: from free memory)",
     "kv_cache_bytes": "KV cache size in bytes, instead of --kv-cache-tokens (an 8-bit cache "
-    "holds about twice the tokens of a bf16 one in the same bytes)",
+    "holds about twice the tokens of a bf16 one in the same bytes, an int4 one 3.5x)",
     "kv_cache_dtype": "KV cache format: auto (the model's dtype), int8 (per-row scales), "
-    "fp8_e4m3, fp8_e5m2",
+    "int4 (two values a byte, a scale per 32 values: about 3.5x bf16's tokens), fp8_e4m3, "
+    "fp8_e5m2",
     "quantization": "weights: none, int8 (W8A8: int8 weights and per-token int8 activations), "
     "int4 (W4A8: 4-bit weights, a scale per 128 inputs, int8 activations) or fp8 (e4m3, "
     "weight-only on the CPU), or a published checkpoint's own format (gptq, awq, "

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 from inference.models.args import ModelArgs
-from inference.models.paged_cache import rotates_alone, row_width, stores_8bit
+from inference.models.paged_cache import INT4, INT4_GROUP, reads_alone, row_width
 
 
 def kv_bytes_per_token(args: ModelArgs, storage: torch.dtype) -> int:
-    elem = torch.empty((), dtype=storage).element_size()
+    elem = torch.empty((), dtype=storage).element_size()  # int4 (torch.uint4): a byte
     rows = sum(heads * row_width(width, storage) for heads, width in args.kv_cache_shapes)
     return args.num_layers * rows * elem
 
@@ -39,16 +39,31 @@ def allocate_kv_cache(
     args: ModelArgs, num_blocks: int, block_size: int, storage: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, ...]]:
     r = args.kv_lora_rank
-    if stores_8bit(storage) and r and not rotates_alone(r, r + args.qk_rope_head_dim):
+    if r and not reads_alone(r, r + args.qk_rope_head_dim, storage):
+        # attention reads the latent's first r values back as its values
+        whole = f" and of int4's groups of {INT4_GROUP}" if storage == INT4 else ""
         raise ValueError(
-            f"an 8-bit KV cache cannot hold this model's MLA latent ({r} + "
-            f"{args.qk_rope_head_dim} values per row): use --kv-cache-dtype auto"
+            f"a quantized KV cache cannot hold this model's MLA latent ({r} + "
+            f"{args.qk_rope_head_dim} values per row: its {r} values are no whole rotation "
+            f"blocks{whole}): use --kv-cache-dtype auto"
+        )
+    if storage == INT4 and any(width % 2 for _, width in args.kv_cache_shapes):
+        raise ValueError(
+            "an int4 KV cache holds two values a byte: this model's cache rows have an odd "
+            f"width ({args.kv_cache_shapes}): use --kv-cache-dtype int8 or auto"
         )
     slots = num_blocks * block_size
     return [
         tuple(
-            torch.zeros(slots, heads, row_width(width, storage), dtype=storage, device=device)
+            # torch fills no uint4 tensor (int4's marker dtype): zero bytes, viewed as it
+            torch.zeros(
+                slots, heads, row_width(width, storage), dtype=_filled(storage), device=device
+            ).view(storage)
             for heads, width in args.kv_cache_shapes
         )
         for _ in range(args.num_layers)
     ]
+
+
+def _filled(storage: torch.dtype) -> torch.dtype:
+    return torch.uint8 if storage == INT4 else storage

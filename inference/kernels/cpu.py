@@ -31,7 +31,7 @@ directly and the MoE kernel and the one-call decode step through the products of
 hands to the main library (ms_set_int4), where the inputs are whole octets; their activation
 rows are rotated where the weights' are (unrotated: published checkpoints).
 
-The paged KV cache may hold 8-bit rows (KV_KINDS): the rope kernel quantizes as it writes
+The paged KV cache may hold 8-bit or int4 rows (KV_KINDS): the rope kernel quantizes as it writes
 and decode attention dequantizes as it reads.
 """
 
@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.config import cache_root
-from inference.models.paged_cache import kv_width, rotates_alone
+from inference.models.paged_cache import INT4, kv_width, reads_alone
 from inference.quantization import qweight as quant
 from inference.quantization.qweight import QWeight
 
@@ -207,7 +207,7 @@ class MoeGlu(ctypes.Structure):
 
 _W_KINDS = {"int8": 1, "fp8": 2, "int4": 3, "mxfp4": 4}
 # the paged cache's row formats (models/paged_cache.py) as csrc/kernels.h numbers them (KV_*)
-_KV_KINDS = {torch.uint8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+_KV_KINDS = {torch.uint8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3, INT4: 4}
 
 
 def kv_kind(cache: torch.Tensor) -> int:
@@ -891,10 +891,11 @@ def decode_attention(
     b, h, dk = q.shape
     g = k_cache.shape[1]
     dv = v_dim or kv_width(v_cache)
-    if kv_kind(k_cache) and not rotates_alone(dv, dk):
-        # the kernel rotates q by dk's blocks, the outputs back by dv's
+    if not reads_alone(dv, dk, k_cache.dtype):
+        # the kernel rotates q by dk's blocks, the outputs back by dv's (int4: reads dv's groups)
         raise ValueError(
-            f"8-bit cache rows of {dk} values rotate in blocks that {dv} values do not start"
+            f"quantized cache rows of {dk} values rotate (or group) in blocks that {dv} values "
+            "do not start"
         )
     if q.stride(-1) != 1 or q.stride(1) != dk:
         q = q.contiguous()

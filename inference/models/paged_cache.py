@@ -6,51 +6,76 @@ kv_lora_rank + qk_rope_head_dim] (allocated by executor/kv_cache.py).
 Formats (--kv-cache-dtype): "auto" stores the model's dtype; "int8", "fp8_e4m3" and
 "fp8_e5m2" store each (slot, head) row as 8-bit values scaled by the row's amax (to 127, or
 the fp8 format's largest value) with the scale written after them as bf16: [slots, heads,
-width + 2] elements of one byte, about half of bf16's bytes. The fp8 rows need the scale
+width + 2] elements of one byte, about half of bf16's bytes. "int4" stores two values a
+byte with a bf16 scale per group of INT4_GROUP values (amax to 7), the scales after the
+values: [slots, heads, width / 2 + 2 * groups] bytes (torch.uint4 marks the format; its
+elements are bytes), 3.56x bf16's tokens in the same bytes. A group of n values packs as
+llama.cpp's Q4_0 does, value i and value i + n / 2 in the low and high nibble of byte i,
+each as q + 8 (q in [-8, 7]), so a vector of bytes widens into two runs of values. The fp8 rows need the scale
 too: unscaled (vLLM's default k_scale of 1), SmolLM2's values fall into e4m3's subnormals
 and cost 0.8% of perplexity. Rows are quantized where they are written and dequantized
 where attention reads them (the CPU kernels in C, here in torch).
 
-An 8-bit row is stored rotated (hadamard.py: its values times the normalized Hadamard
+A quantized row is stored rotated (hadamard.py: its values times the normalized Hadamard
 matrix of each power-of-two block of the width, largest first; MLA's 576 = 512 + 64). A few
 channels of keys carry most of their size; rotated, every value carries a share of it, and
 fp8's error, relative to each value, costs attention less (SmolLM2 perplexity, fp8_e4m3:
-+0.58% unrotated, +0.35% rotated; e5m2 +2.47% and +1.91%; int8 +0.056% either way). The
++0.58% unrotated, +0.35% rotated; e5m2 +2.47% and +1.91%; int8 +0.056% either way). int4
+rows are rotated alike (before their groups are scaled). The
 reads rotate back: dequantize() here, and the C kernels rotate the queries instead and
 their outputs back (q . k = Rq . Rk), a few rows where the context has thousands.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from inference.quantization.hadamard import rotate, rotation_blocks, rotation_matrix
 
+INT4 = torch.uint4  # the int4 cache's storage: bytes, each holding two values
 _STORAGE = {
+    "int4": INT4,
     "int8": torch.uint8,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
 _LIMIT = {torch.uint8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-SCALE_BYTES = 2  # an 8-bit row's bf16 scale
+SCALE_BYTES = 2  # an 8-bit row's bf16 scale, and each of an int4 row's
+# values per int4 scale (csrc/kernels.h KV_INT4_GROUP): a head of 64 takes 36 bytes, 3.56x
+# fewer than bf16's 128 (one scale a head: 34 bytes, 3.76x, with coarser steps)
+INT4_GROUP = 32
+INT4_LIMIT = 7.0  # amax -> 7: symmetric, so -8 never occurs
 
 
 def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return _STORAGE.get(kv_cache_dtype, model_dtype)
 
 
-def stores_8bit(storage: torch.dtype) -> bool:
-    """Whether cache rows of this storage dtype are 8-bit values with a scale."""
-    return storage in _LIMIT
+def stores_quantized(storage: torch.dtype) -> bool:
+    """Whether cache rows of this storage dtype are quantized values with scales (stored
+    rotated), 8-bit or int4."""
+    return storage in _LIMIT or storage == INT4
 
 
 def row_width(width: int, storage: torch.dtype) -> int:
     """Elements of storage per (slot, head) row holding `width` values."""
+    if storage == INT4:
+        return width // 2 + SCALE_BYTES * -(-width // INT4_GROUP)
     return width + SCALE_BYTES if storage in _LIMIT else width
+
+
+@functools.cache
+def _int4_width(row: int) -> int:
+    # row_width grows with the width, so exactly one even width gives `row` bytes
+    return next(w for w in range(2, 2 * row + 1, 2) if row_width(w, INT4) == row)
 
 
 def kv_width(cache: torch.Tensor) -> int:
     """Values per (slot, head) row."""
+    if cache.dtype == INT4:
+        return _int4_width(cache.shape[-1])
     return cache.shape[-1] - (SCALE_BYTES if cache.dtype in _LIMIT else 0)
 
 
@@ -61,9 +86,66 @@ def rotates_alone(first: int, width: int) -> bool:
     return rotation_blocks(width)[: len(blocks)] == blocks
 
 
+def reads_alone(first: int, width: int, storage: torch.dtype) -> bool:
+    """Whether attention can read the first `first` values of cache rows of `width` as values
+    of their own: whole rotation blocks (quantized rows) and, for int4, whole scale groups."""
+    if not stores_quantized(storage) or first == width:
+        return True
+    return rotates_alone(first, width) and (storage != INT4 or first % INT4_GROUP == 0)
+
+
+def _groups(width: int) -> list[tuple[int, int]]:
+    """An int4 row's scale groups: (first value, values), the last one possibly shorter."""
+    return [(g, min(INT4_GROUP, width - g)) for g in range(0, width, INT4_GROUP)]
+
+
+def quantize_int4(kv: torch.Tensor) -> torch.Tensor:
+    """kv [..., d] (d even) -> int4 rows [..., row] as bytes: rotated, a bf16 scale per group
+    (amax / 7), values rounded to nearest even and stored + 8, Q4_0's nibble order (see the
+    module's docstring). csrc/kv_rows.c writes the same bytes."""
+    d = kv.shape[-1]
+    if d % 2:
+        raise ValueError(f"an int4 cache row needs an even number of values, not {d}")
+    x = rotate(kv.float())
+    packed, scales = [], []
+    for g, n in _groups(d):
+        part = x[..., g : g + n]
+        scale = (part.abs().amax(dim=-1, keepdim=True) / INT4_LIMIT).to(torch.bfloat16)
+        s = scale.float()
+        q = torch.where(s > 0, part / torch.where(s > 0, s, 1.0), 0.0)
+        q = q.clamp(-INT4_LIMIT, INT4_LIMIT).round().to(torch.uint8) + 8
+        packed.append(q[..., : n // 2] | (q[..., n // 2 :] << 4))
+        scales.append(scale)
+    values = torch.cat(packed, dim=-1)
+    return torch.cat((values, torch.cat(scales, dim=-1).view(torch.uint8)), dim=-1)
+
+
+def dequantize_int4(raw: torch.Tensor) -> torch.Tensor:
+    """int4 rows [..., row] as bytes -> their values [..., width], float32, still rotated."""
+    d = _int4_width(raw.shape[-1])
+    scales = raw[..., d // 2 :].contiguous().view(torch.bfloat16).float()
+    low = (raw[..., : d // 2] & 15).float() - 8.0
+    high = (raw[..., : d // 2] >> 4).float() - 8.0
+    full = d // INT4_GROUP * INT4_GROUP  # whole groups at once, then a shorter last one
+    parts = []
+    if full:
+        shape = (*raw.shape[:-1], full // INT4_GROUP, INT4_GROUP // 2)
+        pair = torch.cat(
+            (low[..., : full // 2].view(shape), high[..., : full // 2].view(shape)), -1
+        )
+        parts.append((pair * scales[..., : full // INT4_GROUP, None]).flatten(-2))
+    if full < d:
+        s = scales[..., -1:]
+        parts += [low[..., full // 2 :] * s, high[..., full // 2 :] * s]
+    return torch.cat(parts, dim=-1)
+
+
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tensor) -> None:
-    """cache [S, G, row]; kv [T, G, d], quantized to the cache's format (8-bit: rotated
-    first)."""
+    """cache [S, G, row]; kv [T, G, d], quantized to the cache's format (8-bit and int4:
+    rotated first)."""
+    if cache.dtype == INT4:
+        cache.view(torch.uint8).index_copy_(0, slot_mapping, quantize_int4(kv))
+        return
     limit = _LIMIT.get(cache.dtype)
     if limit is None:
         cache.index_copy_(0, slot_mapping, kv)
@@ -80,8 +162,11 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tensor) 
 
 
 def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cache rows [..., row] in any format -> their values [..., width] in `dtype` (8-bit:
-    rotated back)."""
+    """Cache rows [..., row] in any format -> their values [..., width] in `dtype` (8-bit and
+    int4: rotated back)."""
+    if rows.dtype == INT4:
+        values = dequantize_int4(rows.view(torch.uint8))
+        return (values @ rotation_matrix(values.shape[-1], rows.device)).to(dtype)
     if rows.dtype not in _LIMIT:
         return rows.to(dtype)
     raw = rows.view(torch.uint8)
@@ -94,6 +179,7 @@ def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def gather_slots(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """cache [S, G, row], slots [...] -> the values [..., G, d] in `dtype`; index_select is
     several times faster than advanced indexing on CPU."""
-    raw = cache.view(torch.uint8) if cache.dtype in _LIMIT else cache  # fp8: as bytes, as above
+    # fp8 and int4: as bytes, as above
+    raw = cache.view(torch.uint8) if stores_quantized(cache.dtype) else cache
     rows = raw.index_select(0, slots.flatten()).view(*slots.shape, *cache.shape[1:])
     return dequantize(rows.view(cache.dtype), dtype)

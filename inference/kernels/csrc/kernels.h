@@ -216,13 +216,18 @@ size_t pad_bytes(int64_t K);
 /* ==== kv_rows.c: the paged KV cache's row formats ======================================= */
 
 /* cpu_kernels.KV_KINDS: bf16; int8, fp8 e4m3 or e5m2 with a bf16 scale after each (slot,
- * head) row's values. Strides in elements of the cache's storage (bf16 or bytes). */
-enum { KV_BF16 = 0, KV_INT8 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };
-/* d values of one cache row -> float32 (an 8-bit row's scale at row + scale_at bytes): an
- * 8-bit row's values come back rotated (hadamard_rotate), as they were stored */
+ * head) row's values; int4, two values a byte, with a bf16 scale per KV_INT4_GROUP values
+ * after them (models/paged_cache.py). Strides in elements of the cache's storage (bf16 or
+ * bytes). */
+enum { KV_BF16 = 0, KV_INT8 = 1, KV_E4M3 = 2, KV_E5M2 = 3, KV_INT4 = 4 };
+#define KV_INT4_GROUP 32 /* paged_cache.INT4_GROUP */
+/* the first d values of one cache row of scale_at values -> float32 (an 8-bit row's scale at
+ * row + scale_at bytes, an int4 row's scales at row + scale_at / 2; int4: d whole groups or
+ * the whole row): a quantized row's values come back rotated (hadamard_rotate), as they were
+ * stored */
 void kv_widen_row(const void *row, int kind, int64_t d, int64_t scale_at, float *out);
-/* d float32 values -> one cache row (8-bit: rotated first, in x, then quantized with the scale
- * written at row + d bytes) */
+/* d float32 values -> one cache row (quantized formats: rotated first, in x, then quantized
+ * with the scales written after the values) */
 void kv_store_row(float *x, int kind, int64_t d, void *row);
 
 /* ==== the exported kernels (cpu.py binds them), one file each ========================== */

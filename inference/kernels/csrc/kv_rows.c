@@ -1,6 +1,7 @@
 /* The paged KV cache's row formats (kernels.h KV_*): a row of bf16 values, or of 8-bit ones
- * (int8, fp8 e4m3 or e5m2) held rotated (hadamard_rotate) with a bf16 scale after them; the
- * rope kernel writes rows (kv_store_row), decode attention reads them (kv_widen_row). */
+ * (int8, fp8 e4m3 or e5m2) held rotated (hadamard_rotate) with a bf16 scale after them, or of
+ * int4 ones held rotated, two a byte, with a bf16 scale per group after them; the rope kernel
+ * writes rows (kv_store_row), decode attention reads them (kv_widen_row). */
 #include <string.h>
 
 #include "kernels.h"
@@ -46,10 +47,65 @@ static inline float row_scale(const uint8_t *b, int64_t scale_at) {
     return bf16_to_f32(s16);
 }
 
+/* An int4 row (models/paged_cache.py's layout): the values of a group of n at row + first / 2,
+ * value i and i + n / 2 in the low and high nibble of byte i, each as q + 8; the groups' bf16
+ * scales after the width / 2 bytes of values. */
+static inline float int4_value(uint8_t byte, int high, float s) {
+    return (float)((high ? byte >> 4 : byte & 15) - 8) * s;
+}
+
+/* A vector of bytes is two runs of a group's values: its low nibbles, then its high ones;
+ * (nibble - 8) * s as one fma (nibble * s - 8 * s: both exact but the one rounding). */
+static void widen_int4(const uint8_t *b, int64_t d, int64_t width, float *out) {
+    const uint8_t *scales = b + width / 2;
+    for (int64_t g0 = 0; g0 < d; g0 += KV_INT4_GROUP) {
+        const int64_t left = width - g0, n = left < KV_INT4_GROUP ? left : KV_INT4_GROUP, half = n / 2;
+        const float s = row_scale(scales, 2 * (g0 / KV_INT4_GROUP));
+        const uint8_t *q = b + g0 / 2;
+        float *o = out + g0;
+        int64_t i = 0;
+        if (g0 + n <= d) { /* a whole group read (the only case kernels.h allows) */
+            const vf vs = vf_set1(s), bias = vf_set1(-8.0f * s);
+            for (; i + VL <= half; i += VL) {
+                const vi w = vi_load_u8(q + i);
+                vf_store(o + i, vf_fma(vi_to_vf(vi_and(w, vi_set1(15))), vs, bias));
+                vf_store(o + half + i, vf_fma(vi_to_vf(vi_srli(w, 4)), vs, bias));
+            }
+        }
+        for (; i < half; i++) {
+            if (g0 + i < d) o[i] = int4_value(q[i], 0, s);
+            if (g0 + half + i < d) o[half + i] = int4_value(q[i], 1, s);
+        }
+    }
+}
+
+/* d values (even) -> an int4 row: per group, a bf16 scale amax / 7 (as stored: quantizing
+ * divides by what reading multiplies by), values rounded to nearest even */
+static void store_int4(const float *x, int64_t d, uint8_t *b) {
+    uint8_t *scales = b + d / 2;
+    for (int64_t g0 = 0; g0 < d; g0 += KV_INT4_GROUP) {
+        const int64_t left = d - g0, n = left < KV_INT4_GROUP ? left : KV_INT4_GROUP, half = n / 2;
+        const bf16 s16 = f32_to_bf16(row_amax(x + g0, n) / 7.0f);
+        const float s = bf16_to_f32(s16);
+        uint8_t q[KV_INT4_GROUP];
+        for (int64_t i = 0; i < n; i++) {
+            float r = s > 0.0f ? x[g0 + i] / s : 0.0f;
+            r = r > 7.0f ? 7.0f : r < -7.0f ? -7.0f : r;
+            q[i] = (uint8_t)((int)nearbyintf(r) + 8);
+        }
+        for (int64_t i = 0; i < half; i++) b[g0 / 2 + i] = (uint8_t)(q[i] | q[half + i] << 4);
+        memcpy(scales + 2 * (g0 / KV_INT4_GROUP), &s16, 2);
+    }
+}
+
 void kv_widen_row(const void *row, int kind, int64_t d, int64_t scale_at, float *out) {
     const uint8_t *b = row;
     if (kind == KV_BF16) {
         widen_row(row, d, out, d);
+        return;
+    }
+    if (kind == KV_INT4) {
+        widen_int4(b, d, scale_at, out);
         return;
     }
     const float s = row_scale(b, scale_at);
@@ -72,6 +128,10 @@ void kv_store_row(float *x, int kind, int64_t d, void *row) {
         return;
     }
     hadamard_rotate(x, d);
+    if (kind == KV_INT4) {
+        store_int4(x, d, b);
+        return;
+    }
     const float limit = kind == KV_INT8 ? 127.0f : kind == KV_E4M3 ? 448.0f : 57344.0f;
     const float amax = row_amax(x, d);
     /* the scale is stored as bf16: quantize with the stored value, so reading is exact */

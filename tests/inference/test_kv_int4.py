@@ -1,0 +1,323 @@
+"""The int4 KV cache (--kv-cache-dtype int4, issue 40): rows rotated as the 8-bit cache's, two
+values a byte with a bf16 scale per 32 values (models/paged_cache.py). Its torch writer and
+reader against a reference written out value by value; the C kernels' writer (the rope
+kernel, the one-call decode step's) byte for byte against torch, and decode attention
+reading the rows in place, on every path this CPU can run (AVX-512 with and without AMX,
+AVX-512-BF16, AVX2, the emulated builds); the torch path (kernels off) against the kernels;
+the engine's capacity in the same bytes; prompts prefilled in chunks of 8 tokens, so every
+chunk reads the cache back, staying close to bf16; prefix hits and preemption on it; and the
+errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inference import LLMEngine, SamplingParams
+from inference.errors import InvalidParameterError
+from inference.executor import kv_cache as kv_alloc
+from inference.kernels import cpu as cpu_kernels
+from inference.models import paged_cache as kv_cache
+from inference.models.args import ModelArgs
+from inference.quantization import hadamard
+from tests.inference.parity_checks import prompts
+from tests.inference.test_cpu_kernels import (  # noqa: F401 (the fixtures)
+    arch_dirs,
+    attention_reference,
+    close_to_bf16,
+    path,
+    randn,
+)
+
+GROUP = 32
+
+
+def reference_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, d] -> (the row bytes [n, d / 2 + 2 * groups], the values they stand for, still
+    rotated), one group and one value at a time: rotate, scale = bf16(amax / 7), q =
+    round-half-even(clamp(x / scale, -7, 7)), byte i of a group of m holding q_i + 8 low and
+    q_(i + m/2) + 8 high, the groups' scales after the values."""
+    x = hadamard.rotate(x.float())
+    n, d = x.shape
+    packed = torch.zeros(n, d // 2, dtype=torch.uint8)
+    scales = torch.zeros(n, -(-d // GROUP), dtype=torch.bfloat16)
+    values = torch.zeros(n, d)
+    for r in range(n):
+        for j, g in enumerate(range(0, d, GROUP)):
+            m = min(GROUP, d - g)
+            s = (x[r, g : g + m].abs().max() / 7).to(torch.bfloat16)
+            scales[r, j] = s
+            for i in range(m):
+                q = 0 if s == 0 else int(torch.round((x[r, g + i] / s.float()).clamp(-7, 7)))
+                values[r, g + i] = q * s.float()
+                nibble = (q + 8) << 4 if i >= m // 2 else q + 8
+                packed[r, g // 2 + i % (m // 2)] |= nibble
+    return torch.cat((packed, scales.view(torch.uint8)), dim=-1), values
+
+
+def int4_cache(slots: int, heads: int, width: int) -> torch.Tensor:
+    width = kv_cache.row_width(width, kv_cache.INT4)
+    return torch.zeros(slots, heads, width, dtype=torch.uint8).view(kv_cache.INT4)
+
+
+# ---- the format, in torch ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("width", [64, 128, 80, 20, 576])
+def test_torch_writes_and_reads_int4_rows_as_the_reference_does(width):
+    """Whole groups (64, 128, MLA's 576), a shorter last group (80 = 32 + 32 + 16) and a row
+    shorter than a group (20); values spanning six orders of magnitude, and a zero row."""
+    x = randn(6, width, seed=width) * torch.logspace(-3, 3, width).bfloat16()
+    x[2] = 0
+    expected_bytes, expected_values = reference_rows(x)
+    cache = int4_cache(6, 1, width)
+    kv_cache.write_kv(cache, torch.arange(6), x.unsqueeze(1))
+    assert kv_cache.kv_width(cache) == width
+    assert torch.equal(cache.view(torch.uint8)[:, 0], expected_bytes)
+    torch.testing.assert_close(
+        kv_cache.dequantize_int4(cache.view(torch.uint8)[:, 0]), expected_values, rtol=0, atol=0
+    )
+    back = kv_cache.dequantize(cache, torch.float32)[:, 0]  # rotated back, by a matrix product
+    expected = hadamard.rotate(expected_values)
+    torch.testing.assert_close(back, expected, rtol=1e-5, atol=float(expected.abs().max()) * 1e-6)
+
+
+def test_int4_rows_hold_each_rotated_value_within_half_a_step_of_its_group():
+    x = randn(50, 4, 64, seed=9)
+    cache = int4_cache(50, 4, 64)
+    kv_cache.write_kv(cache, torch.arange(50), x)
+    rotated = hadamard.rotate(x.float()).unflatten(-1, (2, GROUP))
+    back = hadamard.rotate(kv_cache.dequantize(cache, torch.float32)).unflatten(-1, (2, GROUP))
+    step = rotated.abs().amax(-1, keepdim=True) / 7
+    assert (back - rotated).abs().le(step * 0.51 + 1e-6).all()
+    assert F.cosine_similarity(back.flatten(), rotated.flatten(), dim=0) > 0.99
+
+
+# ---- the kernels, on every path ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("d", [64, 128, 20])
+def test_the_rope_kernel_writes_int4_rows_as_torch_does(path, d):  # noqa: F811
+    t, h, g = 9, 4, 2
+    qkv = (torch.randn(t, h + 2 * g, d) * torch.logspace(-4, 4, d)).bfloat16()
+    cos, sin = torch.ones(t, d).bfloat16(), torch.zeros(t, d).bfloat16()  # rope is the identity
+    slots = torch.tensor([3, 0, 7, 12, 5, 1, 9, 2, 14])
+    kc, vc = int4_cache(16, g, d), int4_cache(16, g, d)
+    cpu_kernels.rope_and_cache(qkv.clone(), cos, sin, h, g, slots, kc, vc)
+    rk, rv = int4_cache(16, g, d), int4_cache(16, g, d)
+    kv_cache.write_kv(rk, slots, qkv[:, h : h + g])
+    kv_cache.write_kv(rv, slots, qkv[:, h + g :])
+    assert torch.equal(kc.view(torch.uint8), rk.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), rv.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,lengths",
+    [
+        (8, 2, 64, [5, 70, 200]),  # two whole groups a row, grouped-query heads
+        (4, 4, 128, [1, 33]),
+        (6, 2, 80, [17, 300]),  # a shorter last group (16)
+        (4, 2, 20, [40]),  # a row shorter than a group
+    ],
+)
+def test_decode_attention_reads_int4_rows_in_place(path, heads, kv_heads, dim, lengths):  # noqa: F811
+    bs, nblocks = 16, 20
+    kc, vc = int4_cache(nblocks * bs, kv_heads, dim), int4_cache(nblocks * bs, kv_heads, dim)
+    every = torch.arange(nblocks * bs)
+    kv_cache.write_kv(kc, every, randn(nblocks * bs, kv_heads, dim, seed=7))
+    kv_cache.write_kv(vc, every, randn(nblocks * bs, kv_heads, dim, seed=8))
+    g = torch.Generator().manual_seed(2)
+    tables = torch.stack([torch.randperm(nblocks, generator=g)[:19] for _ in lengths]).int()
+    q = randn(len(lengths), heads, dim, seed=3)
+    out = cpu_kernels.decode_attention(
+        q, kc, vc, tables, torch.tensor(lengths, dtype=torch.int32), bs, dim**-0.5
+    )
+    # against float32 attention over the rows as the reference reads them
+    kf, vf = kv_cache.dequantize(kc, torch.float32), kv_cache.dequantize(vc, torch.float32)
+    for b, n in enumerate(lengths):
+        close_to_bf16(out[b], attention_reference(q[b], kf, vf, tables[b], n, bs, dim**-0.5))
+
+
+def test_an_int4_latent_cache_reads_its_values_and_scales_as_mla_does(path):  # noqa: F811
+    """MLA's one latent row of r + p values, read as keys whole and as values its first r
+    (whole groups: 64 of 80, the rope part's 16 a shorter last group)."""
+    bs, r, p = 16, 64, 16
+    cache = int4_cache(320, 1, r + p)
+    kv_cache.write_kv(cache, torch.arange(320), randn(320, 1, r + p, seed=4))
+    tables = torch.arange(20, dtype=torch.int32).flip(0).view(2, 10)
+    q = randn(2, 16, r + p, seed=5)
+    lengths = torch.tensor([150, 9], dtype=torch.int32)
+    out = cpu_kernels.decode_attention(q, cache, cache, tables, lengths, bs, 0.1, v_dim=r)
+    values = kv_cache.dequantize(cache, torch.float32)
+    for b in range(2):
+        expected = attention_reference(
+            q[b], values, values, tables[b], int(lengths[b]), bs, 0.1, v_dim=r
+        )
+        close_to_bf16(out[b], expected)
+
+
+def mla_args(rank: int, rope: int) -> ModelArgs:
+    return ModelArgs(
+        architecture="DeepseekV2ForCausalLM",
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=rank + rope,
+        num_experts=0,
+        top_k=0,
+        moe_intermediate_size=0,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        kv_lora_rank=rank,
+        qk_rope_head_dim=rope,
+    )
+
+
+@pytest.mark.parametrize("rank,rope,ok", [(512, 64, True), (64, 16, True), (16, 8, False)])
+def test_an_int4_cache_refuses_an_mla_latent_whose_values_are_no_whole_groups(rank, rope, ok):
+    """16 of 24 rotate alone (the 8-bit cache takes them) but are half a scale group."""
+    args = mla_args(rank, rope)
+    assert kv_alloc.allocate_kv_cache(args, 1, 16, torch.uint8, torch.device("cpu"))
+    if ok:
+        assert kv_alloc.allocate_kv_cache(args, 1, 16, kv_cache.INT4, torch.device("cpu"))
+    else:
+        with pytest.raises(ValueError, match="groups of 32"):
+            kv_alloc.allocate_kv_cache(args, 1, 16, kv_cache.INT4, torch.device("cpu"))
+
+
+# ---- in the engine -----------------------------------------------------------------------
+
+
+def engine(model, **options) -> LLMEngine:
+    options = {
+        "max_num_batched_tokens": 8,  # chunks of 8: every chunk after the first reads the cache
+        "enable_prefix_caching": False,
+        "kv_cache_tokens": 1024,
+        **options,
+    }
+    return LLMEngine.from_pretrained(model, device="cpu", dtype="bfloat16", **options)
+
+
+def prompt_logprobs(eng: LLMEngine, batch: list[list[int]]) -> torch.Tensor:
+    outs = eng.generate(batch, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    return torch.tensor([lp.logprob for o in outs for lp in o.prompt_logprobs[1:]])
+
+
+def test_an_int4_cache_holds_3_5x_the_tokens_of_bf16_in_the_same_bytes(model_dirs):
+    """Rows of d values take d / 2 bytes and a 2-byte scale per 32: 2d / (d/2 + d/16) = 3.56x
+    at head widths of 64 (SmolLM2, the small demo model) and 128; 3.2x at this test model's
+    16 (one shorter group)."""
+    model = model_dirs("mixtral")
+    budget = 1 << 22
+    plain = engine(model, kv_cache_tokens=None, kv_cache_bytes=budget)
+    small = engine(model, kv_cache_tokens=None, kv_cache_bytes=budget, kv_cache_dtype="int4")
+    assert small.kv_cache_dtype == "int4" and small.kv_cache_bytes <= budget
+    assert small.executor.kv_caches[0][0].dtype == kv_cache.INT4
+    d = plain.args.head_dim
+    expected = 2 * d / (d // 2 + 2 * -(-d // GROUP))
+    assert small.kv_cache_tokens / plain.kv_cache_tokens == pytest.approx(expected, rel=0.01)
+    assert small.block_manager.num_blocks > 3 * plain.block_manager.num_blocks
+    for width in (64, 128):
+        args = dataclasses.replace(plain.args, head_dim=width)
+        ratio = kv_alloc.kv_bytes_per_token(args, torch.bfloat16) / kv_alloc.kv_bytes_per_token(
+            args, kv_cache.INT4
+        )
+        assert ratio >= 3.5
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v2", "llama"])
+def test_chunked_prompts_reading_an_int4_cache_stay_close_to_bf16(arch_dirs, arch):  # noqa: F811
+    """Mean |d logprob| per prompt token against the bf16 cache, prompts prefilled 8 tokens a
+    chunk (each chunk attends to the earlier ones as stored), on random-weight models whose
+    logprobs average about -8.8: measured 0.040-0.061 (mixtral, deepseek_v2's MLA latent,
+    qwen2_moe; int8's 0.006-0.009), bound about twice that."""
+    model = arch_dirs(arch)
+    base = engine(model)
+    batch = prompts(base.args.vocab_size, [40, 33])
+    error = prompt_logprobs(engine(model, kv_cache_dtype="int4"), batch) - prompt_logprobs(
+        base, batch
+    )
+    assert error.abs().mean().item() < 0.12, (arch, error.abs().mean().item())
+
+
+def test_the_torch_path_reads_and_writes_what_the_kernels_do(model_dirs):
+    """CPUs without our kernels (and CUDA) write and read the int4 cache in torch
+    (paged_cache.write_kv, gather_slots): the same rows, so nearly the same logprobs; the
+    AVX2 build likewise."""
+    model = model_dirs("qwen2_moe")
+    batch = prompts(1000, [30])
+    kernels = prompt_logprobs(engine(model, kv_cache_dtype="int4"), batch)
+    try:
+        cpu_kernels.enable(None)
+        torch_path = engine(model, kv_cache_dtype="int4")
+        assert not torch_path.runner.paged_kernel
+        ours = prompt_logprobs(torch_path, batch)
+        if "avx2" in cpu_kernels.runnable_isas():
+            cpu_kernels.enable("avx2")
+            avx2 = prompt_logprobs(engine(model, kv_cache_dtype="int4"), batch)
+            assert (avx2 - kernels).abs().mean().item() < 0.02
+    finally:
+        cpu_kernels.enable()
+    assert (ours - kernels).abs().mean().item() < 0.02
+
+
+def test_prefix_caching_and_preemption_work_on_an_int4_cache(model_dirs):
+    """A batch sharing a 32-token prefix through a cache far too small for it (preemptions):
+    every request completes, every block comes back, and each token it chose is what a roomy
+    int4 cache ranks top (or within a near-tie: these random models' logits are nearly
+    flat). The prefix is then served from the cache, and a request after it decodes what
+    the same request does without the hit, within the same near-ties."""
+    model = model_dirs("mixtral")
+    prefix = prompts(1000, [32])[0]
+    batch = [prefix + tail for tail in prompts(1000, [5, 9, 14, 20])]
+    params = SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0, ignore_eos=True)
+    tight = engine(
+        model,
+        kv_cache_dtype="int4",
+        kv_cache_tokens=96,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=True,
+    )
+    preempted = []
+    tight.scheduler.on_preempt = preempted.append
+    outs = tight.generate(batch, params)
+    assert preempted and all(o.finish_reason == "length" for o in outs)
+    assert tight.block_manager.num_used == 0  # every block back
+    roomy = engine(model, kv_cache_dtype="int4", kv_cache_tokens=2048)
+    scored = roomy.generate(
+        [p + o.token_ids for p, o in zip(batch, outs)],
+        SamplingParams(max_tokens=1, prompt_logprobs=1),
+    )
+    for prompt, out in zip(batch, scored):
+        for lp in out.prompt_logprobs[len(prompt) :]:
+            assert lp.logprob >= lp.top[0].logprob - 0.25, (lp.logprob, lp.top[0].logprob)
+    cached = engine(model, kv_cache_dtype="int4", kv_cache_tokens=2048, enable_prefix_caching=True)
+    cached.generate([batch[0]], params)
+    [again] = cached.generate([batch[1]], params)
+    assert again.num_cached_tokens == 32
+    [fresh] = roomy.generate([batch[1]], params)
+    rescored = roomy.generate(
+        [batch[1] + again.token_ids], SamplingParams(max_tokens=1, prompt_logprobs=1)
+    )[0]
+    assert again.token_ids[:4] == fresh.token_ids[:4]
+    for lp in rescored.prompt_logprobs[len(batch[1]) :]:
+        assert lp.logprob >= lp.top[0].logprob - 0.25
+
+
+@pytest.mark.parametrize("value", ["int3", "uint4", "INT4"])
+def test_bad_kv_cache_dtypes_are_clear_errors(model_dirs, value):
+    with pytest.raises(InvalidParameterError) as err:
+        engine(model_dirs("mixtral"), kv_cache_dtype=value)
+    assert err.value.param == "kv_cache_dtype" and "int4" in str(err.value)
+
+
+def test_an_int4_cache_refuses_rows_of_an_odd_width():
+    args = dataclasses.replace(mla_args(64, 16), kv_lora_rank=0, head_dim=15)
+    with pytest.raises(ValueError, match="odd width"):
+        kv_alloc.allocate_kv_cache(args, 1, 16, kv_cache.INT4, torch.device("cpu"))
