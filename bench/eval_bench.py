@@ -3,15 +3,15 @@ unmodified, over the local task pack (bench/eval_pack.py) against `moeserve serv
 (model, format) through its `local-completions` model, beside the harness's own `hf` model
 (transformers, float32) on the same checkpoint. Accuracy only: nothing here is timed.
 
-The 8-bit KV rows prefill in chunks of PREFILL_CHUNK tokens: a prompt prefilled whole attends
+The 8-bit and int4 KV rows prefill in chunks of PREFILL_CHUNK tokens: a prompt prefilled whole attends
 to the keys and values it has just computed, never to the cache as stored, so without chunks
 those rows would only measure the cache on generation. Every chunk after a prompt's first
-reads its context back from the 8-bit cache (tests/bench/test_eval_bench.py shows it does).
+reads its context back from the quantized cache (tests/bench/test_eval_bench.py shows it does).
 
 Both runs score the same windows (local-completions keeps one token of its max_length for
 generation and one for context: the hf run gets max_length - 2).
 
-    python -m bench.eval_bench [--models smollm2,demo] [--formats bf16,int8,kv-int8,kv-fp8]
+    python -m bench.eval_bench [--models smollm2,demo] [--formats bf16,int8,kv-int8,kv-fp8,kv-int4]
 
 EvalScope (bench/evalscope_run.py) runs its general_mcq over the same cloze items through
 the chat API, beside its own transformers backend: the evalscope_general_mcq rows.
@@ -42,11 +42,12 @@ FORMATS = {
     "int8": ["--dtype", "bfloat16", "--quantization", "int8"],
     "kv-int8": ["--dtype", "bfloat16", "--kv-cache-dtype", "int8"],
     "kv-fp8": ["--dtype", "bfloat16", "--kv-cache-dtype", "fp8_e4m3"],
+    "kv-int4": ["--dtype", "bfloat16", "--kv-cache-dtype", "int4"],
 }
-# the step budget (--max-num-batched-tokens) of the 8-bit KV rows: a cloze prompt is 2 to 4
+# the step budget (--max-num-batched-tokens) of the quantized KV rows: a cloze prompt is 2 to 4
 # chunks, a perplexity window about 64
 PREFILL_CHUNK = 8
-CHUNKED = ("kv-int8", "kv-fp8")
+CHUNKED = ("kv-int8", "kv-fp8", "kv-int4")
 METRICS = {
     "stdlib_cloze": ["acc,none"],
     "stdlib_perplexity": ["word_perplexity,none", "bits_per_byte,none"],

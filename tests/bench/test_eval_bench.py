@@ -71,8 +71,11 @@ def test_the_8bit_kv_rows_score_through_the_8bit_cache(tiny_model_dir, bf16, fmt
     chunked = scored(tiny_model_dir, args)
     moved = (chunked - bf16["chunked"]).abs()
     assert moved.max().item() > 0  # the later chunks read 8-bit keys and values back
-    # ...rounded as 8 bits round (the random model's logprobs are about -7)
-    assert moved.mean().item() < 0.05 and moved.max().item() < 0.5
+    # ...rounded as 8 bits (or int4's 4) round (the random model's logprobs are about -7;
+    # int4 moved the tiny models' prompt logprobs 0.04-0.06 on average, at most 0.27, in
+    # tests/inference/test_kv_int4.py's chunks of 8)
+    mean, most = (0.12, 1.0) if fmt == "kv-int4" else (0.05, 0.5)
+    assert moved.mean().item() < mean and moved.max().item() < most
 
 
 def test_a_partial_run_replaces_its_rows_and_keeps_the_others_in_place():
