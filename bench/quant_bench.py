@@ -12,7 +12,8 @@ its `local-completions` at 1,026 (LM_EVAL_MAX_LENGTH), is the same number
 (tests/service/test_lm_eval.py checks that through the API). Windows are prefilled in chunks
 of 64 tokens, so every chunk after a window's first attends over the KV cache as stored
 (quantized, for the 8-bit caches). Configurations: bf16; int8, fp8 and int4 weights (int4
-also unrotated, all 4-bit, in groups of 32 and with Q4_0's symmetric levels: what each of
+also unrotated, all 4-bit, in groups of 32, with every layer's sensitive projections int8 and
+with Q4_0's symmetric levels: what each of
 int4's choices buys it); int8, fp8_e4m3 and fp8_e5m2 KV caches. Each gets its relative perplexity increase
 over bf16 and its greedy agreement with bf16 over 16 prompts x 128 tokens (prompts: 16 runs
 of 64 tokens from later in the same text; agreement: the share of tokens generated before
@@ -71,6 +72,7 @@ ACCURACY_CONFIGS = {
     "int4_unrotated_weights": {"quantization": "int4", "env": {"MOESERVE_INT4_ROTATE": "0"}},
     "int4_all_4bit_weights": {"quantization": "int4", "env": {"MOESERVE_INT4_WIDE": "0"}},
     "int4_group32_weights": {"quantization": "int4", "env": {"MOESERVE_INT4_GROUP": "32"}},
+    "int4_wide_all_weights": {"quantization": "int4", "env": {"MOESERVE_INT4_WIDE": "all"}},
     # the first pass's Q4_0 levels (symmetric, every projection 4-bit), for comparison
     "int4_symmetric_weights": {
         "quantization": "int4",

@@ -84,7 +84,9 @@ class Int4Choices:
     group: int = quant.INT4_GROUP
     method: str = "search"  # int4_search.METHODS
     rotated: bool = True
-    wide: bool = True  # int8 for the sensitive projections (see the module docstring)
+    # int8 for the sensitive projections (see the module docstring): "layers" (use_more_bits's),
+    # "all" (every layer's: +8.6% on SmolLM2 where "layers" gives +18.5%, bench/NOTES.md), "none"
+    wide: str = "layers"
 
     @classmethod
     def from_environ(cls) -> Int4Choices:
@@ -94,6 +96,9 @@ class Int4Choices:
         method = env.get("MOESERVE_INT4_METHOD", base.method)
         if method not in METHODS:
             raise ValueError(f"MOESERVE_INT4_METHOD={method}: expected one of {', '.join(METHODS)}")
+        wide = env.get("MOESERVE_INT4_WIDE", "1")
+        if wide not in _WIDE_SWITCH:
+            raise ValueError(f"MOESERVE_INT4_WIDE={wide}: expected 0, 1 or all")
         group = env.get("MOESERVE_INT4_GROUP", str(base.group))
         if not group.isdigit() or int(group) % 8:
             raise ValueError(f"MOESERVE_INT4_GROUP={group}: expected a multiple of 8")
@@ -101,8 +106,11 @@ class Int4Choices:
             int(group),
             method,
             env.get("MOESERVE_INT4_ROTATE", "1" if base.rotated else "0") != "0",
-            env.get("MOESERVE_INT4_WIDE", "1" if base.wide else "0") != "0",
+            _WIDE_SWITCH[wide],
         )
+
+
+_WIDE_SWITCH = {"0": "none", "1": "layers", "all": "all"}  # MOESERVE_INT4_WIDE's values
 
 
 def uses_more_bits(layer: int, layers: int) -> bool:
@@ -114,10 +122,10 @@ def uses_more_bits(layer: int, layers: int) -> bool:
 _SENSITIVE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:attn\.wqkv|mlp\.w2)$")
 
 
-def kept_wide(name: str, layers: int) -> bool:
+def kept_wide(name: str, layers: int, wide: str = "layers") -> bool:
     """Whether int4 keeps this Linear in int8 (Int4Choices.wide)."""
-    found = _SENSITIVE.search(name)
-    return found is not None and uses_more_bits(int(found.group(1)), layers)
+    found = _SENSITIVE.search(name) if wide != "none" else None
+    return found is not None and (wide == "all" or uses_more_bits(int(found.group(1)), layers))
 
 
 def quantize_model(
@@ -151,7 +159,7 @@ def quantize_model(
         if type(module) is Linear:  # not its subclasses: routers stay in the model's dtype
             if name.endswith("attn.wkv_b") or (name == "lm_head" and not lm_head):
                 return None
-            wide = name == "lm_head" or (fmt == "int4" and choices.wide and kept_wide(name, layers))
+            wide = name == "lm_head" or (fmt == "int4" and kept_wide(name, layers, choices.wide))
             w = weight(f"{name}.weight", module.weight, wide)
             return None if w is None else QuantLinear(w, module.bias)
         if isinstance(module, Experts):
