@@ -7,6 +7,7 @@ runner. LLMEngine keeps requests, the schedule -> execute -> update loop and out
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import structlog
@@ -61,6 +62,15 @@ class ModelExecutor:
         if cpu_bf16:
             clock.mark("compile")  # our CPU kernels: built, or loaded from their cache
         self.kernels = cpu_bf16 and cpu.enable_once() is not None
+        if self.kernels:
+            # a speculating engine verifies k + 1 rows a sequence: they round as its plain decode
+            # steps only with batch invariance, which costs batched decode its shared register
+            # tiles; MOESERVE_BATCH_INVARIANT=1 asks it without speculation (vLLM's
+            # VLLM_BATCH_INVARIANT), e.g. to compare outputs with a speculating engine's
+            cpu.batch_invariant(
+                config.speculative_config is not None
+                or os.environ.get("MOESERVE_BATCH_INVARIANT", "0") == "1"
+            )
         if quantization != "none":
             clock.mark("quantize")
             # an FP8 checkpoint served as fp8 keeps what it shipped in 16 bits (its lm_head);

@@ -339,6 +339,7 @@ _SIGNATURES = {
     "ms_set_amx": "p p",
     "ms_set_int8": "p p",
     "ms_set_int4": "p",
+    "ms_set_batch_invariant": "i",
     "ms_decode_step": "s i p p i p p p p p p p i p i p f p p n",
 }
 
@@ -347,7 +348,14 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name, codes in _SIGNATURES.items():
         getattr(lib, name).argtypes = _types(codes)
     lib.ms_int8_path.restype = _INT
-    for name in ("ms_rmsnorm", "ms_rope_cache", "ms_set_amx", "ms_set_int8", "ms_set_int4"):
+    for name in (
+        "ms_rmsnorm",
+        "ms_rope_cache",
+        "ms_set_amx",
+        "ms_set_int8",
+        "ms_set_int4",
+        "ms_set_batch_invariant",
+    ):
         getattr(lib, name).restype = None
     return lib
 
@@ -529,6 +537,19 @@ def enable(
     INT4 = _int4_path(isa, vnni, emulated)
     lib.ms_set_int4(ctypes.cast(_int4_library(INT4).ms_int4_block, _P) if INT4 else None)
     return ISA
+
+
+# rows up to which a product rounds each row as it would alone (speculative verification)
+INVARIANT_ROWS = 16
+
+
+def batch_invariant(on: bool) -> None:
+    """Decode-sized products (up to INVARIANT_ROWS rows) round each row as alone, in any batch:
+    an engine that speculates turns it on, so the k + 1 rows it verifies give its plain decode
+    steps' bits. It costs batched decode the shared register tiles (and AMX below 17 rows), so
+    it is off otherwise. Process-wide, on the library enable() chose."""
+    if _lib is not None:
+        _lib.ms_set_batch_invariant(INVARIANT_ROWS if on else 0)
 
 
 def enable_once() -> str | None:

@@ -1,9 +1,11 @@
-"""Decode-sized products round each row as it rounds alone (csrc/gemm.c's INVARIANT_ROWS): the
-k + 1 rows a speculating sequence verifies give the bits its plain decode steps would, on
-every CPU path, for linear layers and for the experts."""
+"""With batch invariance on (a speculating engine's), decode-sized products round each row as
+it rounds alone (up to cpu.INVARIANT_ROWS rows): the k + 1 rows a speculating sequence
+verifies give the bits its plain decode steps would, on every CPU path, for linear layers and
+for the experts."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from inference.kernels import cpu as cpu_kernels
@@ -11,7 +13,14 @@ from inference.models.moe import select_experts
 from tests.inference.test_cpu_kernels import path, randn  # noqa: F401 (the fixture)
 
 
-def test_linear_rows_round_alike_in_any_decode_batch(path):  # noqa: F811
+@pytest.fixture
+def invariant(path):  # noqa: F811
+    cpu_kernels.batch_invariant(True)
+    yield path
+    cpu_kernels.batch_invariant(False)
+
+
+def test_linear_rows_round_alike_in_any_decode_batch(invariant):
     for rows, k, n in [(5, 576, 192), (16, 96, 64), (3, 64, 40)]:
         w, x = cpu_kernels.pack_weight(randn(n, k, seed=1)), randn(rows, k, seed=2)
         batch = cpu_kernels.linear(x, w)
@@ -19,7 +28,7 @@ def test_linear_rows_round_alike_in_any_decode_batch(path):  # noqa: F811
             assert torch.equal(cpu_kernels.linear(x[r : r + 1], w)[0], batch[r]), (rows, r)
 
 
-def test_expert_rows_round_alike_in_any_decode_batch(path):  # noqa: F811
+def test_expert_rows_round_alike_in_any_decode_batch(invariant):
     e, d, i, t = 4, 64, 96, 5
     w13, w2 = (
         cpu_kernels.pack_weight(randn(e, 2 * i, d, scale=0.1)),

@@ -163,10 +163,13 @@ def test_greedy_identical_with_speculation_under_chunked_prefill_and_preemption(
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_greedy_identical_with_speculation(model_dirs, arch):
+def test_bf16_greedy_identical_with_speculation(model_dirs, arch, monkeypatch):
     """In bf16 too: a sequence's last token and its drafts are verified as k + 1 rows of the
     decode step (the fused one-call step on the CPU kernels), each rounding as a plain decode
-    step does, so the output is the same token for token, drafts accepted or not."""
+    step does, so the output is the same token for token, drafts accepted or not. The engine
+    without drafts asks batch invariance (a speculating one has it), so its batched rows round
+    as alone too."""
+    monkeypatch.setenv("MOESERVE_BATCH_INVARIANT", "1")
     path = model_dirs(arch)
     limits = {"device": DEVICE, "dtype": "bfloat16", "kv_cache_tokens": 1024}
     plain = LLMEngine.from_pretrained(path, **limits)

@@ -214,15 +214,16 @@ int tiles_read_bf16(void) {
  * whole tiles. */
 #define AMX_MIN_ROWS 4
 
-/* Up to this many rows (decode steps), each row takes the one-row tile alone, so a row rounds
- * the same in any batch: speculative verification's k + 1 rows of a sequence as its plain
- * decode steps' one (greedy output identical with and without drafts). A decode step is bound
- * by reading the weights; the block stays in cache across the rows. AMX, whose tiles round
- * otherwise, takes only more rows than these. */
-#define INVARIANT_ROWS 16
+/* Batch invariance, on while an engine speculates (ms_set_batch_invariant; 0 rows: off): up
+ * to that many rows (decode steps), each row takes the one-row tile alone, so a row rounds the
+ * same in any batch: speculative verification's k + 1 rows of a sequence give the bits of its
+ * plain decode steps (greedy output identical with and without drafts). Off, rows share
+ * register tiles and AMX takes them from AMX_MIN_ROWS, which round otherwise. */
+static int64_t invariant_rows;
+void ms_set_batch_invariant(int rows) { invariant_rows = rows; }
 
 static inline int amx_takes(int64_t rows, int64_t Kp) {
-    return amx_block && rows >= AMX_MIN_ROWS && rows > INVARIANT_ROWS && Kp % 32 == 0;
+    return amx_block && rows >= AMX_MIN_ROWS && rows > invariant_rows && Kp % 32 == 0;
 }
 
 /* C[m][0..16) for m < rows, any number of rows: on AMX when it takes them, else in register
@@ -235,14 +236,14 @@ void block_gemm(const float *A, int64_t lda, int64_t rows, const bf16 *B, int64_
         return;
     }
 #if defined(MS_AVX512_BF16)
-    if (rows <= INVARIANT_ROWS) {
+    if (rows <= invariant_rows) {
         for (int64_t m = 0; m < rows; m++) tile1_bf16(A16 + m * lda16, B, Kp, C + m * ldc);
         return;
     }
     block_gemm_bf16(A16, lda16, rows, B, Kp, C, ldc);
     return;
 #endif
-    if (rows <= INVARIANT_ROWS) {
+    if (rows <= invariant_rows) {
         for (int64_t m = 0; m < rows; m++) tile1(A + m * lda, B, Kp, C + m * ldc);
         return;
     }

@@ -138,6 +138,7 @@ extern MS_HIDDEN int4_fn int4_block; /* NULL: no int4 library (cpu_kernels.INT4 
 void ms_set_amx(void *block, void *new_call);
 void ms_set_int8(void *vnni, void *amx);
 void ms_set_int4(void *block);
+void ms_set_batch_invariant(int rows);
 /* which integer product runs (for the start-up log line): 2 AMX, 1 VNNI, 0 vpmaddubsw */
 int ms_int8_path(void);
 /* whether products of many rows go to AMX */
