@@ -138,7 +138,6 @@ extern MS_HIDDEN int4_fn int4_block; /* NULL: no int4 library (cpu_kernels.INT4 
 void ms_set_amx(void *block, void *new_call);
 void ms_set_int8(void *vnni, void *amx);
 void ms_set_int4(void *block);
-void ms_set_batch_invariant(int rows);
 /* which integer product runs (for the start-up log line): 2 AMX, 1 VNNI, 0 vpmaddubsw */
 int ms_int8_path(void);
 /* whether products of many rows go to AMX */
@@ -170,6 +169,8 @@ void hadamard_rotate(float *x, int64_t n);
 const bf16 *weight_block(const bf16 *w, int64_t N, int64_t Kp, int64_t j, bf16 *pad, int64_t *cols);
 void block_gemm(const float *A, int64_t lda, int64_t rows, const bf16 *B, int64_t Kp, float *C, int64_t ldc,
                 const bf16 *A16, int64_t lda16);
+/* up to `rows` rows (0: off), each row rounds as alone in any batch (cpu.batch_invariant) */
+void ms_set_batch_invariant(int rows);
 /* rows per chunk so a chunk's float32 activations stay in L2 while weight blocks pass */
 int64_t chunk_rows(int64_t Kp);
 /* whether the register tiles read the rows as bf16 (the AVX512-BF16 build) */
