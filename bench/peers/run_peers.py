@@ -476,28 +476,35 @@ def ensure_gguf(model_dir: Path, log_dir: Path) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     llama_dir = PEERS_DIR / "llamacpp" / "src" / "vendor" / "llama.cpp"
-    tmp = out.with_suffix(".tmp")
     log = log_dir / "convert_hf_to_gguf.log"
     print(f"converting {model_dir} -> {out} (log: {log})", flush=True)
+    return _llamacpp_writes(
+        out,
+        lambda tmp: (
+            ["convert_gguf.py", str(llama_dir), str(model_dir)]
+            + ["--outtype", "bf16", "--outfile", str(tmp)]
+        ),
+        log,
+        "convert_hf_to_gguf.py",
+    )
+
+
+def _llamacpp_writes(out: Path, argv, log: Path, what: str) -> Path:
+    """Runs one of this folder's scripts in the llamacpp peer venv, argv(tmp) = [script, args...]
+    writing tmp (out's .tmp), its output into log; out appears only once it succeeded (`what`
+    names the step in the failure's message)."""
+    tmp = out.with_suffix(".tmp")
+    script, *args = argv(tmp)
     with open(log, "w") as fh:
         rc = subprocess.run(
-            [
-                str(peer_python("llamacpp")),
-                str(HERE / "convert_gguf.py"),
-                str(llama_dir),
-                str(model_dir),
-                "--outtype",
-                "bf16",
-                "--outfile",
-                str(tmp),
-            ],
+            [str(peer_python("llamacpp")), str(HERE / script), *args],
             stdout=fh,
             stderr=subprocess.STDOUT,
             env=engine_env("llamacpp"),
             check=False,
         ).returncode
     if rc != 0:
-        sys.exit(f"convert_hf_to_gguf.py failed (exit {rc}); see {log}")
+        sys.exit(f"{what} failed (exit {rc}); see {log}")
     tmp.rename(out)
     return out
 
@@ -510,22 +517,14 @@ def ensure_quantized_gguf(bf16: Path, qtype: str, log_dir: Path) -> Path:
     out = bf16.with_name(bf16.name.replace(".bf16.gguf", f".{qtype}.gguf"))
     if out.exists():
         return out
-    tmp = out.with_suffix(".tmp")
     log = log_dir / f"quantize-{qtype}.log"
     print(f"quantizing {bf16.name} -> {out.name} (llama.cpp, log: {log})", flush=True)
-    with open(log, "w") as fh:
-        rc = subprocess.run(
-            [str(peer_python("llamacpp")), str(HERE / "quantize_gguf.py")]
-            + [str(bf16), str(tmp), qtype.upper(), str(threads())],
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            env=engine_env("llamacpp"),
-            check=False,
-        ).returncode
-    if rc != 0:
-        sys.exit(f"quantize_gguf.py {qtype} failed (exit {rc}); see {log}")
-    tmp.rename(out)
-    return out
+    return _llamacpp_writes(
+        out,
+        lambda tmp: ["quantize_gguf.py", str(bf16), str(tmp), qtype.upper(), str(threads())],
+        log,
+        f"quantize_gguf.py {qtype}",
+    )
 
 
 def run_offline(engine: str, spec: dict, log_dir: Path, tag: str) -> dict:
