@@ -16,12 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference import LLMEngine, SamplingParams
+from inference import SamplingParams
 from inference.errors import InvalidParameterError
 from inference.executor import kv_cache as kv_alloc
 from inference.kernels import cpu as cpu_kernels
 from inference.models import paged_cache as kv_cache
-from inference.models.args import ModelArgs
 from inference.quantization import hadamard
 from tests.inference.parity_checks import prompts
 from tests.inference.test_cpu_kernels import (  # noqa: F401 (the fixtures)
@@ -31,6 +30,8 @@ from tests.inference.test_cpu_kernels import (  # noqa: F401 (the fixtures)
     path,
     randn,
 )
+from tests.inference.test_quant_kernels import mla_args
+from tests.inference.test_quantization import engine, prompt_logprobs
 
 GROUP = 32
 
@@ -159,26 +160,6 @@ def test_an_int4_latent_cache_reads_its_values_and_scales_as_mla_does(path):  # 
         close_to_bf16(out[b], expected)
 
 
-def mla_args(rank: int, rope: int) -> ModelArgs:
-    return ModelArgs(
-        architecture="DeepseekV2ForCausalLM",
-        vocab_size=64,
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=2,
-        head_dim=rank + rope,
-        num_experts=0,
-        top_k=0,
-        moe_intermediate_size=0,
-        norm_topk_prob=True,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=64,
-        kv_lora_rank=rank,
-        qk_rope_head_dim=rope,
-    )
-
-
 @pytest.mark.parametrize("rank,rope,ok", [(512, 64, True), (64, 16, True), (16, 8, False)])
 def test_an_int4_cache_refuses_an_mla_latent_whose_values_are_no_whole_groups(rank, rope, ok):
     """16 of 24 rotate alone (the 8-bit cache takes them) but are half a scale group."""
@@ -192,21 +173,6 @@ def test_an_int4_cache_refuses_an_mla_latent_whose_values_are_no_whole_groups(ra
 
 
 # ---- in the engine -----------------------------------------------------------------------
-
-
-def engine(model, **options) -> LLMEngine:
-    options = {
-        "max_num_batched_tokens": 8,  # chunks of 8: every chunk after the first reads the cache
-        "enable_prefix_caching": False,
-        "kv_cache_tokens": 1024,
-        **options,
-    }
-    return LLMEngine.from_pretrained(model, device="cpu", dtype="bfloat16", **options)
-
-
-def prompt_logprobs(eng: LLMEngine, batch: list[list[int]]) -> torch.Tensor:
-    outs = eng.generate(batch, SamplingParams(max_tokens=1, prompt_logprobs=0))
-    return torch.tensor([lp.logprob for o in outs for lp in o.prompt_logprobs[1:]])
 
 
 def test_an_int4_cache_holds_3_5x_the_tokens_of_bf16_in_the_same_bytes(model_dirs):

@@ -280,11 +280,8 @@ def test_rotated_fp8_keys_score_closer_when_a_few_channels_carry_them():
     assert rotated_error < 0.5 * unrotated_error
 
 
-@pytest.mark.parametrize("rank,rope,ok", [(512, 64, True), (32, 16, True), (48, 16, False)])
-def test_an_8bit_cache_refuses_an_mla_latent_whose_values_cannot_rotate_alone(rank, rope, ok):
-    """Attention reads the latent's first `rank` values as its values, so they must form
-    whole rotation blocks of the row (DeepSeek's 512 of 576 do)."""
-    args = ModelArgs(
+def mla_args(rank: int, rope: int) -> ModelArgs:
+    return ModelArgs(
         architecture="DeepseekV2ForCausalLM",
         vocab_size=64,
         hidden_size=32,
@@ -301,6 +298,13 @@ def test_an_8bit_cache_refuses_an_mla_latent_whose_values_cannot_rotate_alone(ra
         kv_lora_rank=rank,
         qk_rope_head_dim=rope,
     )
+
+
+@pytest.mark.parametrize("rank,rope,ok", [(512, 64, True), (32, 16, True), (48, 16, False)])
+def test_an_8bit_cache_refuses_an_mla_latent_whose_values_cannot_rotate_alone(rank, rope, ok):
+    """Attention reads the latent's first `rank` values as its values, so they must form
+    whole rotation blocks of the row (DeepSeek's 512 of 576 do)."""
+    args = mla_args(rank, rope)
     cpu = torch.device("cpu")
     if ok:
         allocated = kv_alloc.allocate_kv_cache(args, 1, 16, torch.uint8, cpu)
