@@ -42,6 +42,12 @@ def test_moe_dashboard_queries_stay_readable_at_256_experts(tmp_path):
         server.start()
         server.wait_ready()
         prometheus.wait_ready()
+        # A scrape before the load, so that rates see the counters grow: without it the
+        # expert counters can have one sample only, and every rate() panel reads no data.
+        wait_until(
+            lambda: prometheus.api("query", query='up{job="moeserve"} == 1')["result"],
+            30, "the first successful scrape of moeserve", 0.2, NOT_YET,
+        )  # fmt: skip
         for i in range(3):
             r = httpx.post(
                 f"http://127.0.0.1:{port}/v1/completions",
@@ -51,11 +57,22 @@ def test_moe_dashboard_queries_stay_readable_at_256_experts(tmp_path):
             assert r.status_code == 200, r.text
         load_end = time.time()
 
-        def scraped_after_the_load():
+        def scraped_twice_after_the_load():
+            # rate() needs two samples of each expert counter, and the counters appear with
+            # the first routed token: two scrapes of them, the last one after the load
+            count = prometheus.api(
+                "query", query="min(count_over_time(moeserve_moe_expert_tokens_total[5m]))"
+            )
             last = prometheus.api("query", query='timestamp(up{job="moeserve"})')
-            return last["result"] and float(last["result"][0]["value"][1]) > load_end + 0.1
+            return (
+                count["result"]
+                and float(count["result"][0]["value"][1]) >= 2
+                and float(last["result"][0]["value"][1]) > load_end + 0.1
+            )
 
-        wait_until(scraped_after_the_load, 30, "a scrape after the load", 0.2, NOT_YET)
+        wait_until(
+            scraped_twice_after_the_load, 30, "2 scrapes of the expert counters", 0.2, NOT_YET
+        )
         series = prometheus.api("series", **{"match[]": "moeserve_moe_expert_tokens_total"})
         assert len(series) == LAYERS * BUCKETS
         assert {s["expert"] for s in series} == {f"{lo}-{lo + 7}" for lo in range(0, EXPERTS, 8)}
