@@ -3,23 +3,32 @@ unmodified, over the local task pack (bench/eval_pack.py) against `moeserve serv
 (model, format) through its `local-completions` model, beside the harness's own `hf` model
 (transformers, float32) on the same checkpoint. Accuracy only: nothing here is timed.
 
-The 8-bit and int4 KV rows prefill in chunks of PREFILL_CHUNK tokens: a prompt prefilled whole attends
-to the keys and values it has just computed, never to the cache as stored, so without chunks
-those rows would only measure the cache on generation. Every chunk after a prompt's first
-reads its context back from the quantized cache (tests/bench/test_eval_bench.py shows it does).
+Every format's reference is that one run of the unquantized checkpoint: transformers serves
+no int8/int4 weights or quantized KV here, and the point of the quantized rows is what the
+quantization costs through our API (int8 and int4 are quantized at load from the bf16
+checkpoint, as `--quantization` does when serving).
+
+The 8-bit and int4 KV rows prefill in chunks of PREFILL_CHUNK tokens: a prompt prefilled
+whole attends to the keys and values it has just computed, never to the cache as stored, so
+without chunks those rows would only measure the cache on generation. Every chunk after a
+prompt's first reads its context back from the quantized cache (tests/bench/test_eval_bench.py
+shows it does).
 
 Both runs score the same windows (local-completions keeps one token of its max_length for
 generation and one for context: the hf run gets max_length - 2).
 
-    python -m bench.eval_bench [--models smollm2,demo] [--formats bf16,int8,kv-int8,kv-fp8,kv-int4]
+    python -m bench.eval_bench [--models smollm2,demo] [--formats int4,kv-int4]
+
+--formats defaults to every one of FORMATS: bf16, int8, int4, kv-int8, kv-fp8, kv-int4.
 
 EvalScope (bench/evalscope_run.py) runs its general_mcq over the same cloze items through
 the chat API, beside its own transformers backend: the evalscope_general_mcq rows.
 
 Results: bench/results/eval.json {"date", "cpu", "harness", "rows": [{"model", "format",
-"task", "metric", "ours", "transformers", "harness", "date"}]}. A run of some models or
-formats replaces their rows and keeps the others' (with their own dates) from the same CPU
-and harness versions.
+"task", "metric", "ours", "transformers", "harness", "date", "commit"}]}; a row's commit is
+the checkout's HEAD when its server started, with "+" and the served code's uncommitted
+files, if any. A run of some models or formats replaces their rows and keeps the others'
+(with their own dates) from the same CPU and harness versions.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -40,6 +50,7 @@ RESULTS = Path(__file__).parent / "results"
 FORMATS = {
     "bf16": ["--dtype", "bfloat16"],
     "int8": ["--dtype", "bfloat16", "--quantization", "int8"],
+    "int4": ["--dtype", "bfloat16", "--quantization", "int4"],
     "kv-int8": ["--dtype", "bfloat16", "--kv-cache-dtype", "int8"],
     "kv-fp8": ["--dtype", "bfloat16", "--kv-cache-dtype", "fp8_e4m3"],
     "kv-int4": ["--dtype", "bfloat16", "--kv-cache-dtype", "int4"],
@@ -57,6 +68,21 @@ METRICS = {
     "evalscope_general_mcq": ["acc"],
 }
 MAX_LENGTH = 512
+
+
+def source_commit() -> str:
+    """HEAD, and the inference/ and service/ files that differ from it: the kernels change
+    under other work, and a row's accuracy belongs to the code that served it."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD")
+    changed = git("status", "--porcelain", "--", "inference", "service").splitlines()
+    return " +".join([head, *sorted(line[3:] for line in changed)])
 
 
 def model_dirs(names: list[str]) -> dict[str, Path]:
@@ -150,6 +176,7 @@ def main() -> None:
         for model, path in model_dirs(args.models.split(",")).items():
             want = reference(path, pack)
             for fmt in args.formats.split(","):
+                commit = source_commit()  # the code this format's server starts from
                 got = served(path, fmt, pack)
                 for task, metrics in METRICS.items():
                     for metric in metrics:
@@ -162,6 +189,7 @@ def main() -> None:
                             "transformers": want[task][metric],
                             "harness": harness[task],
                             "date": time.strftime("%Y-%m-%d %H:%M"),
+                            "commit": commit,
                         }
                         print(json.dumps(row), flush=True)
                         rows.append(row)

@@ -5,17 +5,26 @@ logprobs on an 8-bit cache are bit for bit bf16's, whatever the cache stores. Un
 own `moeserve serve` flags (a small --max-num-batched-tokens), every chunk after the first
 reads its context from the cache: the scores move away from a bf16 cache's under the same
 chunking, by a little. And a run of some formats only (`--formats kv-int8,kv-fp8`) replaces
-just their rows of results/eval.json."""
+just their rows of results/eval.json. Every format row (int4 weights and KV among them) is a
+valid `moeserve serve` command line for its format, and rows name the commit they ran at."""
 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 
 import httpx
 import pytest
 import torch
 
-from bench.eval_bench import CHUNKED, PREFILL_CHUNK, merged, server_args
+from bench.eval_bench import (
+    CHUNKED,
+    FORMATS,
+    PREFILL_CHUNK,
+    merged,
+    server_args,
+    source_commit,
+)
 from bench.eval_pack import perplexity_items
 from bench.harness import InProcessServer
 from service.cli import build_parser
@@ -97,3 +106,34 @@ def test_a_partial_run_replaces_its_rows_and_keeps_the_others_in_place():
     assert merged(previous | {"harness": "lm-eval 0.4.12"}, record, rows) == rows
     assert merged(previous | {"cpu": "Intel Xeon"}, record, rows) == rows
     assert merged(None, record, rows) == rows
+
+
+def test_every_format_row_serves_its_weights_and_cache_format():
+    # the issue's formats: bf16, int8, int4 weights and 8- and 4-bit KV, each a valid
+    # `moeserve serve` command line that asks for what the row is named after
+    want = {
+        "bf16": (None, "auto"),
+        "int8": ("int8", "auto"),
+        "int4": ("int4", "auto"),
+        "kv-int8": (None, "int8"),
+        "kv-fp8": (None, "fp8_e4m3"),
+        "kv-int4": (None, "int4"),
+    }
+    assert set(FORMATS) == set(want)
+    for fmt, (quantization, kv) in want.items():
+        ns = build_parser().parse_args(["serve", "--model", "m", *server_args(fmt)])
+        settings = from_namespace(ns)
+        assert (settings.quantization, settings.kv_cache_dtype) == (quantization, kv), fmt
+        assert settings.dtype == "bfloat16"
+        chunk = PREFILL_CHUNK if fmt in CHUNKED else None
+        assert settings.max_num_batched_tokens == chunk, fmt
+
+
+def test_rows_name_the_commit_that_served_them():
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    commit = source_commit()
+    assert commit.split(" +")[0] == head
+    # the uncommitted files named are the served code's (inference/, service/)
+    assert all(path.startswith(("inference/", "service/")) for path in commit.split(" +")[1:])
