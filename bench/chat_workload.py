@@ -2,7 +2,8 @@
 all opening with one short system prompt, each turn adding a user message of a few hundred
 tokens and then the reply to the conversation's own history. Each turn is one streamed chat
 completion, recorded with where it went, its TTFT (first streamed token, as the client sees
-it), its tokens, and how it ended (a clean error or a stream cut short).
+it), its tokens, and how it ended (Turn.outcome: a whole stream, a clean error, a connection
+closed mid-body, or a body that ended without its finish_reason and [DONE]).
 
 Two ways to send it:
   - paced (open loop, the default of Workload): conversation c starts at c x
@@ -14,7 +15,7 @@ Two ways to send it:
     next turn as soon as its reply ends, the most load the conversations can make.
 Bounded and self-stopping either way: each conversation has its turns and ends, and a run
 stops at `max_wall_s` (turns not sent by then are recorded as such, turns in flight are
-cancelled and recorded as cut).
+cancelled and recorded as cancelled).
 
 The text is drawn from a fixed word list by a seeded generator: a `salt` gives another set of
 conversations of the same shape (benchmark arms that share replicas share no prefix).
@@ -94,9 +95,18 @@ class Turn:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     status: int | None = None  # HTTP status; None: no response at all
-    outcome: str = "ok"  # ok | http_error | stream_error | cut | transport_error | not_sent
+    # ok: to a finish_reason and data: [DONE]. Clean errors: http_error (an error status),
+    # stream_error (an SSE error event). aborted: the connection closed mid-body and the client
+    # raised (`exception`; vllm-router does this when a replica dies mid-stream). truncated:
+    # the body ended without raising but without its finish_reason or [DONE] (only the framing
+    # shows it). malformed: a line that is not SSE JSON. transport_error: no response at all.
+    # cancelled: still running at max_wall_s. not_sent: max_wall_s came first.
+    outcome: str = "ok"
     error: str | None = None
+    exception: str | None = None  # the client's exception type, e.g. httpx.RemoteProtocolError
     got_tokens: bool = False  # some tokens arrived (a failure then came mid-stream)
+    finish_reason: str | None = None  # the last one a chunk carried
+    done: bool = False  # data: [DONE] arrived
 
     @property
     def ok(self) -> bool:
@@ -123,6 +133,14 @@ async def chat_turn(
 ) -> tuple[Turn, str]:
     """Streams one chat completion from `url`; fills `turn` in and returns it with the reply."""
     text: list[str] = []
+    ended = False  # the body's last line was read (an SseError then means no [DONE])
+
+    async def lines(response: httpx.Response):
+        nonlocal ended
+        async for line in response.aiter_lines():
+            yield line
+        ended = True
+
     try:
         async with client.stream(
             "POST",
@@ -135,11 +153,12 @@ async def chat_turn(
                 turn.outcome = "http_error"
                 turn.error = (await response.aread()).decode(errors="replace")[:300]
                 return turn, ""
-            async for at, event in aiter_sse(response.aiter_lines()):
+            async for at, event in aiter_sse(lines(response)):
                 if "error" in event:  # an error event in place of the rest of the stream
                     turn.outcome, turn.error = "stream_error", str(event["error"])[:300]
                     return turn, ""
                 for choice in event.get("choices") or ():
+                    turn.finish_reason = choice.get("finish_reason") or turn.finish_reason
                     content = (choice.get("delta") or {}).get("content")
                     if content:
                         text.append(content)
@@ -149,11 +168,19 @@ async def chat_turn(
                 if event.get("usage"):
                     turn.prompt_tokens = event["usage"]["prompt_tokens"]
                     turn.completion_tokens = event["usage"]["completion_tokens"]
-    except SseError as exc:  # the stream ended without data: [DONE]
-        turn.outcome, turn.error = "cut", str(exc)[:300]
+            turn.done = True
+    except SseError as exc:
+        turn.outcome = "truncated" if ended else "malformed"
+        turn.error = str(exc)[:300]
         return turn, ""
     except httpx.HTTPError as exc:
-        turn.outcome, turn.error = "transport_error", repr(exc)[:300]
+        # a response head, then the connection closed mid-body: aborted; none: no response
+        turn.outcome = "aborted" if turn.status is not None else "transport_error"
+        turn.exception = f"{type(exc).__module__}.{type(exc).__name__}"
+        turn.error = str(exc)[:300] or repr(exc)[:300]
+        return turn, ""
+    if turn.finish_reason is None:  # [DONE] without the chunk that ends a choice
+        turn.outcome, turn.error = "truncated", "data: [DONE] without a finish_reason"
         return turn, ""
     turn.e2e = time.perf_counter() - t0 - turn.sent
     return turn, "".join(text)
@@ -200,10 +227,8 @@ async def run_conversations(
                 try:
                     turn, reply = await chat_turn(client, url, body, turn, t0)
                 except asyncio.CancelledError:  # the run's max_wall_s: recorded, then stop
-                    turn.outcome, turn.error = (
-                        "cut",
-                        f"cancelled at max_wall_s ({workload.max_wall_s} s)",
-                    )
+                    turn.outcome = "cancelled"
+                    turn.error = f"cancelled at max_wall_s ({workload.max_wall_s} s)"
                     turns.append(turn)
                     raise
                 if turn.ok:

@@ -39,10 +39,13 @@ Then the kill run: a router (--kill-policy) in front of both, the same kind of w
 once --kill-after of its turns have finished, replica 1 (its API process and engine core) gets
 SIGKILL. Recorded: what the router did (its /workers view, polled, and its log lines naming the
 dead replica), requests lost, split into those in flight on the dead replica (its inspector's
-in-progress requests just before the kill) and those that had not reached it, whether the
-in-flight ones ended with a clean error (an HTTP error status or an error event, not a stream
-cut short), and the time from the kill until the survivor carries everything (every turn sent
-from then on succeeds).
+in-progress requests just before the kill) and those that had not reached it, how each in-flight
+one ended (`kill.in_flight_on_dead`: retried by the router and OK; a clean error, an HTTP error
+status or an SSE error event; aborted, the connection closed mid-body and the client raised, by
+exception type; truncated, ended quietly short of its finish_reason and [DONE]), and the time
+from the kill until the survivor carries everything (every turn sent from then on succeeds).
+vllm-router 0.1.17 aborts: a replica's death mid-stream reaches the client as a chunked body
+without its last chunk (tests/service/test_router_replica_kill.py).
 
 Writes --out (default bench/results/replicas_bench.json) and prints the table for
 bench/NOTES.md. --quick: a small workload for a smoke test (tests/bench/test_replicas_bench.py).
@@ -80,6 +83,7 @@ ROUTER_SERIES = ("vllm_router_kv_", "vllm_router_prefix_routing_decisions")
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+CLEAN = ("http_error", "stream_error")  # failed turns' outcomes the target calls a clean error
 
 
 # ---- what the replicas report -------------------------------------------------------------
@@ -333,12 +337,27 @@ def kill_report(run: dict, workers: Sequence[Replica], router_log: str) -> dict:
         "in_flight_on_dead": {
             "requests": len(on_dead),
             "outcomes": _count(t.outcome for t in on_dead),
-            # an HTTP error status or an error event; a cut stream or a reset is not clean
-            "clean_errors": sum(t.outcome in ("http_error", "stream_error") for t in on_dead),
+            # ended OK all the same: the router sent it again elsewhere (its response head had
+            # not left the dead replica, so the router's send failed and it retried)
+            "retried_ok": sum(t.ok for t in on_dead),
+            # an HTTP error status or an SSE error event: what the target calls clean
+            "clean_errors": sum(t.outcome in CLEAN for t in on_dead),
+            # the 200 head was out; the router closed the connection mid-body (vllm-router
+            # 0.1.17 on an upstream body error) and the client raised: these exception types
+            "aborted": sum(t.outcome == "aborted" for t in on_dead),
+            "exceptions": _count(t.exception for t in on_dead if t.exception),
+            # ended without raising but short of its finish_reason / [DONE]: a client sees it
+            # only by the framing (every whole stream of ours has both)
+            "truncated": sum(t.outcome == "truncated" for t in on_dead),
+            "failed_without_finish_reason": sum(
+                not t.ok and t.finish_reason is None for t in on_dead
+            ),
+            "failed_after_tokens": sum(not t.ok and t.got_tokens for t in on_dead),
             "statuses": _count(str(t.status) for t in on_dead if not t.ok),
             "errors": sorted({t.error for t in on_dead if t.error})[:5],
         },
         "lost_not_reached_dead": len(lost_elsewhere),
+        "lost_not_reached_dead_outcomes": _count(t.outcome for t in lost_elsewhere),
         "lost_not_reached_dead_statuses": _count(str(t.status) for t in lost_elsewhere),
         "lost_not_reached_dead_errors": sorted({t.error for t in lost_elsewhere if t.error})[:5],
         "sent_after_kill": len(after),
@@ -551,10 +570,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(result))
     if result["kill"]:
         k = result["kill"]
+        flight = k.get("in_flight_on_dead", {})
         print(
-            f"kill ({k['policy']}): in flight on the dead replica "
-            f"{k.get('in_flight_on_dead', {}).get('requests')}, lost without reaching it "
-            f"{k.get('lost_not_reached_dead')}; details in {args.out}"
+            f"kill ({k['policy']}): in flight on the dead replica {flight.get('requests')} "
+            f"(outcomes {flight.get('outcomes')}, client exceptions {flight.get('exceptions')}), "
+            f"lost without reaching it {k.get('lost_not_reached_dead')}; details in {args.out}"
         )
     return 0
 

@@ -26,7 +26,7 @@ def test_conversations_share_a_system_prompt_and_an_arm_salts_its_own():
 
 def _turn(c, k, ok=True, ttft=0.1):
     return Turn(c, k, f"x-c{c}-t{k}", "u", sent=float(k), ttft=ttft if ok else None,
-                completion_tokens=4 if ok else 0, outcome="ok" if ok else "cut")  # fmt: skip
+                completion_tokens=4 if ok else 0, outcome="ok" if ok else "aborted")  # fmt: skip
 
 
 def test_summary_and_sticky_share_count_what_they_say():
@@ -74,4 +74,10 @@ def test_the_quick_bench_runs_end_to_end(tiny_model_dir, tmp_path):
     assert sum(flight["outcomes"].values()) == flight["requests"]
     lost_on_dead = flight["requests"] - flight["outcomes"].get("ok", 0)
     assert kill["failed"] == lost_on_dead + kill["lost_not_reached_dead"]
+    # each in-flight turn is classified: retried and OK, a clean error, aborted (the client
+    # raised: its exception types counted) or truncated
+    assert set(flight["outcomes"]) <= {"ok", "http_error", "stream_error", "aborted", "truncated"}
+    parts = ("retried_ok", "clean_errors", "aborted", "truncated")
+    assert sum(flight[k] for k in parts) == flight["requests"]
+    assert sum(flight["exceptions"].values()) == flight["aborted"]
     assert kill["sent_after_kill_ok_on_survivor"] <= kill["sent_after_kill"]

@@ -19,11 +19,13 @@ whatever this machine's speed."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -35,6 +37,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.chat_workload import Turn, chat_turn
 from bench.harness import decode_sse, wait_until
 from bench.replicas import ROUTER, replicas
 
@@ -65,6 +68,7 @@ class Call:
         self.finish_reason: str | None = None
         self.body: dict | None = None  # a whole response's JSON
         self.error: BaseException | None = None
+        self.turn: Turn | None = None  # the bench's record of it (bench_stream)
         self._thread = threading.Thread(target=self._main, args=(run,), daemon=True)
         self._thread.start()
 
@@ -120,6 +124,30 @@ def openai_stream(url: str, model: str, tokens: int = SHORT) -> Callable[[Call],
     return run
 
 
+def bench_stream(url: str, model: str, tokens: int = SHORT) -> Callable[[Call], None]:
+    """The stream as replicas_bench's kill run sends and classifies it (chat_workload)."""
+
+    def run(call: Call) -> None:
+        call.turn = Turn(0, 0, call.rid, url, sent=0.0)
+        body = {"model": model, "messages": MESSAGES, "max_tokens": tokens, "ignore_eos": True}
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+
+        async def go() -> None:
+            async with httpx.AsyncClient(timeout=120) as client:
+                turn = asyncio.ensure_future(
+                    chat_turn(client, url, body, call.turn, time.perf_counter())
+                )
+                while not turn.done():
+                    if call.turn.got_tokens:
+                        call.first_token.set()
+                    await asyncio.sleep(0.01)
+                await turn
+
+        asyncio.run(go())
+
+    return run
+
+
 def whole(url: str, model: str) -> Callable[[Call], None]:
     def run(call: Call) -> None:
         body = {"model": model, "messages": MESSAGES, "max_tokens": WHOLE, "ignore_eos": True}
@@ -150,8 +178,9 @@ def worker_health(metrics_url: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def killed(tiny_model_dir):
-    """Six requests through the router, three on each replica, then replica B killed with its
-    three in flight; returns what every client saw and what the router said afterwards."""
+    """Eight requests through the router, four on each replica (a raw httpx stream, an openai
+    stream, the bench's stream, a whole request), then replica B killed with its four in flight;
+    returns what every client saw and what the router said afterwards."""
     with ExitStack() as stack:
         cluster = stack.enter_context(
             replicas(str(tiny_model_dir), 2, "round_robin", serve_args=SERVE)
@@ -177,6 +206,8 @@ def killed(tiny_model_dir):
         send("b-openai-stream", openai_stream(cluster.url, model, LONG), first_token=True)
         send("a-openai-stream", openai_stream(cluster.url, model))
         send("b-raw-stream", raw_stream(cluster.url, model, LONG), first_token=True)
+        send("a-bench-stream", bench_stream(cluster.url, model))
+        send("b-bench-stream", bench_stream(cluster.url, model, LONG), first_token=True)
         core = doomed.engine_core_pid()
         os.kill(core, signal.SIGSTOP)  # B generates nothing more: its requests stay in flight
         send("a-whole", whole(cluster.url, model))
@@ -207,7 +238,7 @@ def killed(tiny_model_dir):
 
 def test_streams_in_flight_on_the_dead_replica_end_in_an_error_the_client_raises(killed):
     calls = killed["calls"]
-    assert {"b-openai-stream", "b-raw-stream", "b-whole"} <= killed["on_b"]
+    assert {"b-openai-stream", "b-raw-stream", "b-bench-stream", "b-whole"} <= killed["on_b"]
     raw = calls["b-raw-stream"]
     # the head (200) had gone out; the router then closed the connection mid-body
     assert raw.status == 200 and raw.events, "tokens arrived before the kill"
@@ -222,6 +253,12 @@ def test_streams_in_flight_on_the_dead_replica_end_in_an_error_the_client_raises
         cause
     ), repr(cause)
     assert sdk.events and sdk.finish_reason is None
+    # replicas_bench's kill run records such a stream as aborted, by the client's exception
+    turn = calls["b-bench-stream"].turn
+    assert (turn.outcome, turn.exception, turn.status) == (
+        "aborted", "httpx.RemoteProtocolError", 200,
+    ), turn  # fmt: skip
+    assert turn.got_tokens and turn.finish_reason is None and not turn.done
 
 
 def test_a_whole_request_in_flight_on_the_dead_replica_is_retried_on_the_survivor(killed):
@@ -237,6 +274,8 @@ def test_the_survivors_requests_and_every_later_one_succeed(killed):
         call = calls[rid]
         assert call.error is None and call.finish_reason == "length", (rid, call.error)
     assert calls["a-raw-stream"].done
+    turn = calls["a-bench-stream"].turn
+    assert turn.ok and turn.done and turn.finish_reason == "length", turn
     assert calls["a-whole"].status == 200
     for call in killed["after"]:
         assert call.error is None and call.status == 200, (call.rid, call.error, call.body)
