@@ -78,9 +78,10 @@ def source_commit() -> str:
     def git(*args: str) -> str:
         return subprocess.run(
             ["git", *args], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
+        ).stdout
 
-    head = git("rev-parse", "--short", "HEAD")
+    head = git("rev-parse", "--short", "HEAD").strip()
+    # porcelain lines are "XY path": the status columns, so nothing may be stripped first
     changed = git("status", "--porcelain", "--", "inference", "service").splitlines()
     return " +".join([head, *sorted(line[3:] for line in changed)])
 
