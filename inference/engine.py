@@ -19,6 +19,7 @@ from inference.errors import InvalidParameterError, ModelLoadError
 from inference.executor.executor import ModelExecutor
 from inference.executor.loader import (
     checkpoint_quantization,
+    checkpoint_tensor_names,
     eos_token_ids,
     load_hf_config,
     load_tokenizer,
@@ -36,6 +37,7 @@ from inference.sequence import Sequence, SequenceStatus, request_output
 from inference.spec_decode.config import check_servable
 from inference.spec_decode.config import speculative_config as speculative_config_of
 from inference.spec_decode.metrics import SpecStepCounts
+from inference.spec_decode.mtp import MtpSpeculator
 from inference.spec_decode.speculator import NgramSpeculator
 from inference.startup import StartupClock
 from inference.stop_check import stop_reason
@@ -69,8 +71,10 @@ class LLMEngine:
         self.device = resolve_device(device)
         keep_freed_memory()  # every step frees and takes the same big blocks (heap.py)
         hf_config = load_hf_config(path, config.hf_overrides)
-        check_servable(spec, hf_config, str(path))  # before the weights load
+        # before the weights load
+        check_servable(spec, hf_config, str(path), lambda: checkpoint_tensor_names(path))
         self.args = args = model_args(hf_config)
+        args.mtp = spec is not None and spec.method == "mtp"  # its layer built and loaded
         self.dtype = resolve_dtype(dtype, self.device, getattr(hf_config, "dtype", None))
         self.tokenizer = load_tokenizer(path)
         published = checkpoint_quantization(hf_config)
@@ -109,7 +113,10 @@ class LLMEngine:
             self.tokenizer, args.vocab_size, self.max_model_len, self.device, self.structured
         )
         self._aborted: list = []  # FinishedSequence records, reported with the next step's stats
-        self.speculator = None if spec is None else NgramSpeculator(spec, self.max_model_len)
+        self.speculator = None
+        if spec is not None:
+            kind = MtpSpeculator if spec.method == "mtp" else NgramSpeculator
+            self.speculator = kind(spec, self.max_model_len)
         if ex.compiles:
             clock.mark("warmup")  # compiles the decode graphs on their first calls
             warm_up(self)

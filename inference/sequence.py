@@ -65,6 +65,7 @@ class Sequence:
         # and the sequence's adaptive draft length (inference/spec_decode/speculator.py)
         self.spec_token_ids: list[int] = []
         self.draft_length = None
+        self.mtp_state = None  # method "mtp": the MTP layer's next draft (spec_decode/mtp.py)
         # what the consumer has been sent so far
         self.sent_tokens = 0
         self.sent_text = 0

@@ -27,6 +27,7 @@ from inference.models.args import Family, ModelArgs
 from inference.models.moe import gather_limit
 from inference.models.paged_cache import storage_dtype
 from inference.quantization.qweight import QWeight
+from inference.spec_decode.config import speculative_config
 from inference.startup import StartupClock
 from inference.structured import StructuredOutputManager
 
@@ -101,6 +102,8 @@ class ModelExecutor:
         self.kv_caches = allocate_kv_cache(
             args, self.num_blocks, config.block_size, self.kv_storage, device
         )
+        # the MTP layer's cache (same blocks, its own tensors) is the drafter's, not the model's
+        self.mtp_cache = self.kv_caches.pop() if args.mtp else None
 
     def _load(self, path: Path, family: Family, max_positions: int, published: str):
         """The family's model with the checkpoint's weights, and its fp8 weights as published
@@ -208,6 +211,7 @@ class ModelExecutor:
         if self.compiles:
             self.startup.mark("compile")  # torch.compile's wrapper (graphs: at warm-up)
         compiled = self._compiled()
+        spec = speculative_config(self.config.speculative_config)
         return ModelRunner(
             self.model,
             self.kv_caches,
@@ -217,6 +221,8 @@ class ModelExecutor:
             decode_forward=compiled if self.fused_step is None else self.fused_step,
             paged_kernel=self.kernels,
             structured=structured,
+            mtp_cache=self.mtp_cache,
+            disable_by_batch_size=spec.disable_by_batch_size if spec else 0,
         )
 
     @property

@@ -12,7 +12,7 @@ from inference.models.paged_cache import INT4, INT4_GROUP, reads_alone, row_widt
 def kv_bytes_per_token(args: ModelArgs, storage: torch.dtype) -> int:
     elem = torch.empty((), dtype=storage).element_size()  # int4 (torch.uint4): a byte
     rows = sum(heads * row_width(width, storage) for heads, width in args.kv_cache_shapes)
-    return args.num_layers * rows * elem
+    return (args.num_layers + args.mtp) * rows * elem  # the MTP layer's cache too
 
 
 def num_cache_blocks(
@@ -61,7 +61,7 @@ def allocate_kv_cache(
             ).view(storage)
             for heads, width in args.kv_cache_shapes
         )
-        for _ in range(args.num_layers)
+        for _ in range(args.num_layers + args.mtp)  # the last: the MTP layer's (ModelArgs.mtp)
     ]
 
 

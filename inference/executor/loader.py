@@ -17,6 +17,7 @@ from safetensors import safe_open
 from inference.errors import ModelLoadError
 from inference.hf_overrides import apply_hf_overrides, hf_overrides
 from inference.models.args import Family, ModelArgs
+from inference.models.mtp import MTP_OWN_WEIGHTS, MTP_SHARED_WEIGHTS
 from inference.quantization import autoround, awq, compressed_tensors, gptq, mxfp4
 from inference.quantization import qweight as quant
 from inference.quantization.published import Int4Levels, UnservedVariant
@@ -93,10 +94,31 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+def checkpoint_tensor_names(path: Path) -> list[str]:
+    """Every tensor name the checkpoint's safetensors files hold (read from their headers)."""
+    names: list[str] = []
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
 def _layer_index(name: str) -> int:
     """The decoder layer a checkpoint tensor belongs to (-1: none)."""
     m = _LAYER_PREFIX.fullmatch(name)
     return int(m.group(1)) if m else -1
+
+
+def _skipped_mtp_tensor(name: str, args: ModelArgs) -> bool:
+    """A tensor of the checkpoint's multi-token-prediction layers that is not loaded: all of
+    them, but the first layer's own where the "mtp" drafter runs it (ModelArgs.mtp), whose
+    embed_tokens is the target's (shared, as vLLM shares it)."""
+    layer = _layer_index(name)
+    if layer < args.num_layers:
+        return False
+    if not args.mtp or layer > args.num_layers:
+        return True
+    return name.removeprefix(f"model.layers.{layer}.") in MTP_SHARED_WEIGHTS
 
 
 def _target(name: str, args: ModelArgs, weights) -> tuple[str, int | None, str | None, object]:
@@ -109,6 +131,11 @@ def _target(name: str, args: ModelArgs, weights) -> tuple[str, int | None, str |
     if not m:
         return None
     layer, rest = int(m.group(1)), m.group(2)
+    prefix = f"layers.{layer}."
+    if args.mtp and layer == args.num_layers:  # the MTP layer (models/mtp.py)
+        if rest in MTP_OWN_WEIGHTS:
+            return f"mtp.{MTP_OWN_WEIGHTS[rest]}", None, None, None
+        prefix = "mtp.block."
     moe_prefix = "mlp.moe." if args.shared_expert_intermediate_size else "mlp."
     for rule in weights:
         pm = rule.pattern.fullmatch(rest)
@@ -117,7 +144,7 @@ def _target(name: str, args: ModelArgs, weights) -> tuple[str, int | None, str |
             expert = int(groups[0]) if groups and groups[0].isdigit() else None
             target = rule.target.format(*groups, moe=moe_prefix)
             part = None if rule.part is None else rule.part.format(*groups)
-            return f"layers.{layer}.{target}", expert, part, rule.convert
+            return f"{prefix}{target}", expert, part, rule.convert
     return None
 
 
@@ -289,9 +316,9 @@ def load_weights(
 ) -> dict[str, QWeight]:
     """Copies every checkpoint tensor into the model, by the family's rules; raises on a
     missing, unknown-shaped or absent weight. A family with multi-token-prediction layers
-    (Family.mtp_layers) loads past the checkpoint's layers after its last decoder layer: they
-    are not run (speculative decoding will). Parameters must already have their final dtype
-    and device. Quantized tensors (FP8; GPTQ, AWQ, compressed-tensors and MXFP4 in 4 bits)
+    (Family.mtp_layers) loads past the checkpoint's layers after its last decoder layer, but
+    the first one's where the "mtp" drafter runs it (ModelArgs.mtp: into model.mtp).
+    Parameters must already have their final dtype and device. Quantized tensors (FP8; GPTQ, AWQ, compressed-tensors and MXFP4 in 4 bits)
     are dequantized into the parameters, as the format's own library dequantizes them; with
     keep_published, also returned as they were published (parameter name -> QWeight,
     row-major) for engines serving them so. What the checkpoint keeps in 16 bits stays so."""
@@ -317,7 +344,7 @@ def load_weights(
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 if name.endswith(_SCALE_SUFFIXES) or (
-                    family.mtp_layers and _layer_index(name) >= args.num_layers
+                    family.mtp_layers and _skipped_mtp_tensor(name, args)
                 ):
                     continue
                 if fmt is not None and _int4_part_of(name, located, fmt):

@@ -13,6 +13,7 @@ from inference.models.attention import AttentionMetadata, PrefillChunk
 from inference.outputs import TokenLogprobs
 from inference.scheduler import SchedulerOutput
 from inference.sequence import Sequence
+from inference.spec_decode.mtp import MtpDrafter
 from inference.spec_decode.rejection_sampler import verify
 from inference.structured import StructuredOutputManager
 
@@ -33,7 +34,8 @@ class ModelRunner:
     device tensors. `forward`: the model, or for decode-only steps `decode_forward` (a
     backend's fused step or the compiled model). `paged_kernel`: decode rows attend through
     a backend that reads the paged cache in place (kernels/modules.py), so the step carries
-    block tables instead of gathered slots."""
+    block tables instead of gathered slots. `mtp_cache`: speculative method "mtp", the MTP
+    layer's KV cache (spec_decode/mtp.py drafts with it around each forward pass)."""
 
     def __init__(
         self,
@@ -45,12 +47,19 @@ class ModelRunner:
         decode_forward=None,
         paged_kernel: bool = False,
         structured: StructuredOutputManager | None = None,
+        mtp_cache: tuple[torch.Tensor, ...] | None = None,
+        disable_by_batch_size: int = 0,
     ) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.sampler, self.device = sampler, device
         self.structured = structured
         self.paged_kernel = paged_kernel
         self.decode_model = model if decode_forward is None else decode_forward
+        self.drafter = (
+            None
+            if mtp_cache is None
+            else MtpDrafter(model, mtp_cache, self.decode_metadata, disable_by_batch_size)
+        )
 
     def _slots(self, block_tables: list[list[int]], length: int) -> torch.Tensor:
         """[rows, length] cache slots of each row's first `length` positions (rows padded with
@@ -61,28 +70,18 @@ class ModelRunner:
         pos = torch.arange(length)
         return table[:, pos // self.block_size] * self.block_size + pos % self.block_size
 
-    @torch.inference_mode()
-    def run(self, sched: SchedulerOutput) -> RunnerOutput:
+    def _decode_fields(self, rows: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, dict]:
+        """Decode rows (sequence, position), one token each: the cache slots they write and
+        the decode fields of AttentionMetadata (block tables for a paged kernel, else
+        gathered slots and a mask)."""
         bs = self.block_size
-        # A speculating sequence's last token and its k drafts run as k + 1 decode rows (its
-        # block table each, its own context length each: causal), so verification is a decode
-        # step: the fused one-call step where the model has it, rounding as plain decode does.
-        decode = [s for s, n in sched.scheduled if n == 1 or s.spec_token_ids]
-        prefill = [(s, n) for s, n in sched.scheduled if n > 1 and not s.spec_token_ids]
-        rows = [  # (sequence, position) of each decode row
-            (s, s.num_computed_tokens + j) for s in decode for j in range(1 + len(s.spec_token_ids))
-        ]
-        input_ids = [
-            s.token_ids[p] if p < s.num_tokens else s.spec_token_ids[p - s.num_tokens]
-            for s, p in rows
-        ]
+        slots = torch.tensor(
+            [s.block_table[p // bs] * bs + p % bs for s, p in rows], dtype=torch.long
+        )
         positions = [p for _, p in rows]
-        slot_parts = [
-            torch.tensor([s.block_table[p // bs] * bs + p % bs for s, p in rows], dtype=torch.long)
-        ]
         decode_slots = decode_mask = block_tables = context_lens = None
         if rows and self.paged_kernel:
-            width = max(len(s.block_table) for s in decode)
+            width = max(len(s.block_table) for s, _ in rows)
             block_tables = torch.tensor(
                 [s.block_table + [0] * (width - len(s.block_table)) for s, _ in rows],
                 dtype=torch.int32,
@@ -96,6 +95,42 @@ class ModelRunner:
                 decode_mask = (torch.arange(context).unsqueeze(0) < lens.unsqueeze(1)).view(
                     len(rows), 1, 1, context
                 )
+        dev = self.device
+        return slots, {
+            "num_decode": len(rows),
+            "decode_slots": None if decode_slots is None else decode_slots.to(dev),
+            "decode_mask": None if decode_mask is None else decode_mask.to(dev),
+            "block_tables": block_tables,
+            "context_lens": context_lens,
+        }
+
+    def decode_metadata(self, rows: list[tuple[Sequence, int]]) -> AttentionMetadata:
+        """The metadata of a step of decode rows only (the MTP drafter's further passes)."""
+        slots, fields = self._decode_fields(rows)
+        return AttentionMetadata(
+            slot_mapping=slots.to(self.device), prefills=[], block_size=self.block_size, **fields
+        )
+
+    @torch.inference_mode()
+    def run(self, sched: SchedulerOutput) -> RunnerOutput:
+        bs = self.block_size
+        # A speculating sequence's last token and its k drafts run as k + 1 decode rows (its
+        # block table each, its own context length each: causal), so verification is a decode
+        # step: the fused one-call step where the model has it, rounding as plain decode does.
+        decode = [s for s, n in sched.scheduled if n == 1 or s.spec_token_ids]
+        prefill = [(s, n) for s, n in sched.scheduled if n > 1 and not s.spec_token_ids]
+        if self.drafter is not None:  # MTP drafts 2..k, now that their blocks are allotted
+            self.drafter.complete(decode)
+        rows = [  # (sequence, position) of each decode row
+            (s, s.num_computed_tokens + j) for s in decode for j in range(1 + len(s.spec_token_ids))
+        ]
+        input_ids = [
+            s.token_ids[p] if p < s.num_tokens else s.spec_token_ids[p - s.num_tokens]
+            for s, p in rows
+        ]
+        positions = [p for _, p in rows]
+        row_slots, decode_fields = self._decode_fields(rows)
+        slot_parts = [row_slots]
         # a one-token chunk inside a prompt runs as a decode row too, but samples nothing
         sample_rows, verify_rows = [], []  # verify_rows: (sequence, first row, rows)
         first = 0
@@ -120,23 +155,17 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_parts).to(dev),
-            num_decode=len(rows),
-            decode_slots=None if decode_slots is None else decode_slots.to(dev),
-            decode_mask=None if decode_mask is None else decode_mask.to(dev),
             prefills=chunks,
-            block_tables=block_tables,
-            context_lens=context_lens,
             block_size=bs,
+            **decode_fields,
         )
+        positions_t = torch.tensor(positions, device=dev)
         # the grammar masks of the sampled rows are filled now (while the forward pass runs,
         # when the manager overlaps them)
         constraints = self.structured.constraints(sampled) if self.structured else None
         forward = self.model if chunks else self.decode_model
         hidden, expert_counts = forward(
-            torch.tensor(input_ids, device=dev),
-            torch.tensor(positions, device=dev),
-            meta,
-            self.kv_caches,
+            torch.tensor(input_ids, device=dev), positions_t, meta, self.kv_caches
         )
         # rows still inside a prompt (a one-token chunk runs as a decode row)
         prompt_rows = [(s, row, 1) for row, (s, _) in enumerate(rows) if not s.spec_token_ids]
@@ -148,12 +177,12 @@ class ModelRunner:
         ]
         sample = None
         if sampled:
-            rows = (
+            sample_hidden = (
                 hidden
                 if len(sample_rows) == hidden.shape[0]
                 else hidden[torch.tensor(sample_rows, device=dev)]
             )
-            sample = self.sampler(self.model.logits(rows), sampled, constraints)
+            sample = self.sampler(self.model.logits(sample_hidden), sampled, constraints)
         verified = []
         if verify_rows:
             index = torch.cat([torch.arange(start, start + n) for _, start, n in verify_rows])
@@ -161,6 +190,18 @@ class ModelRunner:
             logits = self.model.logits(hidden[index.to(dev)])
             tokens = verify(self.sampler, logits, drafts)
             verified = [(s, d, t) for (s, d), t in zip(drafts, tokens)]
+        if self.drafter is not None:  # the MTP layer over this step's rows: the next drafts
+            step_rows = rows + [
+                (s, c.context_len + i)
+                for (s, _), c in zip(prefill, chunks)
+                for i in range(c.length)
+            ]
+            gained = {id(s): [t] for s, t in zip(sampled, sample.token_ids)} if sample else {}
+            last_rows = list(zip(sampled, sample_rows))
+            for (s, start, _), (_, _, tokens) in zip(verify_rows, verified):
+                gained[id(s)] = tokens  # its accepted drafts and one more
+                last_rows.append((s, start + len(tokens) - 1))
+            self.drafter.first_pass(step_rows, positions_t, meta, hidden, gained, last_rows)
         return RunnerOutput(sampled, sample, expert_counts, prompt_logprobs, verified)
 
     def _prompt_logprobs(

@@ -63,6 +63,9 @@ class ModelArgs:
     # rotate (rotate-half within them), the rest pass; 0: the whole head
     rotary_dim: int = 0
     tie_word_embeddings: bool = False
+    # speculative method "mtp": the model also builds the checkpoint's first MTP layer
+    # (models/mtp.py, layer num_layers), and the KV cache holds one more layer for it
+    mtp: bool = False
     hf_config: object = field(default=None, repr=False)  # for rope initialisation
 
     @property
@@ -189,7 +192,8 @@ class Family:
     - demo: the --arch name of its random-weight demo checkpoint and the transformers config
       it writes (demo(preset, common) -> PretrainedConfig; checkpoints/demo_model.py), if any;
     - mtp_layers: its checkpoints may carry multi-token-prediction layers after the last
-      decoder layer (model.layers.N and up): loaded past, not run;
+      decoder layer (model.layers.N and up): loaded past, unless the speculative method
+      "mtp" runs the first of them (ModelArgs.mtp);
     - demo_shapes: preset name -> the Preset fields its demo changes there to take the
       family's own shape (the `small` preset: DeepSeek-V3 routing 8 of 256 experts...).
     """

@@ -19,6 +19,7 @@ from inference.models.attention import AttentionMetadata, PagedAttention
 from inference.models.layers import Linear, RMSNorm, RotaryEmbedding
 from inference.models.mla import MLAttention
 from inference.models.moe import ClampedSwiGLU, DenseMLP, MoE, SharedExpertMoE
+from inference.models.mtp import MultiTokenPredictor
 
 
 class Attention(nn.Module):
@@ -136,6 +137,10 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope = RotaryEmbedding(args, max_positions)
+        # the checkpoint's MTP layer, run by the "mtp" drafter (spec_decode/mtp.py) only
+        self.mtp = (
+            MultiTokenPredictor(args, self.layer_class, gather_max_tokens) if args.mtp else None
+        )
 
     def forward(
         self,

@@ -3,7 +3,8 @@ multi-head latent attention (mla.py) and shared experts, the first k layers dens
 its mscale, and "noaux_tc" routing: sigmoid scores; experts chosen on the scores plus a learned
 correction bias, within the best topk_group of n_group groups (a group scores as the sum of its
 two best); weights from the unbiased scores, renormalised, times routed_scaling_factor. The
-checkpoint's multi-token-prediction layer loads and is not run."""
+checkpoint's multi-token-prediction layer drafts for speculative method "mtp" (models/mtp.py);
+otherwise it is loaded past."""
 
 from __future__ import annotations
 

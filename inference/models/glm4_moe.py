@@ -1,7 +1,8 @@
 """GLM-4.5 (Glm4MoeForCausalLM: GLM-4.5, 4.6, Air): standard attention with q/k/v biases, an
 optional RMSNorm per head on q and k, partial rotary (the first half of each head rotates),
 DeepSeek-V3's noaux_tc routing (moe.NoAuxMoE) with one ungated shared expert, the first k
-layers dense. The checkpoint's multi-token-prediction layer loads and is not run."""
+layers dense. The checkpoint's multi-token-prediction layer drafts for speculative method "mtp"
+(models/mtp.py); otherwise it is loaded past."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ read from a JSON string or a dict; a bad value is an InvalidParameterError namin
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,8 +101,21 @@ def mtp_layer_count(hf_config: Any) -> int:
     return 0
 
 
-def check_servable(config: SpeculativeConfig | None, hf_config: Any, model: str) -> None:
-    """Refuses, at start-up, a method this checkpoint or this build cannot serve."""
+# the architectures whose MTP layer drafts (vLLM's deepseek_mtp and glm4_moe_mtp); vLLM has no
+# MTP drafter for MiniMax-M2, whose config declares num_mtp_modules
+MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+
+
+def check_servable(
+    config: SpeculativeConfig | None,
+    hf_config: Any,
+    model: str,
+    tensor_names: Callable[[], Iterable[str]],
+) -> None:
+    """Refuses, at start-up, a method this checkpoint cannot serve: "mtp" needs the MTP layer
+    in config.json (num_nextn_predict_layers) and its tensors in the checkpoint
+    (model.layers.<num_hidden_layers>.*, read from `tensor_names()`), of an architecture
+    that drafts with it."""
     if config is None or config.method != "mtp":
         return
     if not mtp_layer_count(hf_config):
@@ -109,4 +123,16 @@ def check_servable(config: SpeculativeConfig | None, hf_config: Any, model: str)
             f"method 'mtp' needs a checkpoint with MTP layers (num_nextn_predict_layers > 0); "
             f"{model} has none"
         )
-    raise _bad("method 'mtp' is not served yet: use method 'ngram'")
+    arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
+    if arch not in MTP_ARCHITECTURES:
+        raise _bad(
+            f"method 'mtp' drafts with the MTP layer of {', '.join(MTP_ARCHITECTURES)} "
+            f"checkpoints (vLLM's deepseek_mtp, glm4_moe_mtp); {model} is {arch}"
+        )
+    prefix = f"model.layers.{hf_config.num_hidden_layers}."
+    if not any(name.startswith(prefix) for name in tensor_names()):
+        raise _bad(
+            f"method 'mtp' needs the MTP layer's weights ({prefix}*): {model}'s config.json "
+            f"declares num_nextn_predict_layers = {mtp_layer_count(hf_config)} but its "
+            "checkpoint has none"
+        )

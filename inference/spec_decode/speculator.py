@@ -10,6 +10,8 @@ step is compute-bound and nobody speculates.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from inference.sequence import Sequence
 from inference.spec_decode.config import SpeculativeConfig
 from inference.spec_decode.ngram import propose_ngram
@@ -68,7 +70,9 @@ def can_speculate(seq: Sequence) -> bool:
     )
 
 
-class NgramSpeculator:
+class Speculator(ABC):
+    """Which sequences draft, how many tokens each; a method's subclass proposes them."""
+
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
@@ -92,13 +96,20 @@ class NgramSpeculator:
             seq.params.max_tokens - seq.num_output_tokens - 1,
             self.max_model_len - seq.num_tokens,
         )
-        if k < 1:
-            return []
-        c = self.config
-        return propose_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
+        return self._propose(seq, k) if k >= 1 else []
+
+    @abstractmethod
+    def _propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to k draft tokens to follow the sequence's last (fewer, or none, allowed)."""
 
     @staticmethod
     def record(seq: Sequence, drafted: int, accepted: int) -> None:
         seq.draft_length.record(drafted, accepted, seq.num_tokens)
         seq.times.spec_draft_tokens += drafted
         seq.times.spec_accepted_tokens += accepted
+
+
+class NgramSpeculator(Speculator):
+    def _propose(self, seq: Sequence, k: int) -> list[int]:
+        c = self.config
+        return propose_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)

@@ -75,8 +75,9 @@ def test_lookup_bounds_default_as_vllm():
 
 
 def test_mtp_is_refused_at_start_up(model_dirs, tmp_path):
-    """Without MTP layers the error names the missing layers; with them, MTP is not served
-    yet: either way start-up stops, naming the key."""
+    """Without MTP layers the error names the missing layers; with them declared but no
+    weights for them, the missing weights: either way start-up stops, naming the key
+    (test_spec_mtp.py serves checkpoints that have them)."""
     with pytest.raises(InvalidParameterError, match="MTP layers") as err:
         LLMEngine(
             model_dirs("mixtral"),
@@ -89,7 +90,7 @@ def test_mtp_is_refused_at_start_up(model_dirs, tmp_path):
     shutil.copytree(model_dirs("deepseek_v3"), with_mtp)
     cfg = json.loads((with_mtp / "config.json").read_text())
     (with_mtp / "config.json").write_text(json.dumps(cfg | {"num_nextn_predict_layers": 1}))
-    with pytest.raises(InvalidParameterError, match="not served yet"):
+    with pytest.raises(InvalidParameterError, match="MTP layer's weights"):
         LLMEngine(
             with_mtp,
             "cpu",
