@@ -13,6 +13,12 @@ Models: SmolLM2-135M-Instruct (trained: its answers do repeat the prompt) and th
 MoE (random weights: its text means nothing, what it accepts comes from its own loops). Greedy
 outputs are compared too (they must be identical). Writes bench/results/spec.json; `--quick`
 runs the tiny demo model for a few tokens (a function check, no figures worth keeping).
+
+`--method mtp` drafts with an MTP layer instead (k = 3) on the tiny DeepSeek-V3 demo given one
+(inference/checkpoints/mtp_layer.py), in two checkpoints: "self" has an MTP layer that drafts
+the target's own next token (acceptance near 1: the most MTP can give on this engine), "random"
+one drawn at random (acceptance near 0: what drafting costs when nothing is accepted; the
+adaptive draft length pauses it). Writes bench/results/spec_mtp.json.
 """
 
 from __future__ import annotations
@@ -22,19 +28,23 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 from inference import LLMEngine, SamplingParams
 from inference.checkpoints.demo_model import ensure_demo_model
+from inference.checkpoints.mtp_layer import write_with_mtp_layer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "spec.json"
+MTP_RESULTS = RESULTS.with_name("spec_mtp.json")
 SPEC = {
     "method": "ngram",
     "num_speculative_tokens": 4,
     "prompt_lookup_min": 2,
     "prompt_lookup_max": 5,
 }
+MTP_SPEC = {"method": "mtp", "num_speculative_tokens": 3}
 TARGETS = {"repeat": 1.6, "prose": 0.97, "streams32": 0.95}
 
 # The repeat workload edits a given function: rename it and show the whole function, so the
@@ -113,11 +123,11 @@ def _round(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) 
     }
 
 
-def measure(model_dir: str, rounds: int, max_tokens: int, dtype: str) -> dict:
+def measure(model_dir: str, rounds: int, max_tokens: int, dtype: str, spec: dict = SPEC) -> dict:
     limits = {"kv_cache_tokens": 65536, "max_num_seqs": 32}
     engines = {
         "off": LLMEngine.from_pretrained(model_dir, "cpu", dtype, **limits),
-        "on": LLMEngine.from_pretrained(model_dir, "cpu", dtype, speculative_config=SPEC, **limits),
+        "on": LLMEngine.from_pretrained(model_dir, "cpu", dtype, speculative_config=spec, **limits),
     }
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     rows = {}
@@ -148,15 +158,36 @@ def measure(model_dir: str, rounds: int, max_tokens: int, dtype: str) -> dict:
     return rows
 
 
-def run(models: dict[str, str], rounds: int, max_tokens: int, dtype: str) -> dict:
+def run(
+    models: dict[str, str], rounds: int, max_tokens: int, dtype: str, spec: dict = SPEC
+) -> dict:
     return {
         "date": time.strftime("%Y-%m-%d"),
         "cpu": platform.processor() or platform.machine(),
         "cores": len(os.sched_getaffinity(0)),
-        "speculative_config": SPEC,
+        "speculative_config": spec,
         "workload": {"greedy": True, "max_tokens": max_tokens, "dtype": dtype, "rounds": rounds},
-        "models": {name: measure(path, rounds, max_tokens, dtype) for name, path in models.items()},
+        "models": {
+            name: measure(path, rounds, max_tokens, dtype, spec) for name, path in models.items()
+        },
     }
+
+
+def mtp_models() -> dict[str, str]:
+    """The tiny DeepSeek-V3 demo with an MTP layer, drafting its own next token ("self") or
+    drawn at random ("random"): written once beside the demo checkpoint (under a temporary
+    name, renamed into place)."""
+    src = ensure_demo_model("tiny", arch="deepseek_v3")
+    models = {}
+    for name, self_predicting in (("self", True), ("random", False)):
+        path = src.with_name(f"{src.name}-mtp-{name}")
+        if not (path / "config.json").is_file():
+            tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+            write_with_mtp_layer(src, tmp / "m", self_predicting)
+            os.replace(tmp / "m", path)
+            tmp.rmdir()
+        models[f"deepseek_v3-tiny-mtp-{name}"] = str(path)
+    return models
 
 
 def main() -> None:
@@ -164,9 +195,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--quick", action="store_true", help="tiny demo model, a few tokens")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--method", choices=("ngram", "mtp"), default="ngram")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    if args.quick:
+    args.out = args.out or (MTP_RESULTS if args.method == "mtp" else RESULTS)
+    if args.method == "mtp":  # the tiny DeepSeek-V3 demo's two MTP layers, in bf16
+        rounds, max_tokens = (2, 8) if args.quick else (args.rounds, args.max_tokens)
+        result = run(mtp_models(), rounds, max_tokens, "bfloat16", MTP_SPEC)
+    elif args.quick:
         models = {"demo-tiny": str(ensure_demo_model("tiny"))}
         result = run(models, rounds=2, max_tokens=8, dtype="float32")
     else:

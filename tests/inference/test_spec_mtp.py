@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from inference import InvalidParameterError, LLMEngine, SamplingParams
+from inference.checkpoints.mtp_layer import write_with_mtp_layer
 from inference.executor.kv_cache import allocate_kv_cache
 from inference.models.attention import AttentionMetadata, PrefillChunk
-from tests.inference.mtp_checkpoints import with_drafting_mtp_layer
 from tests.inference.parity_checks import DEVICE, GREEDY_32, prompts
 from tests.inference.test_spec_decode import _run
 
@@ -33,7 +33,7 @@ def _mtp_engine(path, **limits) -> LLMEngine:
 def test_greedy_identical_with_mtp_under_chunked_prefill_and_preemption(model_dirs, tmp_path, arch):
     """An MTP layer of the checkpoint's own shape (a copy of the last layer, eh_proj at random):
     whatever it drafts, the output is the target's."""
-    path = with_drafting_mtp_layer(model_dirs(arch), tmp_path / arch)
+    path = write_with_mtp_layer(model_dirs(arch), tmp_path / arch)
     plain = LLMEngine.from_pretrained(path, **TIGHT)
     batch = prompts(plain.args.vocab_size, [5, 61, 17, 33, 9, 48])
     batch.append(batch[0] * 4)
@@ -70,7 +70,7 @@ def test_each_first_draft_is_the_mtp_layers_prediction_over_the_whole_sequence(
     rows past what was accepted, preemption), drafts what one pass over the whole sequence
     predicts: the draft made after position q, and the hidden state it came from, are the
     reference's at q."""
-    path = with_drafting_mtp_layer(model_dirs(arch), tmp_path / arch)
+    path = write_with_mtp_layer(model_dirs(arch), tmp_path / arch)
     spec = _mtp_engine(path, **TIGHT)
     batch = prompts(spec.args.vocab_size, [5, 61, 17, 33])
     for i, prompt in enumerate(batch):
@@ -97,10 +97,10 @@ def test_each_first_draft_is_the_mtp_layers_prediction_over_the_whole_sequence(
 @pytest.mark.parametrize("arch", MTP_ARCHS)
 def test_an_mtp_layer_that_predicts_the_target_gets_its_drafts_accepted(model_dirs, tmp_path, arch):
     """The MTP layer computes what the target computes one position later
-    (mtp_checkpoints.with_drafting_mtp_layer, self_predicting): nearly every draft is the
+    (checkpoints/mtp_layer.py, self_predicting): nearly every draft is the
     target's next token, at every draft position (k = 3 drafts from one MTP layer run
     autoregressively), and the output is the target's."""
-    path = with_drafting_mtp_layer(model_dirs(arch), tmp_path / arch, self_predicting=True)
+    path = write_with_mtp_layer(model_dirs(arch), tmp_path / arch, self_predicting=True)
     limits = {"device": DEVICE, "dtype": "float32", "kv_cache_tokens": 1024}
     plain = LLMEngine.from_pretrained(path, **limits)
     batch = prompts(plain.args.vocab_size, [5, 33, 12])
@@ -131,7 +131,7 @@ def test_bf16_greedy_identical_with_mtp_on_the_cpu_kernels(model_dirs, tmp_path,
     """On the bf16 CPU kernels (the MTP layer's modules swapped for the kernels' too): the
     engine without drafts asks batch invariance, as test_spec_decode's bf16 test does."""
     monkeypatch.setenv("MOESERVE_BATCH_INVARIANT", "1")
-    path = with_drafting_mtp_layer(model_dirs("deepseek_v3"), tmp_path / "m", self_predicting=True)
+    path = write_with_mtp_layer(model_dirs("deepseek_v3"), tmp_path / "m", self_predicting=True)
     limits = {"device": DEVICE, "dtype": "bfloat16", "kv_cache_tokens": 1024}
     plain = LLMEngine.from_pretrained(path, **limits)
     batch = prompts(plain.args.vocab_size, [5, 33, 12])
@@ -142,7 +142,7 @@ def test_bf16_greedy_identical_with_mtp_on_the_cpu_kernels(model_dirs, tmp_path,
 
 
 def test_sampled_requests_speculate_with_mtp_and_return_every_block(model_dirs, tmp_path):
-    path = with_drafting_mtp_layer(model_dirs("glm4_moe"), tmp_path / "m", self_predicting=True)
+    path = write_with_mtp_layer(model_dirs("glm4_moe"), tmp_path / "m", self_predicting=True)
     spec = _mtp_engine(path, device=DEVICE, dtype="float32", kv_cache_tokens=1024)
     prompt = prompts(spec.args.vocab_size, [12])[0]
     params = SamplingParams(max_tokens=30, temperature=0.7, top_p=0.9, ignore_eos=True, n=2)
