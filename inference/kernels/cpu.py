@@ -337,7 +337,8 @@ _SIGNATURES = {
     "ms_logit_scores": "p i i i w i p p i p p p p i n",
     "ms_embed_int8": "p i p i p i i p n",
     "ms_set_amx": "p p",
-    "ms_set_int8": "p p",
+    "ms_set_int8": "p p p p",
+    "ms_set_int8_act_group": "i",
     "ms_set_int4": "p",
     "ms_set_batch_invariant": "i",
     "ms_decode_step": "s i p p i p p p p p p p i p i p f p p n",
@@ -353,6 +354,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "ms_rope_cache",
         "ms_set_amx",
         "ms_set_int8",
+        "ms_set_int8_act_group",
         "ms_set_int4",
         "ms_set_batch_invariant",
     ):
@@ -400,15 +402,17 @@ def _amx_library(emulated: bool = False) -> ctypes.CDLL | None:
 @functools.cache
 def _vnni_library(isa: str, emulated: bool = False) -> ctypes.CDLL | None:
     """The VNNI int8 products for a build, where the CPU reports the extension. `emulated`
-    (tests only): the AVX-512 source on SIMDe's intrinsics."""
+    (tests only): the build's source on SIMDe's intrinsics (AVX512-VNNI's for the AVX-512
+    builds, AVX-VNNI's for AVX2's), which any CPU with AVX2 runs."""
     flags, cpu_flag = _VNNI[isa]
     base = BUILDS["avx512" if isa == "avx512bf16" else isa][0]
     name = f"vnni-{isa}"
     if emulated:
         import simde_py
 
-        base = [*BUILDS["avx2"][0], "-DMS_AVX512", "-DMS_SIMDE", f"-I{simde_py.get_include()}"]
-        flags, name = [], "vnni-avx512-simde"
+        wide = ["-DMS_AVX512"] if isa != "avx2" else []
+        base = [*BUILDS["avx2"][0], *wide, "-DMS_SIMDE", f"-I{simde_py.get_include()}"]
+        flags, name = [], f"vnni-{'avx512' if wide else 'avx2'}-simde"
     elif cpu_flag not in cpu_flags():
         return None
     return ctypes.CDLL(str(_build([_CSRC / "int8_vnni.c"], [*base, *flags], name)))
@@ -518,9 +522,9 @@ def enable(
             amx_lib = _amx_library(emulated)
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
             log.warning("AMX off: build failed", error=str(exc))
-    if vnni is not False and not (emulated and isa == "avx2"):
+    if vnni is not False:
         try:
-            vnni_lib = _vnni_library(isa, emulated and isa != "avx2")
+            vnni_lib = _vnni_library(isa, emulated)
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
             log.warning("VNNI off: build failed", error=str(exc))
     amx_int8 = amx_lib is not None and (emulated or "amx_int8" in cpu_flags())
@@ -531,7 +535,10 @@ def enable(
     lib.ms_set_int8(
         ctypes.cast(vnni_lib.ms_int8_vnni_block, _P) if vnni_lib else None,
         ctypes.cast(amx_lib.ms_amx_int8_block, _P) if amx_int8 else None,
+        ctypes.cast(vnni_lib.ms_int8_vnni_grouped, _P) if vnni_lib else None,
+        ctypes.cast(amx_lib.ms_amx_int8_grouped, _P) if amx_int8 else None,
     )
+    lib.ms_set_int8_act_group(quant.INT8_ACT_GROUP)
     ISA, AMX, _lib = isa, amx_lib is not None, lib
     INT8 = {2: "amx", 1: "vnni", 0: isa}[lib.ms_int8_path()]
     INT4 = _int4_path(isa, vnni, emulated)
@@ -550,6 +557,17 @@ def batch_invariant(on: bool) -> None:
     it is off otherwise. Process-wide, on the library enable() chose."""
     if _lib is not None:
         _lib.ms_set_batch_invariant(INVARIANT_ROWS if on else 0)
+
+
+def int8_act_group(group: int) -> None:
+    """Inputs per activation scale of int8 weights' products, 32 or 0 (one scale a row), for
+    the torch reference (quant.INT8_ACT_GROUP) and the kernels alike, process-wide
+    (MOESERVE_INT8_ACT_GROUP sets it at start-up)."""
+    if group not in (0, 32):
+        raise ValueError(f"int8 activation groups are 32 inputs or 0 (one a row), not {group}")
+    quant.INT8_ACT_GROUP = group
+    if _lib is not None:
+        _lib.ms_set_int8_act_group(group)
 
 
 def enable_once() -> str | None:

@@ -3,12 +3,16 @@
 - int8: weights and activations both rotated along the inputs (hadamard.rotate, an
   orthogonal map: (x R)(W R)^T = x W^T), as QuaRot does (arXiv 2404.00456). Weights get
   symmetric per-output-channel scales at load from a bf16/float32 checkpoint; activations
-  are quantized per token at run time (amax / 127, one scale a row); each row's exact
-  int32 sum over all inputs times the row's scale, then the channel's. Unrotated, a few
-  outlier channels set each token's scale: SmolLM2 lost ~4% of perplexity with per-token
-  scales (a torch simulation), +0.81% with a scale per 64 inputs; rotated, per-token
-  scales lose +0.29% (bench/NOTES.md), and the integer sums need no flush every 64 inputs
-  (AMX's tiles accumulate all of them).
+  are quantized at run time, symmetric (amax / 127), one scale per INT8_ACT_GROUP (32)
+  inputs of a token as llama.cpp's Q8_0 blocks (MOESERVE_INT8_ACT_GROUP=0: one scale a
+  token). Each group's exact integer sums times the token's group scale, added group by
+  group in float32 (fused multiply-adds in the kernels), then times the channel's scale; one
+  scale a token: each row's exact int32 sum over all inputs times the row's scale, then the
+  channel's. Unrotated, a few outlier channels set each token's scale: SmolLM2 lost ~4% of
+  perplexity with per-token scales (a torch simulation); rotated, per-token scales lose
+  +0.29% (bench/NOTES.md) but greedy continuations leave the bf16 model's sooner than
+  llama.cpp's Q8_0 (16.4 against 25.1 of 48 tokens over quant_bench's passages); groups of
+  32 were the first fix issue 40 named (see bench/NOTES.md for what they measured).
 - fp8 (e4m3): FP8 checkpoints as published (128x128 block scales `weight_scale_inv`, as
   DeepSeek-V3 and the Qwen3 FP8 releases ship them; per-tensor or per-channel `weight_scale`,
   as compressed-tensors writes them), or a bf16 checkpoint quantized per channel at load. On
@@ -46,6 +50,7 @@ so the two paths can be held equal in tests.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +64,21 @@ FP8_BLOCK = 128  # the block scales' size, rows and inputs alike, as the checkpo
 
 
 FOUR_BIT = ("int4", "mxfp4")  # the formats of the packed 4-bit layout (csrc/int4.c)
+
+
+def _int8_act_group() -> int:
+    value = os.environ.get("MOESERVE_INT8_ACT_GROUP", "32")
+    if value not in ("0", "32"):
+        raise ValueError(
+            f"MOESERVE_INT8_ACT_GROUP must be 32 (a scale per 32 inputs) or 0 (one a token), "
+            f"not {value!r}"
+        )
+    return int(value)
+
+
+# inputs per activation scale of int8 weights' products (0: one scale a row); the kernels
+# take it from here at cpu_kernels.enable (cpu_kernels.int8_act_group changes both)
+INT8_ACT_GROUP = _int8_act_group()
 
 
 @dataclass(eq=False)
@@ -151,6 +171,17 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = (x * inv).round().clamp(-127, 127).to(torch.int8)
     return q, (amax / 127.0).squeeze(-1)
+
+
+def quantize_row_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows per group of `group` inputs along the last dim (the last one shorter
+    where K is not a multiple), as the kernels' quantize_row_s8 -> q [..., K], scales [...,
+    ceil(K / group)] float32."""
+    k = x.shape[-1]
+    groups = -(-k // group)
+    padded = F.pad(x.float(), (0, groups * group - k))
+    q, scales = quantize_rows(padded.unflatten(-1, (groups, group)))
+    return q.flatten(-2)[..., :k], scales
 
 
 def quantize_int8(w: torch.Tensor) -> QWeight:
@@ -311,8 +342,11 @@ def linear(
     x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, scaled_mm: bool | None = None
 ) -> torch.Tensor:
     """x [..., K] times a row-major QWeight (+ bias) -> [..., N] in x's dtype.
-    int8: W8A8, x rotated and quantized per row, each row's exact integer sums (in float64)
-    times its scale, then the weight's: the kernels' floats, in their order.
+    int8: W8A8, x rotated and quantized per group of INT8_ACT_GROUP inputs, each group's
+    exact integer sums (in float64) times its scale, added group by group in float32, then
+    times the weight's scale: the kernels' order (their adds are fused multiply-adds: within
+    a float32 rounding a group); INT8_ACT_GROUP 0: one scale a row, each row's exact sums
+    times it, then the weight's: the kernels' floats.
     int4: W4A8, x quantized as for int8 (rotated where the weight is); each group's exact
     integer sums times the group's scale, added group by group in float32, then times the
     row's scale: csrc/int4.c's floats, in its order.
@@ -320,9 +354,7 @@ def linear(
     with row-wise scales, where the weight has one scale per channel; else weight-only."""
     rows = x.reshape(-1, x.shape[-1])
     if w.fmt == "int8":
-        q, sx = quantize_rows(rotate(rows.float()))
-        sums = q.double() @ w.data.double().t()  # exact: the kernels' int32 sums
-        y = sums.float() * sx.unsqueeze(-1) * w.scale[0]
+        y = _int8_products(rows, w) * w.scale[0]
     elif w.fmt in FOUR_BIT:
         y = _int4_products(rows, w)
     else:
@@ -341,6 +373,23 @@ def quantize_activations(rows: torch.Tensor, w: QWeight) -> tuple[torch.Tensor, 
     per row (quantize_rows) -> q [M, K] int8, scales [M] float32."""
     rows = rows.float()
     return quantize_rows(rotate(rows) if w.rotates else rows)
+
+
+def _int8_products(rows: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """rows [M, K] times a row-major int8 weight's integers, each activation scale applied
+    (the weight's not yet) -> [M, N] float32, in the kernels' order."""
+    x = rotate(rows.float())
+    if not INT8_ACT_GROUP or x.shape[-1] <= INT8_ACT_GROUP:
+        q, sx = quantize_rows(x)
+        sums = q.double() @ w.data.double().t()  # exact: the kernels' int32 sums
+        return sums.float() * sx.unsqueeze(-1)
+    q, sx = quantize_row_groups(x, INT8_ACT_GROUP)
+    acc = torch.zeros(q.shape[0], w.out_features, dtype=torch.float32, device=rows.device)
+    for g, start in enumerate(range(0, q.shape[-1], INT8_ACT_GROUP)):
+        part = slice(start, start + INT8_ACT_GROUP)
+        sums = q[:, part].double() @ w.data[:, part].double().t()  # exact: at most 516,128
+        acc = acc + sums.float() * sx[:, g : g + 1]
+    return acc
 
 
 def _int4_products(rows: torch.Tensor, w: QWeight) -> torch.Tensor:

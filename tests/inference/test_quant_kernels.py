@@ -38,11 +38,18 @@ def int8_path(request, path):  # noqa: F811
 
 def int8_reference(x: torch.Tensor, qw: quant.QWeight) -> torch.Tensor:
     """W8A8 in float64: the rows rotated and quantized as the kernels do (hadamard.rotate and
-    quant.quantize_rows: the same float32 operations), each row's integer sums exact, scaled
-    by the row's activation scale and the column's weight scale."""
-    q, sx = quant.quantize_rows(hadamard.rotate(x.float()))
-    sums = q.long() @ qw.data.long().t()
-    return sums.double() * sx.double().unsqueeze(-1) * qw.scale[0].double()
+    quant.quantize_row_groups: the same float32 operations), per group of
+    quant.INT8_ACT_GROUP inputs (0: the whole row), each group's integer sums exact, scaled
+    by the group's activation scale, summed, then times the column's weight scale."""
+    rows = hadamard.rotate(x.float())
+    group = quant.INT8_ACT_GROUP or rows.shape[-1]
+    q, sx = quant.quantize_row_groups(rows, group)
+    total = torch.zeros(x.shape[0], qw.out_features, dtype=torch.float64)
+    for g, start in enumerate(range(0, rows.shape[-1], group)):
+        part = slice(start, start + group)
+        sums = q[:, part].long() @ qw.data[:, part].long().t()
+        total += sums.double() * sx[:, g : g + 1].double()
+    return total * qw.scale[0].double()
 
 
 @pytest.mark.parametrize(
@@ -73,6 +80,54 @@ def test_int8_linear_matches_the_integer_arithmetic(int8_path, path, m, n, k):  
     ours = cpu_kernels.linear(x, packed, b)
     cpu_kernels.enable(path.isa, amx=False, emulated=path.emulated, vnni=False)
     assert torch.equal(cpu_kernels.linear(x, packed, b), ours)
+
+
+@pytest.fixture
+def one_scale_a_row():
+    """int8 activations with one scale a row (MOESERVE_INT8_ACT_GROUP=0), the torch
+    reference and the kernels alike; the start-up choice restored after."""
+    before = quant.INT8_ACT_GROUP
+    cpu_kernels.int8_act_group(0)
+    yield
+    cpu_kernels.int8_act_group(before)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 40, 70), (5, 64, 510), (40, 33, 64), (17, 96, 96)])
+def test_int8_linear_with_one_activation_scale_a_row(one_scale_a_row, int8_path, path, m, n, k):  # noqa: F811
+    w, x = randn(n, k, scale=0.05), randn(m, k, seed=1)
+    qw = quant.quantize_int8(w.float())
+    packed = cpu_kernels.pack_qweight(qw)
+    exact = int8_reference(x, qw)
+    q, sx = quant.quantize_rows(hadamard.rotate(x.float()))  # the whole row's scale
+    assert torch.equal(
+        exact,
+        (q.long() @ qw.data.long().t()).double() * sx.double()[:, None] * qw.scale[0].double(),
+    )
+    ours = cpu_kernels.linear(x, packed)
+    close_to_bf16(ours, exact.float())
+    close_to_bf16(quant.linear(x, qw), exact.float())
+    cpu_kernels.enable(path.isa, amx=False, emulated=path.emulated, vnni=False)
+    assert torch.equal(cpu_kernels.linear(x, packed), ours)
+
+
+def test_int8_activation_scales_per_32_inputs_keep_a_quiet_group_s_precision():
+    """A token whose inputs are large in one group of 32 and small in the others: one scale a
+    row leaves the small ones a few levels of 127, a scale per group keeps them whole (the
+    reason llama.cpp's Q8_0 blocks are 32 values)."""
+    x = randn(8, 256, seed=31).float()
+    x[:, :32] *= 50
+    q, sx = quant.quantize_row_groups(x, 32)
+    assert sx.shape == (8, 8) and q.shape == x.shape
+    grouped = q.float() * sx.repeat_interleave(32, dim=-1)
+    qr, sr = quant.quantize_rows(x)
+    row = qr.float() * sr[:, None]
+    quiet = slice(32, None)
+    grouped_error = (grouped - x)[:, quiet].pow(2).mean()
+    assert grouped_error < 0.01 * (row - x)[:, quiet].pow(2).mean()
+    # the last group shorter where K is not a multiple of 32: its own scale, no padding in q
+    q7, s7 = quant.quantize_row_groups(x[:, :70], 32)
+    assert q7.shape == (8, 70) and s7.shape == (8, 3)
+    assert torch.equal(s7[:, 2], x[:, 64:70].abs().amax(-1) / 127)
 
 
 def test_int8_products_need_no_offset_and_never_saturate(int8_path):
@@ -159,7 +214,14 @@ def test_fp8_scaled_mm_path_matches_weight_only():
     # the last: experts of 16-row tile groups and a tail, taking gate and up blocks in pairs
     [(1, 64, 128, 8, 2), (7, 70, 40, 4, 2), (40, 64, 64, 8, 2), (150, 128, 64, 4, 2)],
 )
-def test_moe_on_8bit_experts_matches_the_torch_path(int8_path, fmt, t, d, i, e, top_k):
+@pytest.mark.parametrize("scales", ["per-32-inputs", "one-scale-a-row"])
+def test_moe_on_8bit_experts_matches_the_torch_path(
+    int8_path, fmt, t, d, i, e, top_k, scales, request
+):
+    if scales == "one-scale-a-row":
+        if fmt != "int8":
+            pytest.skip("fp8 runs weight-only: no activation scales")
+        request.getfixturevalue("one_scale_a_row")
     w13, w2, x = randn(e, 2 * i, d, scale=0.1), randn(e, d, i, scale=0.1, seed=1), randn(t, d)
     g = torch.Generator().manual_seed(t)
     weights, ids = select_experts(torch.rand(t, e, generator=g).softmax(-1), top_k, True)

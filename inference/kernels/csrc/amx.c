@@ -14,6 +14,7 @@
  * With -DMS_AMX_EMULATED the tile instructions come from amx_emulation.h (plain C with the
  * instructions' documented semantics), so the tests check this file's logic on any CPU.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -53,19 +54,25 @@ typedef struct {
  * parallel regions start. */
 static uint64_t call_epoch = 1;
 static __thread uint64_t configured_epoch;
-static __thread int configured_tail;
+static __thread int configured_tail, configured_grouped;
 
 void ms_amx_new_call(void) { __atomic_add_fetch(&call_epoch, 1, __ATOMIC_RELAXED); }
 
-static void configure(int tail) {
+/* grouped: the int8 products with an activation scale per 32 inputs (ms_amx_int8_grouped):
+ * A tiles of 32 bytes a row and B tiles of 8 quad rows, one group a multiply */
+static void configure_tiles(int tail, int grouped) {
     const uint64_t epoch = __atomic_load_n(&call_epoch, __ATOMIC_RELAXED);
-    if (configured_epoch == epoch && configured_tail == tail) return;
+    if (configured_epoch == epoch && configured_tail == tail && configured_grouped == grouped) return;
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
     for (int t = 0; t < 8; t++) cfg.colsb[t] = 64;
     cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = cfg.rows[5] = cfg.rows[6] = 16;
     cfg.rows[3] = cfg.rows[4] = cfg.rows[7] = (uint8_t)(tail ? tail : 16);
+    if (grouped) {
+        cfg.colsb[1] = cfg.colsb[4] = 32;
+        cfg.rows[2] = cfg.rows[6] = 8;
+    }
 #if defined(MS_AMX_EMULATED)
     _tile_loadconfig(&cfg);
 #else
@@ -73,8 +80,10 @@ static void configure(int tail) {
      * dropped the stores of colsb and rows before it once configure was not inlined */
     __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
 #endif
-    configured_epoch = epoch, configured_tail = tail;
+    configured_epoch = epoch, configured_tail = tail, configured_grouped = grouped;
 }
+
+static void configure(int tail) { configure_tiles(tail, 0); }
 
 /* bytes a tile load looks ahead along its block's stream (2-4 KB measured best; 8 KB and
  * more, slower) */
@@ -165,6 +174,57 @@ void ms_amx_int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, c
                 INT8_ROWS(0, 1, 5);
             else
                 INT8_ROWS(3, 4, 7);
+        }
+    }
+}
+
+/* The int8 products with an activation scale per 32 inputs (kernels.h int8g_fn; Kq a multiple
+ * of 32, the caller checks): one TDPBSSD a group (16 rows x 32 inputs x 16 columns, its exact
+ * int32 sums at most 32 * 127 * 127 = 516,128 in magnitude, exact in float32), stored, and
+ * acc = fma(float(sum), the row's group scale, acc), group by group: the FMAs of every other
+ * int8 path, in their order, so the same floats. */
+static inline void add_group(float *acc, const int32_t *sums, float s) {
+#if defined(MS_AMX_EMULATED)
+    for (int c = 0; c < 16; c++) acc[c] = fmaf((float)sums[c], s, acc[c]);
+#else
+    _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(sums)), _mm512_set1_ps(s),
+                                          _mm512_loadu_ps(acc)));
+#endif
+}
+
+/* n rows (n <= 16) of block B times the groups, on tiles C and A */
+#define INT8_GROUPED_ROWS(C_TILE, A_TILE)                                                      \
+    do {                                                                                       \
+        memset(acc, 0, sizeof acc);                                                            \
+        for (int64_t g = 0; g < Kq / 32; g++) {                                                \
+            _tile_zero(C_TILE);                                                                \
+            _tile_loadd(A_TILE, rows_a + g * 32, lda);                                         \
+            _tile_loadd(2, B + g * 512, 64);                                                   \
+            __builtin_prefetch(B + g * 512 + PREFETCH_AHEAD, 0, 3);                            \
+            _tile_dpbssd(C_TILE, A_TILE, 2);                                                   \
+            _tile_stored(C_TILE, sums, 64);                                                    \
+            for (int64_t r = 0; r < n; r++) add_group(acc[r], sums[r], sa[(r0 + r) * lds + g]); \
+        }                                                                                      \
+    } while (0)
+
+void ms_amx_int8_grouped(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const float *sa, int64_t lds,
+                         const int8_job *jobs, int64_t count, int64_t ldc) {
+    const int64_t full = rows / 16, tail = rows % 16;
+    configure_tiles((int)tail, 1);
+    int32_t sums[16][16] __attribute__((aligned(64)));
+    float acc[16][16] __attribute__((aligned(64)));
+    for (int64_t b = 0; b < count; b++) {
+        const int8_t *B = jobs[b].B;
+        for (int64_t t = 0; t <= full; t++) {
+            if (t == full && !tail) break;
+            const int64_t r0 = t * 16, n = t < full ? 16 : tail;
+            const int8_t *rows_a = A + r0 * lda;
+            if (t < full)
+                INT8_GROUPED_ROWS(0, 1);
+            else
+                INT8_GROUPED_ROWS(3, 4);
+            float *c = (float *)jobs[b].C + r0 * ldc;
+            for (int64_t r = 0; r < n; r++) memcpy(c + r * ldc, acc[r], sizeof acc[r]);
         }
     }
 }

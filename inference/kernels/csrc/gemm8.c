@@ -3,12 +3,15 @@
  * cache's 8-bit rows are kv_rows.c's, the Hadamard rotation hadamard.c's.
  *
  * int8 weights (W8A8): the weights' rows were rotated at load (quant.py); activation rows
- * are rotated alike (hadamard_rotate) and quantized per row (symmetric, scale amax / 127),
- * multiplied in integers, and each row's exact int32 sums scaled by its activation scale,
- * then by the column's. The integer products of a block run, best first: AMX int8 tiles
- * (amx.c, from 4 rows with whole 64-input tiles), VNNI's vpdpbusd (int8_vnni.c), or
- * AVX2/AVX512BW vpmaddubsw on |w| and the activation carrying w's sign (here, every build):
- * the same integers on every CPU, scaled in one place (int8_blocks).
+ * are rotated alike (hadamard_rotate) and quantized symmetrically (scale amax / 127) per group
+ * of ACT_GROUP inputs (llama.cpp's Q8_0 blocks; or per row where groups are off,
+ * rows_s8_group), multiplied in integers: each group's exact int32 sums (at most 32 * 127 *
+ * 127 = 516,128 in magnitude: exact in float32 too) times the row's group scale, added up in
+ * order by FMAs (one scale a row: the row's exact sums times its scale), then the column's
+ * scale. The integer products of a block run, best first: AMX int8 tiles (amx.c, from 4 rows
+ * with whole tiles), VNNI's vpdpbusd (int8_vnni.c), or AVX2/AVX512BW vpmaddubsw on |w| and
+ * the activation carrying w's sign (here, every build; a pair's sum at most 2 * 127 * 127 =
+ * 32,258, below int16's saturation): the same integers and floats on every CPU.
  *
  * fp8 weights run weight-only on the CPU: each weight widened to float32 in registers (shift
  * and mask, the exponent rebias folded into the scale) times its group's scale, float32 FMAs
@@ -81,6 +84,83 @@ static inline __attribute__((always_inline)) void int8_tile(const int rows, cons
         for (int v = 0; v < VPB; v++) vi_store(C + m * ldc + v * VL, acc[m][v]);
 }
 
+/* rows x one block with a scale per ACT_GROUP inputs (int8g_fn): each group's exact sums on
+ * vpmaddubsw as int8_tile's, then acc = fma(float(sums), the row's group scale, acc) */
+#define GROUP_QUADS (ACT_GROUP / 4)
+static inline __attribute__((always_inline)) void int8_tile_grouped(const int rows, const int8_t *A, int64_t lda,
+                                                                    const int8_t *B, int64_t Kq, const float *sa,
+                                                                    int64_t lds, float *C, int64_t ldc) {
+    vf acc[MR8][VPB];
+#pragma GCC unroll 8
+    for (int m = 0; m < rows; m++)
+#pragma GCC unroll 2
+        for (int v = 0; v < VPB; v++) acc[m][v] = vf_zero();
+    for (int64_t q0 = 0, g = 0; q0 < Kq / 4; q0 += GROUP_QUADS, g++) {
+        const int64_t q1 = q0 + GROUP_QUADS < Kq / 4 ? q0 + GROUP_QUADS : Kq / 4;
+        vi sums[MR8][VPB];
+#pragma GCC unroll 8
+        for (int m = 0; m < rows; m++)
+#pragma GCC unroll 2
+            for (int v = 0; v < VPB; v++) sums[m][v] = vi_set1(0);
+        for (int64_t kq = q0; kq < q1; kq++) {
+            vi w[VPB], wa[VPB];
+#pragma GCC unroll 2
+            for (int v = 0; v < VPB; v++) {
+                w[v] = vi_load(B + kq * 4 * BLOCK + v * 4 * VL);
+                wa[v] = vi_abs8(w[v]);
+            }
+#pragma GCC unroll 8
+            for (int m = 0; m < rows; m++) {
+                int32_t x4;
+                memcpy(&x4, A + m * lda + 4 * kq, 4);
+                const vi x = vi_set1(x4);
+#pragma GCC unroll 2
+                for (int v = 0; v < VPB; v++) sums[m][v] = vi_dot4(sums[m][v], wa[v], w[v], x);
+            }
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < rows; m++) {
+            const vf s = vf_set1(sa[m * lds + g]);
+#pragma GCC unroll 2
+            for (int v = 0; v < VPB; v++) acc[m][v] = vf_fma(vi_to_vf(sums[m][v]), s, acc[m][v]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < rows; m++)
+#pragma GCC unroll 2
+        for (int v = 0; v < VPB; v++) vf_store(C + m * ldc + v * VL, acc[m][v]);
+}
+
+void int8_block_grouped(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const float *sa, int64_t lds,
+                        const int8_job *jobs, int64_t count, int64_t ldc) {
+    if (int8g_amx && rows >= 4 && Kq % ACT_GROUP == 0) {
+        int8g_amx(A, lda, rows, Kq, sa, lds, jobs, count, ldc);
+        return;
+    }
+    if (int8g_vnni) {
+        int8g_vnni(A, lda, rows, Kq, sa, lds, jobs, count, ldc);
+        return;
+    }
+    for (int64_t b = 0; b < count; b++)
+        for (int64_t m0 = 0; m0 < rows; m0 += MR8) {
+            const int8_t *a = A + m0 * lda, *B = jobs[b].B;
+            const float *s = sa + m0 * lds;
+            float *c = (float *)jobs[b].C + m0 * ldc;
+            switch (rows - m0 < MR8 ? rows - m0 : MR8) {
+            case 1: int8_tile_grouped(1, a, lda, B, Kq, s, lds, c, ldc); break;
+            case 2: int8_tile_grouped(2, a, lda, B, Kq, s, lds, c, ldc); break;
+            case 3: int8_tile_grouped(3, a, lda, B, Kq, s, lds, c, ldc); break;
+            case 4: int8_tile_grouped(4, a, lda, B, Kq, s, lds, c, ldc); break;
+#if MR8 > 4
+            case 5: int8_tile_grouped(5, a, lda, B, Kq, s, lds, c, ldc); break;
+            case 6: int8_tile_grouped(6, a, lda, B, Kq, s, lds, c, ldc); break;
+            case 7: int8_tile_grouped(7, a, lda, B, Kq, s, lds, c, ldc); break;
+            case 8: int8_tile_grouped(8, a, lda, B, Kq, s, lds, c, ldc); break;
+#endif
+            }
+        }
+}
+
 void int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const int8_job *jobs, int64_t count,
                 int64_t ldc) {
     if (int8_amx && rows >= 4 && Kq % 64 == 0) {
@@ -110,21 +190,28 @@ void int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const in
         }
 }
 
-void quantize_row_s8(float *x, int64_t K, int8_t *q, int64_t Kq, float *scale, int rotate) {
-    if (rotate) hadamard_rotate(x, K);
-    const float amax = row_amax(x, K);
+/* x[0..n) -> q (symmetric int8, one scale: amax / 127) */
+static float quantize_span_s8(const float *x, int64_t n, int8_t *q) {
+    const float amax = row_amax(x, n);
     int64_t k;
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     const vf vinv = vf_set1(inv), lim = vf_set1(127.0f), neg = vf_set1(-127.0f);
-    for (k = 0; k + VL <= K; k += VL) /* cvtps2dq rounds to nearest even, as nearbyintf */
+    for (k = 0; k + VL <= n; k += VL) /* cvtps2dq rounds to nearest even, as nearbyintf */
         vi_store_s8(q + k, vf_to_vi(vf_max(vf_min(vf_mul(vf_load(x + k), vinv), lim), neg)));
-    for (; k < K; k++) {
+    for (; k < n; k++) {
         float r = nearbyintf(x[k] * inv);
         r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
         q[k] = (int8_t)r;
     }
-    for (; k < Kq; k++) q[k] = 0;
-    *scale = amax / 127.0f;
+    return amax / 127.0f;
+}
+
+void quantize_row_s8(float *x, int64_t K, int8_t *q, int64_t Kq, float *scale, int rotate, int64_t group) {
+    if (rotate) hadamard_rotate(x, K);
+    const int64_t span = group ? group : K;
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += span, g++) scale[g] = quantize_span_s8(x + k0, K - k0 < span ? K - k0 : span, q + k0);
+    if (K == 0) scale[0] = 0.0f;
+    for (int64_t k = K; k < Kq; k++) q[k] = 0;
 }
 
 /* ---- fp8 weight-only ----------------------------------------------------------------- */
@@ -224,7 +311,12 @@ static void dequantize_block(const uint8_t *B, int64_t Kp, const float *sc, int6
  * its activation scale, then each column's weight scale */
 static void int8_blocks(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K,
                         const int8_job *jobs, const int64_t *js, int64_t count, int64_t ldc) {
-    int8_block(a->s8 + m0 * a->ld8, a->ld8, rows, quad(K), jobs, count, ldc);
+    const int grouped = a->lds > 1; /* else one scale a row (or one group: the same floats) */
+    if (grouped)
+        int8_block_grouped(a->s8 + m0 * a->ld8, a->ld8, rows, quad(K), a->s8_scale + m0 * a->lds, a->lds, jobs, count,
+                           ldc);
+    else
+        int8_block(a->s8 + m0 * a->ld8, a->ld8, rows, quad(K), jobs, count, ldc);
     const float *sa = a->s8_scale + m0;
     for (int64_t b = 0; b < count; b++) {
         const int64_t n0 = js[b] * BLOCK, nc = N - n0 < BLOCK ? N - n0 : BLOCK;
@@ -237,6 +329,11 @@ static void int8_blocks(const rows_t *a, int64_t m0, int64_t rows, const wmat *w
         int32_t *sums = jobs[b].C;
         float *C = (float *)sums; /* vector loads and stores: no aliasing between the two views */
         for (int64_t m = 0; m < rows; m++) {
+            if (grouped) { /* the groups' scaled sums, times the column's scale */
+                for (int v = 0; v < VPB; v++)
+                    vf_store(C + m * ldc + v * VL, vf_mul(vf_load(C + m * ldc + v * VL), vf_load(ws + v * VL)));
+                continue;
+            }
             const vf s = vf_set1(sa[m]);
             for (int v = 0; v < VPB; v++) {
                 const vf exact = vi_to_vf(vi_load(sums + m * ldc + v * VL));
@@ -273,7 +370,7 @@ static void int4_blocks(const rows_t *a, int64_t m0, int64_t rows, const wmat *w
         }
     int4_block(a->s8 + m0 * a->ld8, a->ld8, rows, B, octets, w->group / 8, sc, zp, mx, C, ldc);
     for (int64_t m = 0; m < rows; m++) {
-        const vf s = vf_set1(a->s8_scale[m0 + m]);
+        const vf s = vf_set1(a->s8_scale[(m0 + m) * a->lds]); /* one scale a row (rows_s8_group) */
         for (int v = 0; v < VPB; v++) vf_store(C + m * ldc + v * VL, vf_mul(vf_load(C + m * ldc + v * VL), s));
     }
 }

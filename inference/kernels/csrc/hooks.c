@@ -23,9 +23,12 @@ int amx_enabled(void) { return amx_block != NULL; }
 
 /* int8 products: VNNI (int8_vnni.c) and AMX's int8 tiles (amx.c), or NULL (int8_block) */
 int8_fn int8_vnni, int8_amx;
-void ms_set_int8(void *vnni, void *amx) {
+int8g_fn int8g_vnni, int8g_amx; /* their forms with an activation scale per ACT_GROUP inputs */
+void ms_set_int8(void *vnni, void *amx, void *vnni_grouped, void *amx_grouped) {
     int8_vnni = (int8_fn)vnni;
     int8_amx = (int8_fn)amx;
+    int8g_vnni = (int8g_fn)vnni_grouped;
+    int8g_amx = (int8g_fn)amx_grouped;
 }
 /* int4 products (int4.c, the path cpu_kernels.INT4 names), or NULL */
 int4_fn int4_block;

@@ -70,8 +70,9 @@ static inline int four_bit(const wmat *w) { return w->kind == W_INT4 || w->kind 
 
 /* Rows of activations in the forms the products read, for rows [0, rows) of one call:
  * f32: widened (FMA tiles; stride ld32); b16: bf16 (AMX, vdpbf16ps; stride ld16, or NULL);
- * s8 + s8_scale: rotated and quantized for int8 weights (stride ld8, or NULL), row m's
- * scale at s8_scale[m]. */
+ * s8 + s8_scale: rotated and quantized for int8 weights (stride ld8, or NULL), lds scales a
+ * row: row m's scale of inputs [ACT_GROUP g, ACT_GROUP (g + 1)) at s8_scale[m * lds + g]
+ * (lds 1: one scale for the whole row). */
 typedef struct {
     const float *f32;
     int64_t ld32;
@@ -80,7 +81,12 @@ typedef struct {
     const int8_t *s8;
     int64_t ld8;
     const float *s8_scale;
+    int64_t lds;
 } rows_t;
+
+/* inputs per activation scale of int8 weights' products where groups are on
+ * (cpu_kernels.int8_act_group; quant.INT8_ACT_GROUP): llama.cpp's Q8_0 block */
+#define ACT_GROUP 32
 
 /* The integer products of int8 blocks, C[m][0..16) = the exact int32 sums of row m of A
  * times each column of a block (gemm8.c's int8_blocks scales them). A: rows of signed bytes
@@ -96,6 +102,12 @@ typedef struct {
 } int8_job;
 typedef void (*int8_fn)(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const int8_job *jobs, int64_t count,
                         int64_t ldc);
+/* The same products with an activation scale per ACT_GROUP inputs: C (each job's, as float32)
+ * [m][0..16) = sum over groups g in order of fma(float(exact int32 sum of row m's group g
+ * times the column), sa[m * lds + g], acc), every path the same FMAs in the same order (so the
+ * same floats); the weight's scales are the caller's. */
+typedef void (*int8g_fn)(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const float *sa, int64_t lds,
+                         const int8_job *jobs, int64_t count, int64_t ldc);
 
 /* 4-bit blocks (int4.c, a library of its own): C[m][0..16) = sum over groups g, in order, of
  * float(exact sum of row m of A times the block's group g, less zp[g][c] times the row's
@@ -134,9 +146,10 @@ static inline float row_amax(const float *x, int64_t n) {
  * int8_block (gemm8.c) read them */
 extern MS_HIDDEN amx_fn amx_block;
 extern MS_HIDDEN int8_fn int8_vnni, int8_amx;
+extern MS_HIDDEN int8g_fn int8g_vnni, int8g_amx; /* their grouped forms */
 extern MS_HIDDEN int4_fn int4_block; /* NULL: no int4 library (cpu_kernels.INT4 None) */
 void ms_set_amx(void *block, void *new_call);
-void ms_set_int8(void *vnni, void *amx);
+void ms_set_int8(void *vnni, void *amx, void *vnni_grouped, void *amx_grouped);
 void ms_set_int4(void *block);
 /* which integer product runs (for the start-up log line): 2 AMX, 1 VNNI, 0 vpmaddubsw */
 int ms_int8_path(void);
@@ -182,11 +195,15 @@ int tiles_read_bf16(void);
  * products where set, else vpmaddubsw */
 void int8_block(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const int8_job *jobs, int64_t count,
                 int64_t ldc);
+/* the grouped products (int8g_fn) on the hooks' AMX or VNNI where set, else vpmaddubsw */
+void int8_block_grouped(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const float *sa, int64_t lds,
+                        const int8_job *jobs, int64_t count, int64_t ldc);
 /* one row of activations for int8 / 4-bit weights: x rotated in place where `rotate`
  * (hadamard_rotate, as the weights' rows were; rows_rotate(w)), then quantized
- * symmetrically, q = rne(x * 127 / amax) in [-127, 127], Kq entries (zero padded), and its
- * scale amax / 127 (0 for a zero row) into *scale */
-void quantize_row_s8(float *x, int64_t K, int8_t *q, int64_t Kq, float *scale, int rotate);
+ * symmetrically per group of `group` inputs (0: the whole row; rows_s8_group(w)),
+ * q = rne(x * 127 / amax) in [-127, 127], Kq entries (zero padded), and each group's scale
+ * amax / 127 (0 for a zero group) into scale[g] */
+void quantize_row_s8(float *x, int64_t K, int8_t *q, int64_t Kq, float *scale, int rotate, int64_t group);
 /* wblock_gemm (wmat.c) for 8-bit and int4 weights (int8, fp8, int4; int4 with K a multiple
  * of 8, the rows' quantized form read up to it): C[m][0..16) = rows [m0, m0 + rows) of a
  * times block j of w, scaled; pad: pad_bytes(K) of scratch (wmat.c, its layout there) */
@@ -203,6 +220,12 @@ wmat wmat_expert(const wmat *w, int64_t e, int64_t N, int64_t K);
 /* the forms of activations a product with w needs (see rows_t) */
 int rows_need_b16(const wmat *w, int64_t K);
 int rows_need_s8(const wmat *w);
+/* inputs per activation scale of w's int8 rows: ACT_GROUP for int8 weights where groups are
+ * on (ms_set_int8_act_group), else 0 (one scale a row: 4-bit weights, int4.c's arithmetic) */
+int64_t rows_s8_group(const wmat *w);
+void ms_set_int8_act_group(int group);
+/* scales a row of K inputs takes at `group` inputs a scale (rows_t lds) */
+static inline int64_t s8_scales(int64_t group, int64_t K) { return group ? (K + group - 1) / group : 1; }
 /* whether w's int8 rows are rotated (all but unrotated 4-bit weights) */
 int rows_rotate(const wmat *w);
 /* C[m][0..16) = rows [m0, m0 + rows) of a times block j of w (scaled: real products), the

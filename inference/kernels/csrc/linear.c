@@ -28,12 +28,13 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
     const int64_t Kp = even(K), Kq = quad(K), blocks = (N + BLOCK - 1) / BLOCK;
     const int64_t rows = chunk_rows(Kp) < M ? chunk_rows(Kp) : M, chunks = (M + rows - 1) / rows;
     const int need8 = rows_need_s8(w);
+    const int64_t group8 = rows_s8_group(w), lds = s8_scales(group8, K); /* activation scales a row */
     const int wide = !need8 && (w->kind != W_BF16 || !tiles_read_bf16()); /* FMA tiles read float32 rows */
     const int narrow = rows_need_b16(w, K);      /* AMX and vdpbf16ps read bf16 rows */
     const int copy = narrow && K != Kp;          /* which need a zero-padded copy for odd K */
     const size_t a_bytes = wide ? round64((size_t)batch * M * Kp * sizeof(float)) : 0;
     const size_t c_bytes = copy ? round64((size_t)batch * M * Kp * sizeof(bf16)) : 0;
-    const size_t q_bytes = need8 ? round64((size_t)batch * M * Kq) + round64((size_t)batch * M * sizeof(float)) : 0;
+    const size_t q_bytes = need8 ? round64((size_t)batch * M * Kq) + round64((size_t)batch * M * lds * sizeof(float)) : 0;
     const size_t pad = round64(pad_bytes(K));
     const int64_t step = need8 ? 2 : 1, steps = (blocks + step - 1) / step; /* int8 blocks go in pairs */
     region_enter();
@@ -63,7 +64,7 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
                 }
                 if (Q) {
                     widen_row(row, K, row32, K);
-                    quantize_row_s8(row32, K, Q + (i * M + m) * Kq, Kq, S + i * M + m, rows_rotate(w));
+                    quantize_row_s8(row32, K, Q + (i * M + m) * Kq, Kq, S + (i * M + m) * lds, rows_rotate(w), group8);
                 }
             }
 #pragma omp for collapse(3) schedule(static)
@@ -75,7 +76,7 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
                     const rows_t r = {
                         A ? A + i * M * Kp : NULL, Kp,
                         X16 ? X16 + i * M * Kp : narrow ? x + i * x_bs : NULL, X16 ? Kp : ldx,
-                        Q ? Q + i * M * Kq : NULL, Kq, S ? S + i * M : NULL,
+                        Q ? Q + i * M * Kq : NULL, Kq, S ? S + i * M * lds : NULL, lds,
                     };
                     const int64_t j0 = jj * step, j1 = j0 + step < blocks ? j0 + step : blocks;
                     const int64_t end = (ch + 1) * rows < M ? (ch + 1) * rows : M;

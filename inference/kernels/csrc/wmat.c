@@ -34,6 +34,13 @@ int rows_need_b16(const wmat *w, int64_t K) {
 
 int rows_need_s8(const wmat *w) { return w->kind == W_INT8 || four_bit(w); }
 
+/* int8 weights' activation scales per ACT_GROUP inputs (1) or one a row (0); cpu_kernels.enable
+ * sets it from quant.INT8_ACT_GROUP */
+static int int8_act_grouped = 1;
+void ms_set_int8_act_group(int group) { int8_act_grouped = group != 0; }
+
+int64_t rows_s8_group(const wmat *w) { return w->kind == W_INT8 && int8_act_grouped ? ACT_GROUP : 0; }
+
 int rows_rotate(const wmat *w) { return !(four_bit(w) && w->plain); }
 
 void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j,
