@@ -11,6 +11,8 @@ from typing import Any
 from inference.errors import InvalidParameterError
 
 METHODS = ("ngram", "mtp")
+# vLLM's former per-model MTP method names, which it still takes as "mtp" (with a warning)
+MTP_ALIASES = ("deepseek_mtp", "glm4_moe_mtp")
 MAX_SPECULATIVE_TOKENS = 32  # a step verifies k + 1 positions per sequence
 # vLLM's default when neither lookup bound is given
 DEFAULT_LOOKUP = 5
@@ -68,6 +70,8 @@ def speculative_config(value: str | dict[str, Any] | None) -> SpeculativeConfig 
     if unknown:
         raise _bad(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(_KEYS)}")
     method = given.get("method")
+    if method in MTP_ALIASES:
+        method = "mtp"
     if method not in METHODS:
         raise _bad(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     k = _int(given, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)

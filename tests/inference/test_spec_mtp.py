@@ -15,6 +15,7 @@ from inference import InvalidParameterError, LLMEngine, SamplingParams
 from inference.checkpoints.mtp_layer import write_with_mtp_layer
 from inference.executor.kv_cache import allocate_kv_cache
 from inference.models.attention import AttentionMetadata, PrefillChunk
+from inference.spec_decode.config import speculative_config
 from tests.inference.parity_checks import DEVICE, GREEDY_32, prompts
 from tests.inference.test_spec_decode import _run
 
@@ -168,3 +169,9 @@ def test_mtp_on_a_checkpoint_without_its_layer_stops_start_up_naming_the_key(mod
         with pytest.raises(InvalidParameterError) as err:
             _mtp_engine(path, device="cpu", dtype="float32")
         assert err.value.param == "speculative_config" and says in err.value.message
+
+
+def test_vllms_former_mtp_method_names_stand_for_mtp():
+    for name in ("deepseek_mtp", "glm4_moe_mtp"):
+        config = speculative_config({"method": name, "num_speculative_tokens": 2})
+        assert (config.method, config.num_speculative_tokens) == ("mtp", 2)
