@@ -18,8 +18,11 @@
  * levels, u = level, z the zero point (8 where symmetric: u = v + 8); mxfp4's are e2m1 codes,
  * which a register lookup (vpshufb) turns into u = 2 * e2m1 + 12 in [0, 24], z = 12. Either
  * way the weight is (u - z) * scale.
- * ms_int4_linear is the linear layer; ms_int4_block the products of one block that the main
- * library's MoE kernel calls through kernels.h's int4_fn (cpu_kernels.enable sets it).
+ * ms_int4_linear is the linear layer; ms_int4_wblock the products of one block that the main
+ * library's kernels (wmat.c: linear layers, MoE, the fused step) call through kernels.h's
+ * int4w_fn (cpu_kernels.enable sets it), reading the weight's scales and zero points in place;
+ * ms_int4_block the same with them gathered by the caller (kernels.h's int4_fn).
+ * One row (decode) runs block_row: its sums in registers, in independent chains.
  *
  * Each group's exact sum: sum(u * x) - z * sum(x) (the zero taken off with the activations'
  * group sum, in int32); unsigned bytes times signed bytes is what both instructions multiply,
@@ -35,7 +38,12 @@
 
 #define BLOCK 16
 #define VPB (BLOCK / VL) /* vectors a block of 16 columns spans */
-#define MR 4             /* rows a tile shares each unpacked weight vector with */
+/* rows a tile shares each unpacked weight vector with: a sum register each (and VPB) */
+#if defined(MS_AVX512)
+#define MR 8
+#else
+#define MR 4
+#endif
 
 static inline vi nibble_mask(void) { return vi_set1(0x0f0f0f0f); }
 
@@ -71,13 +79,51 @@ static inline vi quad(const int8_t *a) {
     return vi_set1(x4);
 }
 
+/* a block's scales and zero points, read in place from the weight's [G][N] arrays: sc and
+ * zero (NULL: every zero zdef) at stride ld between groups, their first `cols` columns (a
+ * narrow last block's other columns take scale 0 and zero 0: its outputs there are dropped) */
+typedef struct {
+    const float *sc;
+    const int8_t *zero;
+    int64_t ld, cols;
+    int32_t zdef;
+} block_params;
+
+/* VL int8 -> int32 */
+#if defined(MS_AVX512)
+static inline vi load_s8(const int8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+#else
+static inline vi load_s8(const int8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+#endif
+
+/* group g's scales s[VPB] and zero points z[VPB] of a block */
+static inline void group_params(const block_params *p, int64_t g, vf *s, vi *z) {
+    if (p->cols == BLOCK) {
+        for (int v = 0; v < VPB; v++) {
+            s[v] = vf_load(p->sc + g * p->ld + v * VL);
+            z[v] = p->zero ? load_s8(p->zero + g * p->ld + v * VL) : vi_set1(p->zdef);
+        }
+        return;
+    }
+    float sp[BLOCK];
+    int32_t zp[BLOCK];
+    for (int64_t c = 0; c < BLOCK; c++) {
+        sp[c] = c < p->cols ? p->sc[g * p->ld + c] : 0.0f;
+        zp[c] = c >= p->cols ? 0 : p->zero ? p->zero[g * p->ld + c] : p->zdef;
+    }
+    for (int v = 0; v < VPB; v++) {
+        s[v] = vf_load(sp + v * VL);
+        z[v] = vi_load(zp + v * VL);
+    }
+}
+
 /* rows [0, rows) of q times one block of 16 columns: B its packed bytes (octets of 64 bytes),
- * sc its scales [G][16], zp its zeros [G][16], asum the rows' group sums [rows][G]; y[m][0..16).
- * mx (a constant where it is inlined): the nibbles are mxfp4 codes, looked up. */
+ * p its scales and zeros, asum the rows' group sums [rows][G], sx the rows' scales;
+ * y[m][0..16). mx (a constant where it is inlined): the nibbles are mxfp4 codes, looked up. */
 static inline __attribute__((always_inline)) void block_tile(int rows, const int8_t *q, int64_t ldq,
                                                              const int32_t *asum, int64_t G, const float *sx,
                                                              const uint8_t *B, int64_t octets, int64_t group_octets,
-                                                             const float *sc, const int32_t *zp, const int mx, float *y,
+                                                             const block_params *p, const int mx, float *y,
                                                              int64_t ldy) {
     float acc[MR][BLOCK] __attribute__((aligned(64)));
     memset(acc, 0, sizeof acc);
@@ -103,13 +149,14 @@ static inline __attribute__((always_inline)) void block_tile(int rows, const int
                 for (int v = 0; v < VPB; v++) isum[m][v] = dot4(dot4(isum[m][v], lo[v], xl), hi[v], xh);
             }
         }
+        vf sc[VPB];
+        vi zp[VPB];
+        group_params(p, g, sc, zp);
         for (int m = 0; m < rows; m++) {
             const vi s = vi_set1(asum[m * G + g]);
             for (int v = 0; v < VPB; v++) {
-                const vi offset = mullo(s, vi_load(zp + g * BLOCK + v * VL)); /* z * the group's sum */
-                const vf exact = vi_to_vf(vi_sub(isum[m][v], offset));
-                vf_store(acc[m] + v * VL,
-                         vf_add(vf_load(acc[m] + v * VL), vf_mul(exact, vf_load(sc + g * BLOCK + v * VL))));
+                const vf exact = vi_to_vf(vi_sub(isum[m][v], mullo(s, zp[v]))); /* less z * the group's sum */
+                vf_store(acc[m] + v * VL, vf_add(vf_load(acc[m] + v * VL), vf_mul(exact, sc[v])));
             }
         }
     }
@@ -119,35 +166,132 @@ static inline __attribute__((always_inline)) void block_tile(int rows, const int
     }
 }
 
-/* block_tile specialized on the nibbles' kind (mx: mxfp4 codes) */
-static void tile(int mx, int rows, const int8_t *q, int64_t ldq, const int32_t *asum, int64_t G, const float *sx,
-                 const uint8_t *B, int64_t octets, int64_t group_octets, const float *sc, const int32_t *zp, float *y,
-                 int64_t ldy) {
-    if (mx)
-        block_tile(rows, q, ldq, asum, G, sx, B, octets, group_octets, sc, zp, 1, y, ldy);
-    else
-        block_tile(rows, q, ldq, asum, G, sx, B, octets, group_octets, sc, zp, 0, y, ldy);
+/* octets of inputs a one-row pass reads per step, each octet's low and high quads summed in
+ * chains of their own: one chain waits on vpdpbusd's latency at every step */
+#if defined(MS_AVX512)
+#define ROW_UNROLL 4
+#else
+#define ROW_UNROLL 2
+#endif
+
+/* octet o of one row times the block: its low quads' sums into lo[VPB], its high ones' into hi */
+static inline __attribute__((always_inline)) void octet_row(const int8_t *q, const uint8_t *B, int64_t o,
+                                                            vi table, const int mx, vi *lo, vi *hi) {
+    const vi xl = quad(q + 8 * o), xh = quad(q + 8 * o + 4);
+    for (int v = 0; v < VPB; v++) {
+        const vi w = vi_load(B + o * 64 + v * 4 * VL);
+        vi l = vi_and(w, nibble_mask()), h = high_nibbles(w);
+        if (mx) {
+            l = lookup(table, l);
+            h = lookup(table, h);
+        }
+        lo[v] = dot4(lo[v], l, xl);
+        hi[v] = dot4(hi[v], h, xh);
+    }
 }
 
-/* kernels.h's int4_fn, for the main library's products (the MoE kernel): rows of A times
- * one block, each group's activation sum taken over the bytes the products read */
+/* block_tile for one row (decode): the sums in registers, 2 * ROW_UNROLL independent chains
+ * a group, added in int32 (exact, so in any order) before the same float steps */
+static inline __attribute__((always_inline)) void block_row(const int8_t *q, const int32_t *asum, int64_t G, float sx,
+                                                            const uint8_t *B, int64_t octets, int64_t group_octets,
+                                                            const block_params *p, const int mx, float *y) {
+    const vi table = mx_table();
+    vf acc[VPB];
+    for (int v = 0; v < VPB; v++) acc[v] = vf_set1(0.0f);
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t o0 = g * group_octets, o1 = o0 + group_octets < octets ? o0 + group_octets : octets;
+        vi s[2 * ROW_UNROLL][VPB];
+        for (int u = 0; u < 2 * ROW_UNROLL; u++)
+            for (int v = 0; v < VPB; v++) s[u][v] = vi_set1(0);
+        int64_t o = o0;
+        for (; o + ROW_UNROLL <= o1; o += ROW_UNROLL)
+            for (int u = 0; u < ROW_UNROLL; u++) octet_row(q, B, o + u, table, mx, s[2 * u], s[2 * u + 1]);
+        for (; o < o1; o++) octet_row(q, B, o, table, mx, s[0], s[1]);
+        vf sc[VPB];
+        vi zp[VPB];
+        group_params(p, g, sc, zp);
+        const vi total = vi_set1(asum[g]);
+        for (int v = 0; v < VPB; v++) {
+            vi isum = s[0][v];
+            for (int u = 1; u < 2 * ROW_UNROLL; u++) isum = vi_add(isum, s[u][v]);
+            const vf exact = vi_to_vf(vi_sub(isum, mullo(total, zp[v])));
+            acc[v] = vf_add(acc[v], vf_mul(exact, sc[v]));
+        }
+    }
+    for (int v = 0; v < VPB; v++) vf_store(y + v * VL, vf_mul(acc[v], vf_set1(sx)));
+}
+
+/* block_tile specialized on the nibbles' kind (mx: mxfp4 codes), one row on block_row */
+static void tile(int mx, int rows, const int8_t *q, int64_t ldq, const int32_t *asum, int64_t G, const float *sx,
+                 const uint8_t *B, int64_t octets, int64_t group_octets, const block_params *p, float *y,
+                 int64_t ldy) {
+    if (rows == 1 && mx)
+        block_row(q, asum, G, sx[0], B, octets, group_octets, p, 1, y);
+    else if (rows == 1)
+        block_row(q, asum, G, sx[0], B, octets, group_octets, p, 0, y);
+    else if (mx)
+        block_tile(rows, q, ldq, asum, G, sx, B, octets, group_octets, p, 1, y, ldy);
+    else
+        block_tile(rows, q, ldq, asum, G, sx, B, octets, group_octets, p, 0, y, ldy);
+}
+
+/* each group's sum of one row's activations (x: 8 * octets bytes; groups of group_octets
+ * octets) into asum[g]: what the zero points take off */
+static void group_sums(const int8_t *x, int64_t octets, int64_t group_octets, int32_t *asum) {
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    for (int64_t g = 0, o0 = 0; o0 < octets; g++, o0 += group_octets) {
+        const int64_t k1 = 8 * (o0 + group_octets < octets ? o0 + group_octets : octets);
+        int64_t k = 8 * o0;
+        __m256i s = _mm256_setzero_si256();
+        for (; k + 32 <= k1; k += 32) /* byte pairs (1 * x, exact in int16), then pairs of those */
+            s = _mm256_add_epi32(
+                s, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, _mm256_loadu_si256((const __m256i *)(x + k))), ones16));
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+        int32_t total = _mm_cvtsi128_si32(h);
+        for (; k < k1; k++) total += x[k];
+        asum[g] = total;
+    }
+}
+
+/* rows [0, rows) of A (stride lda, 8 * octets columns) times one block, each MR rows' group
+ * sums taken once for the block */
+static void rows_times_block(const int8_t *A, int64_t lda, const float *sx, int64_t rows, const uint8_t *B,
+                             int64_t octets, int64_t group_octets, const block_params *p, int mx, float *C,
+                             int64_t ldc) {
+    const int64_t G = (octets + group_octets - 1) / group_octets;
+    int32_t asum[MR * G];
+    for (int64_t m0 = 0; m0 < rows; m0 += MR) {
+        const int rows_here = rows - m0 < MR ? (int)(rows - m0) : MR;
+        for (int m = 0; m < rows_here; m++) group_sums(A + (m0 + m) * lda, octets, group_octets, asum + m * G);
+        tile(mx, rows_here, A + m0 * lda, lda, asum, G, sx + m0, B, octets, group_octets, p, C + m0 * ldc, ldc);
+    }
+}
+
+/* kernels.h's int4w_fn, the main library's 4-bit products (wmat.c; the MoE kernel, the linear
+ * layers, the fused step): rows of A times one block B of `octets` 64-byte rows, the weight's
+ * scales and zero points read in place (sc, zero: the block's first column of the [G][N]
+ * arrays, stride ld; zero NULL: 8, or mxfp4's 12; cols: the block's real width), each row
+ * times its scale sx[m] */
+void ms_int4_wblock(const int8_t *A, int64_t lda, const float *sx, int64_t rows, const uint8_t *B, int64_t octets,
+                    int64_t group_octets, const float *sc, const int8_t *zero, int64_t ld, int64_t cols, int mx,
+                    float *C, int64_t ldc) {
+    const block_params p = {sc, zero, ld, cols, mx ? MX_ZERO : 8};
+    rows_times_block(A, lda, sx, rows, B, octets, group_octets, &p, mx, C, ldc);
+}
+
+/* kernels.h's int4_fn (gemm8.c's older call): scales and int32 zeros gathered [G][16] by the
+ * caller, no row scale (the caller multiplies) */
 void ms_int4_block(const int8_t *A, int64_t lda, int64_t rows, const uint8_t *B, int64_t octets, int64_t group_octets,
                    const float *sc, const int32_t *zp, int mx, float *C, int64_t ldc) {
     const int64_t G = (octets + group_octets - 1) / group_octets;
-    int32_t asum[MR * G];
-    const float ones[MR] = {1.0f, 1.0f, 1.0f, 1.0f}; /* the caller scales the rows (x 1: exact) */
-    for (int64_t m0 = 0; m0 < rows; m0 += MR) {
-        const int rows_here = rows - m0 < MR ? (int)(rows - m0) : MR;
-        for (int m = 0; m < rows_here; m++)
-            for (int64_t g = 0; g < G; g++) {
-                const int8_t *x = A + (m0 + m) * lda;
-                const int64_t k1 = 8 * ((g + 1) * group_octets < octets ? (g + 1) * group_octets : octets);
-                int32_t s = 0;
-                for (int64_t k = 8 * g * group_octets; k < k1; k++) s += x[k];
-                asum[m * G + g] = s;
-            }
-        tile(mx, rows_here, A + m0 * lda, lda, asum, G, ones, B, octets, group_octets, sc, zp, C + m0 * ldc, ldc);
-    }
+    int8_t zero[G * BLOCK];
+    for (int64_t i = 0; i < G * BLOCK; i++) zero[i] = (int8_t)zp[i]; /* int8 zero points, 8, 12 or 0 */
+    float ones[rows > 0 ? rows : 1]; /* x 1: exact */
+    for (int64_t m = 0; m < rows; m++) ones[m] = 1.0f;
+    const block_params p = {sc, zero, BLOCK, BLOCK, 0};
+    rows_times_block(A, lda, ones, rows, B, octets, group_octets, &p, mx, C, ldc);
 }
 
 /* y [M, N] float32 (stride ldy) = q [M, Kp] int8 (stride ldq; Kp a multiple of 8, zero past
@@ -163,22 +307,14 @@ int ms_int4_linear(const int8_t *q, int64_t ldq, const float *sx, int64_t M, int
     const int64_t full = N / BLOCK;
     int32_t *asum = malloc(sizeof(int32_t) * (size_t)(M * G + 1));
     if (!asum) return -1;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < G; g++) {
-            int32_t s = 0;
-            const int64_t k1 = (g + 1) * group < Kp ? (g + 1) * group : Kp;
-            for (int64_t k = g * group; k < k1; k++) s += q[m * ldq + k];
-            asum[m * G + g] = s;
-        }
+    for (int64_t m = 0; m < M; m++) group_sums(q + m * ldq, octets, group / 8, asum + m * G);
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (M * N * Kp > 65536)
     {
-        /* per thread: the block's scales and zeros [G][16], a padded tail block and its outputs */
-        float *sc = aligned_alloc(64, sizeof(float) * (size_t)(G * BLOCK));
-        int32_t *zp = aligned_alloc(64, sizeof(int32_t) * (size_t)(G * BLOCK));
+        /* per thread: a padded tail block and its outputs */
         uint8_t *pad = N > full * BLOCK ? aligned_alloc(64, (size_t)(octets * 64)) : NULL;
         float *ytail = aligned_alloc(64, sizeof(float) * MR * BLOCK);
-        if (!sc || !zp || !ytail || (N > full * BLOCK && !pad)) {
+        if (!ytail || (N > full * BLOCK && !pad)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -193,17 +329,12 @@ int ms_int4_linear(const int8_t *q, int64_t ldq, const float *sx, int64_t M, int
                     for (int64_t o = 0; o < octets; o++) memcpy(pad + o * 64, B + o * cols * 4, (size_t)(cols * 4));
                     B = pad;
                 }
-                for (int64_t g = 0; g < G; g++)
-                    for (int64_t c = 0; c < BLOCK; c++) {
-                        const int64_t at = g * N + j * BLOCK + c;
-                        sc[g * BLOCK + c] = c < cols ? scale[at] : 0.0f;
-                        zp[g * BLOCK + c] = c >= cols ? 0 : zero ? zero[at] : mx ? MX_ZERO : 8;
-                    }
+                const block_params p = {scale + j * BLOCK, zero ? zero + j * BLOCK : NULL, N, cols, mx ? MX_ZERO : 8};
                 for (int64_t m0 = 0; m0 < M; m0 += MR) {
                     const int rows = M - m0 < MR ? (int)(M - m0) : MR;
                     const int direct = cols == BLOCK;
                     float *out = direct ? y + m0 * ldy + j * BLOCK : ytail;
-                    tile(mx, rows, q + m0 * ldq, ldq, asum + m0 * G, G, sx + m0, B, octets, group / 8, sc, zp, out,
+                    tile(mx, rows, q + m0 * ldq, ldq, asum + m0 * G, G, sx + m0, B, octets, group / 8, &p, out,
                          direct ? ldy : BLOCK);
                     if (!direct)
                         for (int m = 0; m < rows; m++)
@@ -211,8 +342,6 @@ int ms_int4_linear(const int8_t *q, int64_t ldq, const float *sx, int64_t M, int
                 }
             }
         }
-        free(sc);
-        free(zp);
         free(pad);
         free(ytail);
     }

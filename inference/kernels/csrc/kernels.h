@@ -118,6 +118,15 @@ typedef void (*int8g_fn)(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq,
 typedef void (*int4_fn)(const int8_t *A, int64_t lda, int64_t rows, const uint8_t *B, int64_t octets,
                         int64_t group_octets, const float *sc, const int32_t *zp, int mx, float *C, int64_t ldc);
 
+/* The same products with the weight's scales and zero points read in place (int4.c's
+ * ms_int4_wblock; wmat.c calls it): sc and zero (NULL: 8, mxfp4's 12) the block's first
+ * column of the weight's [G][N] arrays, ld (N) apart, cols the block's real width (the
+ * narrow last one's bytes widened to 16 columns by the caller); each row m times its
+ * activation scale sx[m]. */
+typedef void (*int4w_fn)(const int8_t *A, int64_t lda, const float *sx, int64_t rows, const uint8_t *B,
+                         int64_t octets, int64_t group_octets, const float *sc, const int8_t *zero, int64_t ld,
+                         int64_t cols, int mx, float *C, int64_t ldc);
+
 /* AMX's bf16 product (amx.c): C = A B for a block and a group of rows, A as bf16. */
 typedef void (*amx_fn)(const bf16 *A, int64_t lda, int64_t rows, const bf16 *B, int64_t Kp, float *C, int64_t ldc);
 
@@ -148,9 +157,10 @@ extern MS_HIDDEN amx_fn amx_block;
 extern MS_HIDDEN int8_fn int8_vnni, int8_amx;
 extern MS_HIDDEN int8g_fn int8g_vnni, int8g_amx; /* their grouped forms */
 extern MS_HIDDEN int4_fn int4_block; /* NULL: no int4 library (cpu_kernels.INT4 None) */
+extern MS_HIDDEN int4w_fn int4_wblock; /* the same library's, scales read in place */
 void ms_set_amx(void *block, void *new_call);
 void ms_set_int8(void *vnni, void *amx, void *vnni_grouped, void *amx_grouped);
-void ms_set_int4(void *block);
+void ms_set_int4(void *block, void *wblock);
 /* which integer product runs (for the start-up log line): 2 AMX, 1 VNNI, 0 vpmaddubsw */
 int ms_int8_path(void);
 /* whether products of many rows go to AMX */

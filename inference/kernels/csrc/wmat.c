@@ -43,8 +43,30 @@ int64_t rows_s8_group(const wmat *w) { return w->kind == W_INT8 && int8_act_grou
 
 int rows_rotate(const wmat *w) { return !(four_bit(w) && w->plain); }
 
+/* block j of a 4-bit weight (int4, mxfp4; K a multiple of 8) times rows [m0, m0 + rows) of
+ * a's int8 rows, scaled (4-bit weights' rows carry one scale each: rows_s8_group 0), on
+ * int4.c's products, which read the weight's scales and zero points in place; the narrow
+ * last block widened to 16 columns in pad (octets * 64 bytes fit pad_bytes(K)'s first part) */
+static void wblock4_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j,
+                         uint8_t *pad, float *C, int64_t ldc, int64_t *cols) {
+    const int64_t octets = K / 8, full = N / BLOCK;
+    const uint8_t *B = (const uint8_t *)w->data + j * BLOCK * 4 * octets;
+    *cols = j < full ? BLOCK : N - full * BLOCK;
+    if (*cols < BLOCK) { /* [octets][cols][4] -> [octets][16][4], zero columns */
+        memset(pad, 0, (size_t)(octets * 64));
+        for (int64_t o = 0; o < octets; o++) memcpy(pad + o * 64, B + o * *cols * 4, (size_t)(*cols * 4));
+        B = pad;
+    }
+    int4_wblock(a->s8 + m0 * a->ld8, a->ld8, a->s8_scale + m0, rows, B, octets, w->group / 8, w->scale + j * BLOCK,
+                w->zero ? w->zero + j * BLOCK : NULL, N, *cols, w->kind == W_MXFP4, C, ldc);
+}
+
 void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j,
                  void *pad, float *C, int64_t ldc, int64_t *cols) {
+    if (four_bit(w)) {
+        wblock4_gemm(a, m0, rows, w, N, K, j, pad, C, ldc, cols);
+        return;
+    }
     if (w->kind == W_BF16) {
         const int64_t Kp = even(K);
         const bf16 *B = weight_block(w->data, N, Kp, j, pad, cols);
