@@ -221,6 +221,9 @@ class LLMEngine:
         spec = SpecStepCounts.of(result.verified if result else [], self.speculator)
         finished, self._aborted = self._aborted, []
         touched = self._update(sched, result, finished, spec)
+        # a verified sequence's positions (its last token and drafts) count as decode
+        prefill_tokens = sum(n for _, n in sched.scheduled if n > 1) - spec.positions
+        decode_tokens = sum(1 for _, n in sched.scheduled if n == 1) + spec.positions
         outputs = []
         for rid in touched:
             seqs = self.requests.get(rid)
@@ -230,6 +233,9 @@ class LLMEngine:
             if out.finished:
                 del self.requests[rid]
             outputs.append(out)
+        if self.speculator is not None and sched.scheduled and not prefill_tokens:
+            # what a decode step of this many rows costs: the price of drafting (step_cost.py)
+            self.speculator.cost.observe(decode_tokens, time.monotonic() - started)
         expert_tokens = None
         if result is not None and result.expert_counts.numel():
             expert_tokens = result.expert_counts.numpy()
@@ -240,9 +246,8 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + self.pending_grammars.num_sequences,
             batch_size=len(sched.scheduled),
-            # a verified sequence's positions (its last token and drafts) count as decode
-            num_prefill_tokens=sum(n for _, n in sched.scheduled if n > 1) - spec.positions,
-            num_decode_tokens=sum(1 for _, n in sched.scheduled if n == 1) + spec.positions,
+            num_prefill_tokens=prefill_tokens,
+            num_decode_tokens=decode_tokens,
             num_generated_tokens=(len(result.sampled) if result else 0) + spec.generated,
             kv_usage=self.block_manager.usage,
             kv_blocks_used=self.block_manager.num_used,

@@ -18,7 +18,8 @@ from inference.sequence import Sequence
 from inference.spec_decode.config import speculative_config
 from inference.spec_decode.ngram import propose_ngram
 from inference.spec_decode.rejection_sampler import verify
-from inference.spec_decode.speculator import DraftLength
+from inference.spec_decode.speculator import MISSES_BEFORE_PAUSE, DraftLength
+from inference.spec_decode.step_cost import MIN_SEEN, StepCost
 from tests.inference.parity_checks import DEVICE, GREEDY_32, prompts
 from tests.inference.test_parity import ARCHS
 
@@ -111,14 +112,50 @@ def test_ngram_proposes_what_followed_the_longest_suffix_match():
 
 
 def test_draft_length_follows_acceptance():
-    d = DraftLength(4)
-    d.record(4, 2, 100)
-    assert d.current(100) == 3  # one past what was accepted
-    d.record(3, 3, 103)
-    assert d.current(104) == 4  # grown back
-    for _ in range(3):
-        d.record(d.k, 0, 110)
-    assert d.current(111) == 0 and d.current(110 + 16) > 0  # paused for 16 tokens
+    d = DraftLength(4)  # the prior cost: 15% of a one-row step per extra row
+    assert d.current(100) == 4  # a fresh sequence drafts the most
+    d.record(4, 0, 100)
+    d.record(1, 0, 101)
+    d.record(1, 0, 102)
+    assert d._best() == 0 and d.current(103) == 1  # no k pays: a one-token probe
+    d.record(1, 1, 102)
+    d.record(4, 4, 104)
+    assert d.acceptance > 0.9 and d.current(109) == 4  # copying again: the most
+    for n in range(110, 110 + MISSES_BEFORE_PAUSE):
+        d.record(d.k, 0, n)
+    paused_at = 110 + MISSES_BEFORE_PAUSE - 1
+    assert d.current(paused_at + 1) == 0 and d.current(paused_at + 16) > 0  # paused 16 tokens
+
+
+def test_draft_length_follows_the_measured_cost_of_rows():
+    """The same acceptance drafts fewer tokens where extra rows cost more: k maximizes
+    expected tokens per unit of step cost (a batch of n rows: n - 1 + 1 + a + ... + a^k)."""
+    cheap, dear = StepCost(), StepCost()
+    for _ in range(MIN_SEEN):
+        for rows in range(1, 6):
+            cheap.observe(rows, 1.0 + 0.02 * (rows - 1))
+            dear.observe(rows, 1.0 + 0.5 * (rows - 1))
+    assert cheap.ratio(5, 1) == pytest.approx(1.08) and dear.ratio(3, 1) == pytest.approx(2.0)
+    picks = []
+    for cost in (cheap, dear):
+        d = DraftLength(4, cost)
+        d.record(4, 2, 100)  # acceptance about 0.48
+        picks.append(d._best())
+    assert picks == [4, 0]
+    assert StepCost().ratio(3, 1) == pytest.approx(1.3)  # unmeasured: the prior
+
+
+def test_step_cost_is_measured_on_decode_steps_of_a_speculating_engine(model_dirs):
+    engine = LLMEngine.from_pretrained(
+        model_dirs("mixtral"),
+        DEVICE,
+        "float32",
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    engine.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(max_tokens=24, temperature=0.0))
+    cost = engine.speculator.cost
+    assert sum(cost.seen.values()) >= 8 and all(r >= 1 for r in cost.seen)
+    assert all(cost.mean[r] > 0 for r in cost.seen)
 
 
 # ---- greedy parity --------------------------------------------------------------------------
