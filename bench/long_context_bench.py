@@ -8,15 +8,24 @@
   decode steps after it. Prefix caching off, a fresh random prompt per run, a short request
   first to warm the shapes up; the best of --rounds runs. The issue's bar: TPOT at 32K <=
   1.5x TPOT at 1K (`tpot_vs_shortest`: against the shortest context run, 1K by default).
+  `bytes_floor_vs_shortest`: the same ratio of the bytes a step must read (the weights a token
+  reads, bench/decode_floor.py, plus the KV cache of its context): where KV bytes outgrow the
+  weights' the TPOT ratio cannot fall below it however fast the kernels (on the demo MoE with
+  bf16 KV, 2.2x at 32K against 1K; --kv-cache-dtype int8 1.6x, int4 1.35x).
 - The decode-attention kernel alone (kernels/csrc/attention.c, reading the paged cache in
   place): nanoseconds per context position of one query token from 1K to 32K positions, in
   each model's attention shape; flat when it streams the cache at one rate (`vs_shortest`).
+  Each call reads the next of several layers' caches, as a decode step does (up to the
+  model's layers, CACHE_BUDGET in all): one layer's cache alone fits the last-level cache
+  (16.8 MB at 32K on the demo), which a step's six layers (100 MB) do not.
 
 Results in bench/results/long_context.json {date, cpu, threads, rows: [{model, context,
-prompt, ttft_s, tpot_ms, tpot_vs_shortest}], decode_attention: [{shape, context,
-ns_per_position, vs_shortest}]}; a table on stdout.
+prompt, kv_cache_dtype, ttft_s, tpot_ms, tpot_vs_shortest, bytes_floor_vs_shortest}],
+decode_attention: [{shape, context, layers_read, ns_per_position, vs_shortest}]}; a table on
+stdout.
 
     python -m bench.long_context_bench                                  # the timed run
+    python -m bench.long_context_bench --models demo --kv-cache-dtype int4   # int4 KV
     python -m bench.long_context_bench --contexts 256,512 --output 4 --out /tmp/lc.json  # a check
 """
 
@@ -30,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from bench.decode_floor import engine_weight_bytes_per_token
 from bench.machine import cpu_name
 from inference import LLMEngine, SamplingParams
 from inference.checkpoints.demo_model import ensure_demo_model
@@ -47,15 +57,16 @@ SMOLLM2_YARN = {
         "original_max_position_embeddings": 8192,
     }
 }
-# query heads, kv heads, head dim of each model's attention (the decode-attention rows)
-SHAPES = {"demo": (8, 2, 64), "smollm2": (9, 3, 64)}
+# query heads, kv heads, head dim and layers of each model's attention (decode-attention rows)
+SHAPES = {"demo": (8, 2, 64, 6), "smollm2": (9, 3, 64, 30)}
+CACHE_BUDGET = 256 << 20  # bytes of bf16 caches the kernel rows cycle through, at most
 
 
 def greedy(tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0, ignore_eos=True)
 
 
-def load(model: str, longest: int) -> LLMEngine:
+def load(model: str, longest: int, kv_cache_dtype: str = "auto") -> LLMEngine:
     """The model in bf16 with room for one request of `longest` tokens."""
     overrides = SMOLLM2_YARN if model == "smollm2" else None
     path = resolve_model("smollm2") if model == "smollm2" else ensure_demo_model("small")
@@ -67,6 +78,7 @@ def load(model: str, longest: int) -> LLMEngine:
         max_model_len=longest,
         kv_cache_tokens=longest + 64,
         enable_prefix_caching=False,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -97,9 +109,17 @@ def latency(engine: LLMEngine, prompt: list[int], output: int) -> tuple[float, f
     return ttft, statistics.median(steps) if steps else float("nan")
 
 
-def model_rows(model: str, contexts: list[int], output: int, rounds: int) -> list[dict]:
-    engine = load(model, max(prompt_len(c, output) for c in contexts) + output)
+def model_rows(
+    model: str, contexts: list[int], output: int, rounds: int, kv_cache_dtype: str = "auto"
+) -> list[dict]:
+    engine = load(model, max(prompt_len(c, output) for c in contexts) + output, kv_cache_dtype)
     vocab = engine.args.vocab_size
+    weights = engine_weight_bytes_per_token(engine)
+    kv_per_token = engine.executor.kv_cache_bytes / engine.executor.kv_cache_tokens
+
+    def step_bytes(length: int) -> float:  # a decode step's reads at the run's mean context
+        return weights + kv_per_token * (length + output / 2)
+
     engine.generate([prompt_of(64, vocab, 99)], greedy(8))  # every shape once
     rows = []
     for context in contexts:
@@ -111,15 +131,18 @@ def model_rows(model: str, contexts: list[int], output: int, rounds: int) -> lis
                 "model": model,
                 "context": context,
                 "prompt": length,
+                "kv_cache_dtype": kv_cache_dtype,
                 "ttft_s": ttft,
                 "tpot_ms": tpot * 1e3,
                 "tpot_vs_shortest": tpot * 1e3 / (rows[0]["tpot_ms"] if rows else tpot * 1e3),
+                "bytes_floor_vs_shortest": step_bytes(length)
+                / step_bytes(rows[0]["prompt"] if rows else length),
             }
         )
         r = rows[-1]
         print(
             f"  {model:8s} {context:>7,} {ttft:9.3f} s {r['tpot_ms']:9.2f} ms"
-            f" {r['tpot_vs_shortest']:6.2f}x",
+            f" {r['tpot_vs_shortest']:6.2f}x (bytes floor {r['bytes_floor_vs_shortest']:.2f}x)",
             flush=True,
         )
     return rows
@@ -127,23 +150,31 @@ def model_rows(model: str, contexts: list[int], output: int, rounds: int) -> lis
 
 def decode_attention_rows(contexts: list[int], calls: int = 50) -> list[dict]:
     """ns per position of the decode-attention kernel, one query token over a paged bf16
-    context scattered over the cache's blocks (a shuffled block table), median of `calls`."""
+    context scattered over the cache's blocks (a shuffled block table), median of `calls`,
+    each call on the next of the model's layers' caches (as many as CACHE_BUDGET holds)."""
     if cpu.enable_once() is None:
         print("  decode attention: no CPU kernels on this machine (ATen's path); skipped")
         return []
     rows, block = [], 16
-    for shape, (heads, kv_heads, dim) in SHAPES.items():
+    for shape, (heads, kv_heads, dim, layers) in SHAPES.items():
         longest = max(contexts)
         blocks = longest // block + 1
-        k_cache = torch.randn(blocks * block, kv_heads, dim).bfloat16()
-        v_cache = torch.randn(blocks * block, kv_heads, dim).bfloat16()
+        layer_bytes = 2 * blocks * block * kv_heads * dim * 2  # keys and values, bf16
+        caches = [
+            (
+                torch.randn(blocks * block, kv_heads, dim).bfloat16(),
+                torch.randn(blocks * block, kv_heads, dim).bfloat16(),
+            )
+            for _ in range(max(1, min(layers, CACHE_BUDGET // layer_bytes)))
+        ]
         table = torch.randperm(blocks, dtype=torch.int32)[None]
         q = torch.randn(1, heads, dim).bfloat16()
         base = None
         for context in contexts:
             lens = torch.tensor([context], dtype=torch.int32)
             times = []
-            for _ in range(calls):
+            for i in range(calls):
+                k_cache, v_cache = caches[i % len(caches)]
                 t0 = time.perf_counter()
                 cpu.decode_attention(q, k_cache, v_cache, table, lens, block, dim**-0.5)
                 times.append(time.perf_counter() - t0)
@@ -153,6 +184,7 @@ def decode_attention_rows(contexts: list[int], calls: int = 50) -> list[dict]:
                 {
                     "shape": shape,
                     "context": context,
+                    "layers_read": len(caches),
                     "ns_per_position": ns,
                     "vs_shortest": ns / base,
                 }
@@ -167,6 +199,7 @@ def main() -> None:
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     parser.add_argument("--output", type=int, default=OUTPUT, help="tokens per request")
     parser.add_argument("--rounds", type=int, default=1, help="best of this many runs each")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16), int8, int4, ...")
     parser.add_argument("--out", type=Path, default=RESULTS / "long_context.json")
     args = parser.parse_args()
     contexts = sorted(int(c) for c in args.contexts.split(","))
@@ -174,7 +207,7 @@ def main() -> None:
     print(f"  {'model':8s} {'context':>7s} {'TTFT':>11s} {'TPOT':>12s} {'vs 1st':>7s}")
     rows = []
     for model in args.models.split(","):
-        rows += model_rows(model, contexts, args.output, args.rounds)
+        rows += model_rows(model, contexts, args.output, args.rounds, args.kv_cache_dtype)
     print("  decode attention alone, one query token:")
     attention = decode_attention_rows(contexts)
     record = {
