@@ -74,7 +74,9 @@ class LLMEngine:
         # before the weights load
         check_servable(spec, hf_config, str(path), lambda: checkpoint_tensor_names(path))
         self.args = args = model_args(hf_config)
-        args.mtp = spec is not None and spec.method == "mtp"  # its layer built and loaded
+        if spec is not None and spec.method == "mtp":  # its layer built and loaded
+            head = f"model.layers.{args.num_layers}.shared_head.head.weight"
+            args.mtp, args.mtp_own_head = True, head in checkpoint_tensor_names(path)
         self.dtype = resolve_dtype(dtype, self.device, getattr(hf_config, "dtype", None))
         self.tokenizer = load_tokenizer(path)
         published = checkpoint_quantization(hf_config)

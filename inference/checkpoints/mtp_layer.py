@@ -13,7 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
-def write_with_mtp_layer(src: Path, out: Path, self_predicting: bool = False) -> Path:
+def write_with_mtp_layer(
+    src: Path, out: Path, self_predicting: bool = False, own_head: bool = True
+) -> Path:
     """A copy of the single-file checkpoint `src` (a demo's) in `out` whose config.json
     declares one MTP layer
     (num_nextn_predict_layers) and whose weights hold it: a copy of the last decoder layer,
@@ -24,7 +26,10 @@ def write_with_mtp_layer(src: Path, out: Path, self_predicting: bool = False) ->
     last token alone (every attention output and the MLPs before the last layer zeroed), its
     embedding rows of unit RMS (so enorm leaves them as they are), and eh_proj = [I, 0] takes
     the embedding of the token after the row's: the MTP block (a copy of the last layer) then
-    sees what the target's last layer sees one position later."""
+    sees what the target's last layer sees one position later.
+
+    own_head False: the layer has neither shared_head.head nor embed_tokens, as GLM-4.6's
+    checkpoints publish it (the target's lm_head and embedding serve)."""
     shutil.copytree(src, out)
     cfg = json.loads((src / "config.json").read_text())
     (out / "config.json").write_text(json.dumps(cfg | {"num_nextn_predict_layers": 1}))
@@ -55,5 +60,8 @@ def write_with_mtp_layer(src: Path, out: Path, self_predicting: bool = False) ->
         f"model.layers.{n}.shared_head.head.weight": tensors["lm_head.weight"].clone(),
         f"model.layers.{n}.embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
     }
+    if not own_head:
+        del tensors[f"model.layers.{n}.shared_head.head.weight"]
+        del tensors[f"model.layers.{n}.embed_tokens.weight"]
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return out

@@ -66,6 +66,9 @@ class ModelArgs:
     # speculative method "mtp": the model also builds the checkpoint's first MTP layer
     # (models/mtp.py, layer num_layers), and the KV cache holds one more layer for it
     mtp: bool = False
+    # its own shared_head.head; without it (GLM-4.6's checkpoints) it reads the target's lm_head,
+    # as vLLM shares it
+    mtp_own_head: bool = True
     hf_config: object = field(default=None, repr=False)  # for rope initialisation
 
     @property

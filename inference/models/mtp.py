@@ -8,6 +8,7 @@ shared as vLLM shares it; zero at position 0), and predicts token i + 2:
     x = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)])
     h = block(x) + its residual          (one decoder layer of the family, its own KV cache)
     logits = shared_head.head(shared_head.norm(h))
+(shared_head.head: the target's lm_head where the checkpoint has none, as vLLM shares it.)
 Its output h stands in for the target's next hidden state when it drafts further (k > 1).
 """
 
@@ -40,7 +41,7 @@ class MultiTokenPredictor(nn.Module):
         # the layer index past the target's: MoE unless the config makes it dense
         self.block = layer_class(args, args.num_layers, gather_max_tokens)
         self.head_norm = RMSNorm(d, eps)
-        self.head = Linear(d, args.vocab_size, bias=False)
+        self.head = Linear(d, args.vocab_size, bias=False) if args.mtp_own_head else None
 
     def forward(
         self,
@@ -58,5 +59,7 @@ class MultiTokenPredictor(nn.Module):
         out, residual, _ = self.block(x, None, cos, sin, meta, cache)
         return out + residual
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(self.head_norm(hidden))
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """`lm_head`: the target's, read where the layer has no head of its own."""
+        head = lm_head if self.head is None else self.head
+        return head(self.head_norm(hidden))

@@ -78,7 +78,7 @@ class MtpDrafter:
         return self.mtp(embeds, positions, hidden, cos, sin, meta, self.cache)
 
     def _drafts(self, hidden: torch.Tensor) -> list[int]:
-        return self.mtp.logits(hidden).argmax(dim=-1).tolist()
+        return self.mtp.logits(hidden, self.model.lm_head).argmax(dim=-1).tolist()
 
     def first_pass(
         self,

@@ -60,7 +60,7 @@ def _reference_drafts(engine: LLMEngine, tokens: list[int]) -> tuple[torch.Tenso
         embeds = model.embed(torch.tensor(tokens[1:]))
         cos, sin = model.rope.tables(positions, embeds.dtype)
         out = model.mtp(embeds, positions, hidden, cos, sin, meta, caches[-1])
-        return out, model.mtp.logits(out).argmax(dim=-1).tolist()
+        return out, model.mtp.logits(out, model.lm_head).argmax(dim=-1).tolist()
 
 
 @pytest.mark.parametrize("arch", MTP_ARCHS)
@@ -126,6 +126,23 @@ def test_an_mtp_layer_that_predicts_the_target_gets_its_drafts_accepted(model_di
     times = [final[rid].outputs[0].times for rid in ids]
     assert sum(t.spec_accepted_tokens for t in times) == accepted
     assert spec.block_manager.num_used == 0
+
+
+def test_an_mtp_layer_without_its_own_head_reads_the_targets(model_dirs, tmp_path):
+    """GLM-4.6's MTP layer ships no shared_head.head (nor embed_tokens): the target's lm_head
+    serves, as vLLM shares it; its drafts are accepted and the output is the target's."""
+    path = write_with_mtp_layer(
+        model_dirs("glm4_moe"), tmp_path / "m", self_predicting=True, own_head=False
+    )
+    limits = {"device": DEVICE, "dtype": "float32", "kv_cache_tokens": 1024}
+    plain = LLMEngine.from_pretrained(path, **limits)
+    batch = prompts(plain.args.vocab_size, [5, 33])
+    expected, _ = _run(plain, batch, GREEDY_32)
+    spec = _mtp_engine(path, **limits)
+    assert spec.executor.model.mtp.head is None
+    got, totals = _run(spec, batch, GREEDY_32)
+    assert got == expected
+    assert totals["drafts"] > 0 and totals["accepted"] >= 0.9 * totals["drafts"]
 
 
 def test_bf16_greedy_identical_with_mtp_on_the_cpu_kernels(model_dirs, tmp_path, monkeypatch):
