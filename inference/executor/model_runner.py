@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +17,29 @@ from inference.sequence import Sequence
 from inference.spec_decode.mtp import MtpDrafter
 from inference.spec_decode.rejection_sampler import verify
 from inference.structured import StructuredOutputManager
+
+
+def block_table_rows(rows: list[tuple[Sequence, int]]) -> torch.Tensor:
+    """[rows, width] int32 block tables of decode rows (padded with block 0). A sequence's
+    table is copied once, through an array, then repeated for its further rows (a verified
+    sequence's k + 1): torch.tensor over lists took 0.11 ms of CPU a step at 32K tokens
+    (2,048 blocks), 0.57 ms with four drafts, and grows with the context."""
+    seqs, counts = [], []
+    for s, _ in rows:
+        if seqs and seqs[-1] is s:
+            counts[-1] += 1
+        else:
+            seqs.append(s)
+            counts.append(1)
+    width = max(len(s.block_table) for s in seqs)
+    flat = array("i")
+    for s in seqs:
+        flat.extend(s.block_table)
+        flat.extend(array("i", bytes(4 * (width - len(s.block_table)))))
+    table = torch.frombuffer(flat, dtype=torch.int32).view(len(seqs), width)
+    if len(seqs) == len(rows):
+        return table.clone()  # its own memory, not the array's
+    return table.repeat_interleave(torch.tensor(counts), dim=0)
 
 
 @dataclass(slots=True)
@@ -81,11 +105,7 @@ class ModelRunner:
         positions = [p for _, p in rows]
         decode_slots = decode_mask = block_tables = context_lens = None
         if rows and self.paged_kernel:
-            width = max(len(s.block_table) for s, _ in rows)
-            block_tables = torch.tensor(
-                [s.block_table + [0] * (width - len(s.block_table)) for s, _ in rows],
-                dtype=torch.int32,
-            )
+            block_tables = block_table_rows(rows)
             context_lens = torch.tensor(positions, dtype=torch.int32) + 1
         elif rows:
             context = max(positions) + 1

@@ -12,6 +12,7 @@ import torch
 
 from inference import InvalidParameterError, LLMEngine, SamplingParams
 from inference.config import EngineConfig
+from inference.executor.model_runner import block_table_rows
 from inference.executor.sampler import Sampler
 from inference.kv_events import BlockStored
 from inference.sequence import Sequence
@@ -370,3 +371,16 @@ def test_stops_max_tokens_and_sampling_with_speculation(model_dirs):
     [out] = spec.generate([prompt], sampled)
     assert [len(c.token_ids) for c in out.outputs] == [30, 30]
     assert spec.block_manager.num_used == 0
+
+
+def test_block_tables_of_decode_rows_pad_and_repeat_each_sequence():
+    """A verified sequence's k + 1 rows each carry its block table; shorter tables are padded
+    with block 0 (the runner's paged-kernel metadata)."""
+    long, short = Sequence.__new__(Sequence), Sequence.__new__(Sequence)
+    long.block_table, short.block_table = list(range(40, 0, -1)), [7, 3]
+    rows = [(long, 10), (long, 11), (long, 12), (short, 20), (long, 30)]
+    tables = block_table_rows(rows)
+    expected = [s.block_table + [0] * (40 - len(s.block_table)) for s, _ in rows]
+    assert tables.dtype == torch.int32 and tables.tolist() == expected
+    alone = block_table_rows([(short, 20)])
+    assert alone.tolist() == [[7, 3]]
