@@ -221,6 +221,77 @@ static inline __attribute__((always_inline)) void block_row(const int8_t *q, con
     for (int v = 0; v < VPB; v++) vf_store(y + v * VL, vf_mul(acc[v], vf_set1(sx)));
 }
 
+/* one row times two blocks in one pass (the gate and up blocks of an expert, a linear layer's
+ * pairs): each activation quad loaded once for both, half the group sums. PAIR_UNROLL octets
+ * a step: 4 * PAIR_UNROLL chains a block pair (AVX2's 16 registers hold 4 x 2). */
+#if defined(MS_AVX512)
+#define PAIR_UNROLL 2
+#else
+#define PAIR_UNROLL 1
+#endif
+
+static inline __attribute__((always_inline)) void octet_pair(const int8_t *q, const uint8_t *B, const uint8_t *B2,
+                                                             int64_t o, vi table, const int mx, vi *lo, vi *hi, vi *lo2,
+                                                             vi *hi2) {
+    const vi xl = quad(q + 8 * o), xh = quad(q + 8 * o + 4);
+    for (int v = 0; v < VPB; v++) {
+        const vi w = vi_load(B + o * 64 + v * 4 * VL), w2 = vi_load(B2 + o * 64 + v * 4 * VL);
+        vi l = vi_and(w, nibble_mask()), h = high_nibbles(w);
+        vi l2 = vi_and(w2, nibble_mask()), h2 = high_nibbles(w2);
+        if (mx) {
+            l = lookup(table, l);
+            h = lookup(table, h);
+            l2 = lookup(table, l2);
+            h2 = lookup(table, h2);
+        }
+        lo[v] = dot4(lo[v], l, xl);
+        hi[v] = dot4(hi[v], h, xh);
+        lo2[v] = dot4(lo2[v], l2, xl);
+        hi2[v] = dot4(hi2[v], h2, xh);
+    }
+}
+
+/* block_row for two blocks (p, p2; outputs y, y2): each block's sums and float steps the
+ * one-block pass's */
+static inline __attribute__((always_inline)) void pair_row(const int8_t *q, const int32_t *asum, int64_t G, float sx,
+                                                           const uint8_t *B, const uint8_t *B2, int64_t octets,
+                                                           int64_t group_octets, const block_params *p,
+                                                           const block_params *p2, const int mx, float *y,
+                                                           float *y2) {
+    const vi table = mx_table();
+    vf acc[VPB], acc2[VPB];
+    for (int v = 0; v < VPB; v++) acc[v] = acc2[v] = vf_set1(0.0f);
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t o0 = g * group_octets, o1 = o0 + group_octets < octets ? o0 + group_octets : octets;
+        vi s[4 * PAIR_UNROLL][VPB]; /* per step: low quads of B, high of B, low of B2, high of B2 */
+        for (int u = 0; u < 4 * PAIR_UNROLL; u++)
+            for (int v = 0; v < VPB; v++) s[u][v] = vi_set1(0);
+        int64_t o = o0;
+        for (; o + PAIR_UNROLL <= o1; o += PAIR_UNROLL)
+            for (int u = 0; u < PAIR_UNROLL; u++)
+                octet_pair(q, B, B2, o + u, table, mx, s[4 * u], s[4 * u + 1], s[4 * u + 2], s[4 * u + 3]);
+        for (; o < o1; o++) octet_pair(q, B, B2, o, table, mx, s[0], s[1], s[2], s[3]);
+        vf sc[VPB], sc2[VPB];
+        vi zp[VPB], zp2[VPB];
+        group_params(p, g, sc, zp);
+        group_params(p2, g, sc2, zp2);
+        const vi total = vi_set1(asum[g]);
+        for (int v = 0; v < VPB; v++) {
+            vi isum = vi_add(s[0][v], s[1][v]), isum2 = vi_add(s[2][v], s[3][v]);
+            for (int u = 1; u < PAIR_UNROLL; u++) {
+                isum = vi_add(isum, vi_add(s[4 * u][v], s[4 * u + 1][v]));
+                isum2 = vi_add(isum2, vi_add(s[4 * u + 2][v], s[4 * u + 3][v]));
+            }
+            acc[v] = vf_add(acc[v], vf_mul(vi_to_vf(vi_sub(isum, mullo(total, zp[v]))), sc[v]));
+            acc2[v] = vf_add(acc2[v], vf_mul(vi_to_vf(vi_sub(isum2, mullo(total, zp2[v]))), sc2[v]));
+        }
+    }
+    for (int v = 0; v < VPB; v++) {
+        vf_store(y + v * VL, vf_mul(acc[v], vf_set1(sx)));
+        vf_store(y2 + v * VL, vf_mul(acc2[v], vf_set1(sx)));
+    }
+}
+
 /* block_tile specialized on the nibbles' kind (mx: mxfp4 codes), one row on block_row */
 static void tile(int mx, int rows, const int8_t *q, int64_t ldq, const int32_t *asum, int64_t G, const float *sx,
                  const uint8_t *B, int64_t octets, int64_t group_octets, const block_params *p, float *y,
@@ -273,12 +344,25 @@ static void rows_times_block(const int8_t *A, int64_t lda, const float *sx, int6
  * layers, the fused step): rows of A times one block B of `octets` 64-byte rows, the weight's
  * scales and zero points read in place (sc, zero: the block's first column of the [G][N]
  * arrays, stride ld; zero NULL: 8, or mxfp4's 12; cols: the block's real width), each row
- * times its scale sx[m] */
-void ms_int4_wblock(const int8_t *A, int64_t lda, const float *sx, int64_t rows, const uint8_t *B, int64_t octets,
-                    int64_t group_octets, const float *sc, const int8_t *zero, int64_t ld, int64_t cols, int mx,
-                    float *C, int64_t ldc) {
-    const block_params p = {sc, zero, ld, cols, mx ? MX_ZERO : 8};
+ * times its scale sx[m]; and, unless B2 is NULL, a second full block B2 (sc2, zero2) into C2,
+ * one row's in the same pass (pair_row) */
+void ms_int4_wblock(const int8_t *A, int64_t lda, const float *sx, int64_t rows, int64_t octets, int64_t group_octets,
+                    int64_t ld, int mx, const uint8_t *B, const float *sc, const int8_t *zero, int64_t cols, float *C,
+                    const uint8_t *B2, const float *sc2, const int8_t *zero2, float *C2, int64_t ldc) {
+    const int32_t zdef = mx ? MX_ZERO : 8;
+    const block_params p = {sc, zero, ld, cols, zdef}, p2 = {sc2, zero2, ld, BLOCK, zdef};
+    if (B2 && rows == 1) {
+        const int64_t G = (octets + group_octets - 1) / group_octets;
+        int32_t asum[G];
+        group_sums(A, octets, group_octets, asum);
+        if (mx)
+            pair_row(A, asum, G, sx[0], B, B2, octets, group_octets, &p, &p2, 1, C, C2);
+        else
+            pair_row(A, asum, G, sx[0], B, B2, octets, group_octets, &p, &p2, 0, C, C2);
+        return;
+    }
     rows_times_block(A, lda, sx, rows, B, octets, group_octets, &p, mx, C, ldc);
+    if (B2) rows_times_block(A, lda, sx, rows, B2, octets, group_octets, &p2, mx, C2, ldc);
 }
 
 /* kernels.h's int4_fn (gemm8.c's older call): scales and int32 zeros gathered [G][16] by the

@@ -122,10 +122,12 @@ typedef void (*int4_fn)(const int8_t *A, int64_t lda, int64_t rows, const uint8_
  * ms_int4_wblock; wmat.c calls it): sc and zero (NULL: 8, mxfp4's 12) the block's first
  * column of the weight's [G][N] arrays, ld (N) apart, cols the block's real width (the
  * narrow last one's bytes widened to 16 columns by the caller); each row m times its
- * activation scale sx[m]. */
-typedef void (*int4w_fn)(const int8_t *A, int64_t lda, const float *sx, int64_t rows, const uint8_t *B,
-                         int64_t octets, int64_t group_octets, const float *sc, const int8_t *zero, int64_t ld,
-                         int64_t cols, int mx, float *C, int64_t ldc);
+ * activation scale sx[m]. B2 (NULL: none): a second, full block (sc2, zero2) into C2, one
+ * row's in the same pass over the activations. */
+typedef void (*int4w_fn)(const int8_t *A, int64_t lda, const float *sx, int64_t rows, int64_t octets,
+                         int64_t group_octets, int64_t ld, int mx, const uint8_t *B, const float *sc,
+                         const int8_t *zero, int64_t cols, float *C, const uint8_t *B2, const float *sc2,
+                         const int8_t *zero2, float *C2, int64_t ldc);
 
 /* AMX's bf16 product (amx.c): C = A B for a block and a group of rows, A as bf16. */
 typedef void (*amx_fn)(const bf16 *A, int64_t lda, int64_t rows, const bf16 *B, int64_t Kp, float *C, int64_t ldc);

@@ -1,6 +1,7 @@
 /* A packed weight of any kind (kernels.h wmat: bf16, int8, fp8, int4 or mxfp4): the products of
  * its blocks every kernel calls (wblock_gemm, wblock_gemm_pair), dispatched on the weight's kind
- * to the bf16 products (gemm.c) or the 8-bit and 4-bit ones (gemm8.c), the scratch they need, the
+ * to the bf16 products (gemm.c), the 8-bit ones (gemm8.c) or the 4-bit ones (int4.c's, through
+ * hooks.c's int4_wblock: wblock4_gemm, wblock4_pair), the scratch they need, the
  * forms of activation rows they read, and one expert of a stacked weight. */
 #include "kernels.h"
 
@@ -57,8 +58,25 @@ static void wblock4_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *
         for (int64_t o = 0; o < octets; o++) memcpy(pad + o * 64, B + o * *cols * 4, (size_t)(*cols * 4));
         B = pad;
     }
-    int4_wblock(a->s8 + m0 * a->ld8, a->ld8, a->s8_scale + m0, rows, B, octets, w->group / 8, w->scale + j * BLOCK,
-                w->zero ? w->zero + j * BLOCK : NULL, N, *cols, w->kind == W_MXFP4, C, ldc);
+    int4_wblock(a->s8 + m0 * a->ld8, a->ld8, a->s8_scale + m0, rows, octets, w->group / 8, N, w->kind == W_MXFP4, B,
+                w->scale + j * BLOCK, w->zero ? w->zero + j * BLOCK : NULL, *cols, C, NULL, NULL, NULL, NULL, ldc);
+}
+
+/* blocks j1 and j2 of a 4-bit weight: two full ones in one call (one row's in one pass) */
+static void wblock4_pair(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j1,
+                         int64_t j2, uint8_t *pad, float *C1, float *C2, int64_t ldc) {
+    int64_t cols;
+    if ((j1 + 1) * BLOCK > N || (j2 + 1) * BLOCK > N) {
+        wblock4_gemm(a, m0, rows, w, N, K, j1, pad, C1, ldc, &cols);
+        wblock4_gemm(a, m0, rows, w, N, K, j2, pad, C2, ldc, &cols);
+        return;
+    }
+    const int64_t octets = K / 8;
+    const uint8_t *data = w->data;
+    int4_wblock(a->s8 + m0 * a->ld8, a->ld8, a->s8_scale + m0, rows, octets, w->group / 8, N, w->kind == W_MXFP4,
+                data + j1 * BLOCK * 4 * octets, w->scale + j1 * BLOCK, w->zero ? w->zero + j1 * BLOCK : NULL, BLOCK,
+                C1, data + j2 * BLOCK * 4 * octets, w->scale + j2 * BLOCK, w->zero ? w->zero + j2 * BLOCK : NULL, C2,
+                ldc);
 }
 
 void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j,
@@ -79,6 +97,10 @@ void wblock_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64
 
 void wblock_gemm_pair(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j1,
                       int64_t j2, void *pad, float *C1, float *C2, int64_t ldc) {
+    if (four_bit(w)) {
+        wblock4_pair(a, m0, rows, w, N, K, j1, j2, pad, C1, C2, ldc);
+        return;
+    }
     if (w->kind != W_INT8) {
         int64_t cols;
         wblock_gemm(a, m0, rows, w, N, K, j1, pad, C1, ldc, &cols);
