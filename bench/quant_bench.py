@@ -21,7 +21,9 @@ the first difference, and how many of the 16 are identical); and the issue-40 me
 llama.cpp rows share (bench/peers/llama_accuracy.py): greedy continuations of PASSAGES passages
 of PASSAGE_PROMPT tokens from a part of the text neither of the above reads (`passages`),
 PASSAGE_TOKENS tokens each, as the mean count of tokens before the first difference from bf16
-(`passage_agreement`). int8_weights_kv is our W8A8 as served (int8 weights and KV cache).
+(`passage_agreement`). int8_weights_kv is our W8A8 as served (int8 weights and KV cache);
+the `_act32` rows the same with an activation scale per 32 inputs instead of one a token
+(MOESERVE_INT8_ACT_GROUP=32, llama.cpp Q8_0's blocks; issue 40).
 
 Speed (`--speed`): a demo model (`--preset`: small, as `make bench`'s engine rows, or medium,
 whose weights are many times the last-level cache), int8, fp8 and int4 weights against bf16,
@@ -29,7 +31,10 @@ single stream 128 -> 128 and batched 32 x 128 -> 128 (prefill included: new prom
 round), rounds alternating between the engines (best of each); resident weight bytes; single
 stream as a share of the floor, bytes a token must read / memory bandwidth measured in the same
 run (bench/decode_floor.py); and KV capacity: the tokens each cache format holds in the same
-byte budget, from the engines' own numbers.
+byte budget, from the engines' own numbers. `--speed-configs` runs only some of the engines
+(bf16 always, for the ratios; results under "speed_<names>"), e.g. `--speed-configs int8
+int8_act32`: int8 with one activation scale a token against one per 32 inputs, alternating
+in the same run.
 
 llama.cpp's rows (`--llamacpp`, bench/peers/llama_accuracy.py): the same perplexity and passage
 agreement for SmolLM2 as a bf16 GGUF and llama.cpp's own Q8_0, Q4_0 and Q4_K_M, against its
@@ -80,11 +85,46 @@ ACCURACY_CONFIGS = {
     },
     "int8_kv": {"kv_cache_dtype": "int8"},
     "int8_weights_kv": {"quantization": "int8", "kv_cache_dtype": "int8"},  # W8A8 as served
+    # the same with an activation scale per 32 inputs (llama.cpp Q8_0's blocks; issue 40)
+    "int8_weights_act32": {"quantization": "int8", "int8_act_group": 32},
+    "int8_weights_kv_act32": {
+        "quantization": "int8",
+        "kv_cache_dtype": "int8",
+        "int8_act_group": 32,
+    },
     "fp8_e4m3_kv": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8_e5m2_kv": {"kv_cache_dtype": "fp8_e5m2"},
     # two values a byte, a scale per 32 (models/paged_cache.py), read back by each later chunk
     "int4_kv": {"kv_cache_dtype": "int4"},
 }
+
+
+SPEED_CONFIGS = {
+    "bf16": {},
+    "int8": {"quantization": "int8"},
+    "fp8": {"quantization": "fp8"},
+    "int4": {"quantization": "int4"},
+    # int8 with an activation scale per 32 inputs (MOESERVE_INT8_ACT_GROUP=32); not by default
+    "int8_act32": {"quantization": "int8", "int8_act_group": 32},
+}
+DEFAULT_SPEED = ("bf16", "int8", "fp8", "int4")
+
+
+@contextlib.contextmanager
+def int8_act_group(group: int | None) -> Iterator[None]:
+    """int8 activation scales per `group` inputs for the block (None: as configured), then
+    restored: a process-wide setting the kernels read at each call, so engines differing only in
+    it can alternate in one run."""
+    from inference.kernels import cpu as cpu_kernels
+    from inference.quantization import qweight as quant
+
+    before = quant.INT8_ACT_GROUP
+    if group is not None:
+        cpu_kernels.int8_act_group(group)
+    try:
+        yield
+    finally:
+        cpu_kernels.int8_act_group(before)
 
 
 def corpus_ids(tokenizer) -> list[int]:
@@ -176,6 +216,7 @@ def bench_accuracy(names: list[str] | None = None) -> dict:
     chosen = ["bf16", *(n for n in names or ACCURACY_CONFIGS if n != "bf16")]
     for name in chosen:
         options = dict(ACCURACY_CONFIGS[name])
+        group = options.pop("int8_act_group", None)
         with patched_environ(options.pop("env", {})):
             engine = accuracy_engine(model_dir, options)
         if ids is None:
@@ -183,10 +224,11 @@ def bench_accuracy(names: list[str] | None = None) -> dict:
             later = ids[TOKENS:]
             prompts = [later[i * PROMPT_LEN : (i + 1) * PROMPT_LEN] for i in range(PROMPTS)]
         started = time.monotonic()
-        ppl = perplexity(engine, ids[:TOKENS], prefix_token(engine.tokenizer))
-        row = {"perplexity": ppl, "weight_bytes": engine.weight_bytes}
-        outputs = greedy(engine, prompts)
-        continuations = greedy(engine, passages(ids), PASSAGE_TOKENS)
+        with int8_act_group(group):
+            ppl = perplexity(engine, ids[:TOKENS], prefix_token(engine.tokenizer))
+            row = {"perplexity": ppl, "weight_bytes": engine.weight_bytes}
+            outputs = greedy(engine, prompts)
+            continuations = greedy(engine, passages(ids), PASSAGE_TOKENS)
         row["seconds"] = round(time.monotonic() - started, 1)
         if reference is None:
             reference, passage_reference = outputs, continuations
@@ -241,7 +283,8 @@ def rate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) ->
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - started)
 
 
-def bench_speed(rounds: int, preset: str = "small") -> dict:
+def bench_speed(rounds: int, preset: str = "small", names: list[str] | None = None) -> dict:
+    """The speed rows of `names` (default DEFAULT_SPEED; bf16, the ratios' reference, always)."""
     from bench.decode_floor import (
         engine_weight_bytes_per_token,
         floor_share,
@@ -250,20 +293,19 @@ def bench_speed(rounds: int, preset: str = "small") -> dict:
     )
 
     model_dir = ensure_demo_model(preset)
+    chosen = ["bf16", *(n for n in names or DEFAULT_SPEED if n != "bf16")]
+    configs = {name: dict(SPEED_CONFIGS[name]) for name in chosen}
+    groups = {name: options.pop("int8_act_group", None) for name, options in configs.items()}
     engines = {
         name: LLMEngine.from_pretrained(model_dir, device="cpu", dtype="bfloat16", **options)
-        for name, options in (
-            ("bf16", {}),
-            ("int8", {"quantization": "int8"}),
-            ("fp8", {"quantization": "fp8"}),
-            ("int4", {"quantization": "int4"}),
-        )
+        for name, options in configs.items()
     }
     vocab = engines["bf16"].args.vocab_size
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    for engine in engines.values():
-        engine.generate(make_prompts(4, 128, vocab, seed=99), warm)
+    for name, engine in engines.items():
+        with int8_act_group(groups[name]):
+            engine.generate(make_prompts(4, 128, vocab, seed=99), warm)
     bandwidth = stream_read_bandwidth()  # the floor's: before the rounds and after, the best
     best = {(name, kind): 0.0 for name in engines for kind in ("single", "batched")}
     for r in range(rounds):  # alternating, so a slow patch of the machine hits every engine
@@ -272,7 +314,8 @@ def bench_speed(rounds: int, preset: str = "small") -> dict:
         prompts = make_prompts(32, 128, vocab, seed=r)
         for kind, batch in (("single", prompts[:1]), ("batched", prompts)):
             for name, engine in engines.items():
-                best[name, kind] = max(best[name, kind], rate(engine, batch, params))
+                with int8_act_group(groups[name]):
+                    best[name, kind] = max(best[name, kind], rate(engine, batch, params))
     bandwidth = max(bandwidth, stream_read_bandwidth())
     config = json.loads((model_dir / "config.json").read_text())
     kv = kv_read_bytes(config, 128 + 128 / 2)  # bf16 cache at the mean context of a decode step
@@ -322,6 +365,13 @@ def main() -> None:
         "--preset", choices=["small", "medium"], default="small", help="the speed rows' model"
     )
     parser.add_argument(
+        "--speed-configs",
+        nargs="+",
+        choices=list(SPEED_CONFIGS),
+        help="only these speed engines (bf16 always, for the ratios); written under "
+        "speed_<names> instead of speed",
+    )
+    parser.add_argument(
         "--llamacpp",
         action="store_true",
         help="also llama.cpp's accuracy rows (needs bench/peers/setup_peers.sh llamacpp)",
@@ -343,7 +393,8 @@ def main() -> None:
     record = json.loads(out.read_text()) if out.exists() else {}
     record |= {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name()}
     if args.speed or both:
-        record["speed"] = bench_speed(args.rounds, args.preset)
+        key = "speed_" + "+".join(args.speed_configs) if args.speed_configs else "speed"
+        record[key] = bench_speed(args.rounds, args.preset, args.speed_configs)
     if args.accuracy or both:
         rows = bench_accuracy(args.configs)
         record["accuracy"] = (record.get("accuracy", {}) | rows) if args.configs else rows

@@ -3,16 +3,16 @@
 - int8: weights and activations both rotated along the inputs (hadamard.rotate, an
   orthogonal map: (x R)(W R)^T = x W^T), as QuaRot does (arXiv 2404.00456). Weights get
   symmetric per-output-channel scales at load from a bf16/float32 checkpoint; activations
-  are quantized at run time, symmetric (amax / 127), one scale per INT8_ACT_GROUP (32)
-  inputs of a token as llama.cpp's Q8_0 blocks (MOESERVE_INT8_ACT_GROUP=0: one scale a
-  token). Each group's exact integer sums times the token's group scale, added group by
-  group in float32 (fused multiply-adds in the kernels), then times the channel's scale; one
-  scale a token: each row's exact int32 sum over all inputs times the row's scale, then the
-  channel's. Unrotated, a few outlier channels set each token's scale: SmolLM2 lost ~4% of
-  perplexity with per-token scales (a torch simulation); rotated, per-token scales lose
-  +0.29% (bench/NOTES.md) but greedy continuations leave the bf16 model's sooner than
-  llama.cpp's Q8_0 (16.4 against 25.1 of 48 tokens over quant_bench's passages); groups of
-  32 were the first fix issue 40 named (see bench/NOTES.md for what they measured).
+  are quantized per token at run time (amax / 127, one scale a row); each row's exact
+  int32 sum over all inputs times the row's scale, then the channel's. Unrotated, a few
+  outlier channels set each token's scale: SmolLM2 lost ~4% of perplexity with per-token
+  scales (a torch simulation); rotated, per-token scales lose +0.29% (bench/NOTES.md).
+  MOESERVE_INT8_ACT_GROUP=32: a scale per 32 inputs of a token instead, as llama.cpp's
+  Q8_0 blocks; each group's exact integer sums times its scale, added group by group in
+  float32 (fused multiply-adds in the kernels), then times the channel's scale. On SmolLM2
+  it halves the perplexity change (+0.17% against +0.28%) but keeps to the bf16 model's
+  greedy continuations no longer (21.1 against 23.1 of 48 tokens over 64 passages;
+  bench/NOTES.md), so it is not the default.
 - fp8 (e4m3): FP8 checkpoints as published (128x128 block scales `weight_scale_inv`, as
   DeepSeek-V3 and the Qwen3 FP8 releases ship them; per-tensor or per-channel `weight_scale`,
   as compressed-tensors writes them), or a bf16 checkpoint quantized per channel at load. On
@@ -67,7 +67,7 @@ FOUR_BIT = ("int4", "mxfp4")  # the formats of the packed 4-bit layout (csrc/int
 
 
 def _int8_act_group() -> int:
-    value = os.environ.get("MOESERVE_INT8_ACT_GROUP", "32")
+    value = os.environ.get("MOESERVE_INT8_ACT_GROUP", "0")
     if value not in ("0", "32"):
         raise ValueError(
             f"MOESERVE_INT8_ACT_GROUP must be 32 (a scale per 32 inputs) or 0 (one a token), "

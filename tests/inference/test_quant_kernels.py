@@ -36,6 +36,16 @@ def int8_path(request, path):  # noqa: F811
     yield f"{path} int8={cpu_kernels.INT8}"
 
 
+@pytest.fixture(params=[32, 0], ids=["act-per-32", "act-per-row"])
+def int8_scales(request):
+    """int8 activation scales per 32 inputs (MOESERVE_INT8_ACT_GROUP=32) or one a row (0, the
+    default), the torch reference and the kernels alike; the start-up choice restored after."""
+    before = quant.INT8_ACT_GROUP
+    cpu_kernels.int8_act_group(request.param)
+    yield request.param
+    cpu_kernels.int8_act_group(before)
+
+
 def int8_reference(x: torch.Tensor, qw: quant.QWeight) -> torch.Tensor:
     """W8A8 in float64: the rows rotated and quantized as the kernels do (hadamard.rotate and
     quant.quantize_row_groups: the same float32 operations), per group of
@@ -65,7 +75,7 @@ def int8_reference(x: torch.Tensor, qw: quant.QWeight) -> torch.Tensor:
         (64, 48, 256),
     ],
 )
-def test_int8_linear_matches_the_integer_arithmetic(int8_path, path, m, n, k):  # noqa: F811
+def test_int8_linear_matches_the_integer_arithmetic(int8_scales, int8_path, path, m, n, k):  # noqa: F811
     w, x, b = randn(n, k, scale=0.05), randn(m, k, seed=1), randn(n, seed=2)
     qw = quant.quantize_int8(w.float())
     packed = cpu_kernels.pack_qweight(qw)
@@ -76,38 +86,11 @@ def test_int8_linear_matches_the_integer_arithmetic(int8_path, path, m, n, k):  
     close_to_bf16(cpu_kernels.linear(x, packed), exact.float())
     close_to_bf16(cpu_kernels.linear(x, packed, b), (exact + b.double()).float())
     close_to_bf16(quant.linear(x, qw, b), (exact + b.double()).float())
-    # every int8 path (AMX tiles, VNNI, vpmaddubsw) gives the same sums, scaled in one place
+    # every int8 path (AMX tiles, VNNI, vpmaddubsw) gives the same sums and, per group, the
+    # same fused multiply-adds in the same order
     ours = cpu_kernels.linear(x, packed, b)
     cpu_kernels.enable(path.isa, amx=False, emulated=path.emulated, vnni=False)
     assert torch.equal(cpu_kernels.linear(x, packed, b), ours)
-
-
-@pytest.fixture
-def one_scale_a_row():
-    """int8 activations with one scale a row (MOESERVE_INT8_ACT_GROUP=0), the torch
-    reference and the kernels alike; the start-up choice restored after."""
-    before = quant.INT8_ACT_GROUP
-    cpu_kernels.int8_act_group(0)
-    yield
-    cpu_kernels.int8_act_group(before)
-
-
-@pytest.mark.parametrize("m,n,k", [(1, 40, 70), (5, 64, 510), (40, 33, 64), (17, 96, 96)])
-def test_int8_linear_with_one_activation_scale_a_row(one_scale_a_row, int8_path, path, m, n, k):  # noqa: F811
-    w, x = randn(n, k, scale=0.05), randn(m, k, seed=1)
-    qw = quant.quantize_int8(w.float())
-    packed = cpu_kernels.pack_qweight(qw)
-    exact = int8_reference(x, qw)
-    q, sx = quant.quantize_rows(hadamard.rotate(x.float()))  # the whole row's scale
-    assert torch.equal(
-        exact,
-        (q.long() @ qw.data.long().t()).double() * sx.double()[:, None] * qw.scale[0].double(),
-    )
-    ours = cpu_kernels.linear(x, packed)
-    close_to_bf16(ours, exact.float())
-    close_to_bf16(quant.linear(x, qw), exact.float())
-    cpu_kernels.enable(path.isa, amx=False, emulated=path.emulated, vnni=False)
-    assert torch.equal(cpu_kernels.linear(x, packed), ours)
 
 
 def test_int8_activation_scales_per_32_inputs_keep_a_quiet_group_s_precision():
@@ -130,7 +113,7 @@ def test_int8_activation_scales_per_32_inputs_keep_a_quiet_group_s_precision():
     assert torch.equal(s7[:, 2], x[:, 64:70].abs().amax(-1) / 127)
 
 
-def test_int8_products_need_no_offset_and_never_saturate(int8_path):
+def test_int8_products_need_no_offset_and_never_saturate(int8_scales, int8_path):
     """Rows of +-127 against weights of +-127 (after the rotation: each is the rotation of a
     sign pattern), the largest products a pair can make, equal signs included."""
     k, g = 256, torch.Generator().manual_seed(3)
@@ -214,14 +197,9 @@ def test_fp8_scaled_mm_path_matches_weight_only():
     # the last: experts of 16-row tile groups and a tail, taking gate and up blocks in pairs
     [(1, 64, 128, 8, 2), (7, 70, 40, 4, 2), (40, 64, 64, 8, 2), (150, 128, 64, 4, 2)],
 )
-@pytest.mark.parametrize("scales", ["per-32-inputs", "one-scale-a-row"])
-def test_moe_on_8bit_experts_matches_the_torch_path(
-    int8_path, fmt, t, d, i, e, top_k, scales, request
-):
-    if scales == "one-scale-a-row":
-        if fmt != "int8":
-            pytest.skip("fp8 runs weight-only: no activation scales")
-        request.getfixturevalue("one_scale_a_row")
+def test_moe_on_8bit_experts_matches_the_torch_path(int8_scales, int8_path, fmt, t, d, i, e, top_k):
+    if fmt == "fp8" and not int8_scales:
+        pytest.skip("fp8 runs weight-only: no activation scales (the other parameter covers it)")
     w13, w2, x = randn(e, 2 * i, d, scale=0.1), randn(e, d, i, scale=0.1, seed=1), randn(t, d)
     g = torch.Generator().manual_seed(t)
     weights, ids = select_experts(torch.rand(t, e, generator=g).softmax(-1), top_k, True)

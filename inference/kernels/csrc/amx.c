@@ -200,7 +200,8 @@ static inline void add_group(float *acc, const int32_t *sums, float s) {
             _tile_zero(C_TILE);                                                                \
             _tile_loadd(A_TILE, rows_a + g * 32, lda);                                         \
             _tile_loadd(2, B + g * 512, 64);                                                   \
-            __builtin_prefetch(B + g * 512 + PREFETCH_AHEAD, 0, 3);                            \
+            for (int line = 0; line < 512; line += 64)                                         \
+                __builtin_prefetch(B + g * 512 + PREFETCH_AHEAD + line, 0, 3);                 \
             _tile_dpbssd(C_TILE, A_TILE, 2);                                                   \
             _tile_stored(C_TILE, sums, 64);                                                    \
             for (int64_t r = 0; r < n; r++) add_group(acc[r], sums[r], sa[(r0 + r) * lds + g]); \

@@ -37,7 +37,7 @@ int rows_need_s8(const wmat *w) { return w->kind == W_INT8 || four_bit(w); }
 
 /* int8 weights' activation scales per ACT_GROUP inputs (1) or one a row (0); cpu_kernels.enable
  * sets it from quant.INT8_ACT_GROUP */
-static int int8_act_grouped = 1;
+static int int8_act_grouped;
 void ms_set_int8_act_group(int group) { int8_act_grouped = group != 0; }
 
 int64_t rows_s8_group(const wmat *w) { return w->kind == W_INT8 && int8_act_grouped ? ACT_GROUP : 0; }
