@@ -113,6 +113,14 @@ def test_int8_activation_scales_per_32_inputs_keep_a_quiet_group_s_precision():
     assert torch.equal(s7[:, 2], x[:, 64:70].abs().amax(-1) / 127)
 
 
+def test_an_int8_act_group_other_than_32_or_0_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("MOESERVE_INT8_ACT_GROUP", "16")
+    with pytest.raises(ValueError, match="MOESERVE_INT8_ACT_GROUP must be 32"):
+        quant._int8_act_group()
+    with pytest.raises(ValueError, match="32 inputs or 0"):
+        cpu_kernels.int8_act_group(64)
+
+
 def test_int8_products_need_no_offset_and_never_saturate(int8_scales, int8_path):
     """Rows of +-127 against weights of +-127 (after the rotation: each is the rotation of a
     sign pattern), the largest products a pair can make, equal signs included."""
