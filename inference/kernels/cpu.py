@@ -339,7 +339,7 @@ _SIGNATURES = {
     "ms_set_amx": "p p",
     "ms_set_int8": "p p p p",
     "ms_set_int8_act_group": "i",
-    "ms_set_int4": "p p",
+    "ms_set_int4": "p",
     "ms_set_batch_invariant": "i",
     "ms_decode_step": "s i p p i p p p p p p p i p i p f p p n",
 }
@@ -543,10 +543,7 @@ def enable(
     INT8 = {2: "amx", 1: "vnni", 0: isa}[lib.ms_int8_path()]
     INT4 = _int4_path(isa, vnni, emulated)
     int4_lib = _int4_library(INT4) if INT4 else None
-    lib.ms_set_int4(
-        ctypes.cast(int4_lib.ms_int4_block, _P) if int4_lib else None,
-        ctypes.cast(int4_lib.ms_int4_wblock, _P) if int4_lib else None,
-    )
+    lib.ms_set_int4(ctypes.cast(int4_lib.ms_int4_wblock, _P) if int4_lib else None)
     return ISA
 
 

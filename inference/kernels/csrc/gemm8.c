@@ -343,38 +343,6 @@ static void int8_blocks(const rows_t *a, int64_t m0, int64_t rows, const wmat *w
     }
 }
 
-/* ---- int4 x int8 ----------------------------------------------------------------------- */
-
-/* block j of a 4-bit weight (int4, mxfp4; K a multiple of 8) times rows [m0, m0 + rows) of
- * a's int8 rows, on int4.c's products (int4_block), then each row's activation scale: the
- * torch reference's order (quant._int4_products). narrow: the narrow last block widened to 16
- * columns; sc: the block's scales per group, then its zeros (int4's zero points; 8 where
- * symmetric, 12 for mxfp4's looked-up values). */
-static void int4_blocks(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int64_t N, int64_t K, int64_t j,
-                        uint8_t *narrow, float *sc, float *C, int64_t ldc, int64_t *cols) {
-    const int64_t octets = K / 8, groups = (K + w->group - 1) / w->group, full = N / BLOCK;
-    const uint8_t *B = (const uint8_t *)w->data + j * BLOCK * 4 * octets;
-    *cols = j < full ? BLOCK : N - full * BLOCK;
-    if (*cols < BLOCK) { /* [octets][cols][4] -> [octets][16][4], zero columns */
-        memset(narrow, 0, (size_t)(octets * 64));
-        for (int64_t o = 0; o < octets; o++) memcpy(narrow + o * 64, B + o * *cols * 4, (size_t)(*cols * 4));
-        B = narrow;
-    }
-    int32_t *zp = (int32_t *)(sc + groups * BLOCK);
-    const int mx = w->kind == W_MXFP4, zero = mx ? 12 : 8;
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t c = 0; c < BLOCK; c++) {
-            const int64_t at = g * N + j * BLOCK + c;
-            sc[g * BLOCK + c] = c < *cols ? w->scale[at] : 0.0f;
-            zp[g * BLOCK + c] = c >= *cols ? 0 : w->zero ? w->zero[at] : zero;
-        }
-    int4_block(a->s8 + m0 * a->ld8, a->ld8, rows, B, octets, w->group / 8, sc, zp, mx, C, ldc);
-    for (int64_t m = 0; m < rows; m++) {
-        const vf s = vf_set1(a->s8_scale[(m0 + m) * a->lds]); /* one scale a row (rows_s8_group) */
-        for (int v = 0; v < VPB; v++) vf_store(C + m * ldc + v * VL, vf_mul(vf_load(C + m * ldc + v * VL), s));
-    }
-}
-
 /* wblock_gemm (wmat.c) for an 8-bit weight: block j (the narrow last one copied into the pad)
  * times rows [m0, m0 + rows) of a, scaled. pad (pad_bytes(K), wmat.c): the narrow block, a
  * dequantized bf16 block, the block's scales per group (fp8). */
@@ -384,10 +352,6 @@ void wblock8_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *w, int6
     uint8_t *narrow = pad;
     bf16 *deq = (bf16 *)((char *)pad + round64((size_t)Kq * BLOCK));
     float *sc = (float *)((char *)deq + round64((size_t)Kq * BLOCK * sizeof(bf16)));
-    if (four_bit(w)) {
-        int4_blocks(a, m0, rows, w, N, K, j, narrow, sc, C, ldc, cols);
-        return;
-    }
     const uint8_t *B = weight_block8(w->data, N, Kq, j, narrow, cols);
     const int64_t n0 = j * BLOCK, nc = *cols;
     if (w->kind == W_INT8) {

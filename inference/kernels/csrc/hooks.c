@@ -31,12 +31,8 @@ void ms_set_int8(void *vnni, void *amx, void *vnni_grouped, void *amx_grouped) {
     int8g_amx = (int8g_fn)amx_grouped;
 }
 /* int4 products (int4.c, the path cpu_kernels.INT4 names), or NULL */
-int4_fn int4_block;
 int4w_fn int4_wblock;
-void ms_set_int4(void *block, void *wblock) {
-    int4_block = (int4_fn)block;
-    int4_wblock = (int4w_fn)wblock;
-}
+void ms_set_int4(void *wblock) { int4_wblock = (int4w_fn)wblock; }
 
 /* which integer product runs (for the start-up log line): 2 AMX, 1 VNNI, 0 vpmaddubsw */
 int ms_int8_path(void) { return int8_amx ? 2 : int8_vnni ? 1 : 0; }

@@ -20,8 +20,7 @@
  * way the weight is (u - z) * scale.
  * ms_int4_linear is the linear layer; ms_int4_wblock the products of one block that the main
  * library's kernels (wmat.c: linear layers, MoE, the fused step) call through kernels.h's
- * int4w_fn (cpu_kernels.enable sets it), reading the weight's scales and zero points in place;
- * ms_int4_block the same with them gathered by the caller (kernels.h's int4_fn).
+ * int4w_fn (cpu_kernels.enable sets it), reading the weight's scales and zero points in place.
  * One row (decode) runs block_row: its sums in registers, in independent chains.
  *
  * Each group's exact sum: sum(u * x) - z * sum(x) (the zero taken off with the activations'
@@ -363,19 +362,6 @@ void ms_int4_wblock(const int8_t *A, int64_t lda, const float *sx, int64_t rows,
     }
     rows_times_block(A, lda, sx, rows, B, octets, group_octets, &p, mx, C, ldc);
     if (B2) rows_times_block(A, lda, sx, rows, B2, octets, group_octets, &p2, mx, C2, ldc);
-}
-
-/* kernels.h's int4_fn (gemm8.c's older call): scales and int32 zeros gathered [G][16] by the
- * caller, no row scale (the caller multiplies) */
-void ms_int4_block(const int8_t *A, int64_t lda, int64_t rows, const uint8_t *B, int64_t octets, int64_t group_octets,
-                   const float *sc, const int32_t *zp, int mx, float *C, int64_t ldc) {
-    const int64_t G = (octets + group_octets - 1) / group_octets;
-    int8_t zero[G * BLOCK];
-    for (int64_t i = 0; i < G * BLOCK; i++) zero[i] = (int8_t)zp[i]; /* int8 zero points, 8, 12 or 0 */
-    float ones[rows > 0 ? rows : 1]; /* x 1: exact */
-    for (int64_t m = 0; m < rows; m++) ones[m] = 1.0f;
-    const block_params p = {sc, zero, BLOCK, BLOCK, 0};
-    rows_times_block(A, lda, ones, rows, B, octets, group_octets, &p, mx, C, ldc);
 }
 
 /* y [M, N] float32 (stride ldy) = q [M, Kp] int8 (stride ldq; Kp a multiple of 8, zero past

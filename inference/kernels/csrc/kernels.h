@@ -109,21 +109,16 @@ typedef void (*int8_fn)(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, 
 typedef void (*int8g_fn)(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const float *sa, int64_t lds,
                          const int8_job *jobs, int64_t count, int64_t ldc);
 
-/* 4-bit blocks (int4.c, a library of its own): C[m][0..16) = sum over groups g, in order, of
- * float(exact sum of row m of A times the block's group g, less zp[g][c] times the row's
- * group sum) * sc[g][0..16), for `rows` rows of signed bytes (stride lda, 8 * octets
- * columns); B one packed 4-bit block of `octets` 64-byte rows, groups of group_octets rows;
- * mx: its nibbles are mxfp4 codes (looked up; zero 12), else int4 levels. The activation
- * scale is the caller's to multiply. */
-typedef void (*int4_fn)(const int8_t *A, int64_t lda, int64_t rows, const uint8_t *B, int64_t octets,
-                        int64_t group_octets, const float *sc, const int32_t *zp, int mx, float *C, int64_t ldc);
-
-/* The same products with the weight's scales and zero points read in place (int4.c's
- * ms_int4_wblock; wmat.c calls it): sc and zero (NULL: 8, mxfp4's 12) the block's first
- * column of the weight's [G][N] arrays, ld (N) apart, cols the block's real width (the
- * narrow last one's bytes widened to 16 columns by the caller); each row m times its
- * activation scale sx[m]. B2 (NULL: none): a second, full block (sc2, zero2) into C2, one
- * row's in the same pass over the activations. */
+/* 4-bit blocks (int4.c's ms_int4_wblock, a library of its own; wmat.c calls it): C[m][0..16) =
+ * sum over groups g, in order, of float(exact sum of row m of A times the block's group g, less
+ * the zero point times the row's group sum) * the group's scale, times the row's activation
+ * scale sx[m], for `rows` rows of signed bytes (stride lda, 8 * octets columns); B one packed
+ * 4-bit block of `octets` 64-byte rows, groups of group_octets rows; mx: its nibbles are mxfp4
+ * codes (looked up; zero 12), else int4 levels. sc and zero (NULL: 8, mxfp4's 12) are the
+ * block's first column of the weight's [G][N] arrays, read in place ld (N) apart; cols the
+ * block's real width (the narrow last one's bytes widened to 16 columns by the caller).
+ * B2 (NULL: none): a second, full block (sc2, zero2) into C2, one row's in the same pass over
+ * the activations. */
 typedef void (*int4w_fn)(const int8_t *A, int64_t lda, const float *sx, int64_t rows, int64_t octets,
                          int64_t group_octets, int64_t ld, int mx, const uint8_t *B, const float *sc,
                          const int8_t *zero, int64_t cols, float *C, const uint8_t *B2, const float *sc2,
@@ -158,11 +153,10 @@ static inline float row_amax(const float *x, int64_t n) {
 extern MS_HIDDEN amx_fn amx_block;
 extern MS_HIDDEN int8_fn int8_vnni, int8_amx;
 extern MS_HIDDEN int8g_fn int8g_vnni, int8g_amx; /* their grouped forms */
-extern MS_HIDDEN int4_fn int4_block; /* NULL: no int4 library (cpu_kernels.INT4 None) */
-extern MS_HIDDEN int4w_fn int4_wblock; /* the same library's, scales read in place */
+extern MS_HIDDEN int4w_fn int4_wblock; /* NULL: no int4 library (cpu_kernels.INT4 None) */
 void ms_set_amx(void *block, void *new_call);
 void ms_set_int8(void *vnni, void *amx, void *vnni_grouped, void *amx_grouped);
-void ms_set_int4(void *block, void *wblock);
+void ms_set_int4(void *wblock);
 /* which integer product runs (for the start-up log line): 2 AMX, 1 VNNI, 0 vpmaddubsw */
 int ms_int8_path(void);
 /* whether products of many rows go to AMX */

@@ -20,8 +20,8 @@ wmat wmat_expert(const wmat *w, int64_t e, int64_t N, int64_t K) {
 }
 
 /* scratch per thread for wblock_gemm: a narrow 8-bit block, a dequantized bf16 block, the
- * block's scales per group (fp8; 4-bit: its scales and zeros, groups of 8 inputs or more fit
- * in it; gemm8.c's wblock8_gemm lays these out), a narrow bf16 block (weight_block) */
+ * block's scales per group (fp8; gemm8.c's wblock8_gemm lays these out; 4-bit weights use the
+ * narrow block's part only), a narrow bf16 block (weight_block) */
 size_t pad_bytes(int64_t K) {
     const int64_t Kq = quad(K);
     return round64((size_t)Kq * BLOCK) + round64((size_t)Kq * BLOCK * sizeof(bf16)) +
