@@ -51,6 +51,8 @@ STEAL_LIMIT is taken again (at most STEAL_RETRIES times, the least disturbed kep
 
     python -m bench.peers.run_peers            # the timed run: bench/results/peers.json, bench/PEERS.md
     python -m bench.peers.run_peers --smoke    # 2 requests x 8 tokens per engine: checks, no results
+    python -m bench.peers.run_peers --engines moeserve,vllm --skip offline,ttft --rounds 1 \
+        --out bench/results/peers_long_context.json   # the long-context rows on their own
 """
 
 from __future__ import annotations
@@ -1206,6 +1208,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--log-dir", default=None, help="worker/server logs (default: a temp folder)"
     )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="write the results here instead of bench/results/peers.json, leaving PEERS.md and "
+        "the chart to the full run (e.g. the long-context rows run on their own)",
+    )
     ns = parser.parse_args(argv)
     if ns.smoke:
         ns.rounds = 1
@@ -1372,6 +1380,10 @@ def main(argv: list[str] | None = None) -> int:
         "greedy_agreement": agree,
         "busy_warnings": busy,
     }
+    if ns.out:  # a partial run of its own (e.g. the long-context rows): its JSON only
+        Path(ns.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nwrote {ns.out}")
+        return 0
     RESULTS.mkdir(parents=True, exist_ok=True)
     json_path = RESULTS / "peers.json"
     json_path.write_text(json.dumps(report, indent=2) + "\n")
