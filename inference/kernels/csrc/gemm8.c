@@ -53,16 +53,12 @@ static inline const int32_t *block_colsum(const wmat *w, int64_t j) { return w->
 
 /* ---- int8 x int8 ------------------------------------------------------------------- */
 
-/* rows x one block without VNNI: vpmaddubsw on |w| and x carrying w's sign (simd.h
- * vi_dot4), the exact int32 sums stored */
-static inline __attribute__((always_inline)) void int8_tile(const int rows, const int8_t *A, int64_t lda,
-                                                            const int8_t *B, int64_t Kq, int32_t *C, int64_t ldc) {
-    vi acc[MR8][VPB];
-#pragma GCC unroll 8
-    for (int m = 0; m < rows; m++)
-#pragma GCC unroll 2
-        for (int v = 0; v < VPB; v++) acc[m][v] = vi_set1(0);
-    for (int64_t kq = 0; kq < Kq / 4; kq++) {
+/* rows x quads [q0, q1) of one block without VNNI, added into the exact int32 sums: vpmaddubsw
+ * on |w| and x carrying w's sign (simd.h vi_dot4) */
+static inline __attribute__((always_inline)) void int8_quads(const int rows, const int8_t *A, int64_t lda,
+                                                             const int8_t *B, int64_t q0, int64_t q1,
+                                                             vi sums[MR8][VPB]) {
+    for (int64_t kq = q0; kq < q1; kq++) {
         vi w[VPB], wa[VPB];
 #pragma GCC unroll 2
         for (int v = 0; v < VPB; v++) {
@@ -75,17 +71,28 @@ static inline __attribute__((always_inline)) void int8_tile(const int rows, cons
             memcpy(&x4, A + m * lda + 4 * kq, 4);
             const vi x = vi_set1(x4);
 #pragma GCC unroll 2
-            for (int v = 0; v < VPB; v++) acc[m][v] = vi_dot4(acc[m][v], wa[v], w[v], x);
+            for (int v = 0; v < VPB; v++) sums[m][v] = vi_dot4(sums[m][v], wa[v], w[v], x);
         }
     }
+}
+
+/* rows x one block without VNNI, the exact int32 sums stored */
+static inline __attribute__((always_inline)) void int8_tile(const int rows, const int8_t *A, int64_t lda,
+                                                            const int8_t *B, int64_t Kq, int32_t *C, int64_t ldc) {
+    vi acc[MR8][VPB];
+#pragma GCC unroll 8
+    for (int m = 0; m < rows; m++)
+#pragma GCC unroll 2
+        for (int v = 0; v < VPB; v++) acc[m][v] = vi_set1(0);
+    int8_quads(rows, A, lda, B, 0, Kq / 4, acc);
 #pragma GCC unroll 8
     for (int m = 0; m < rows; m++)
 #pragma GCC unroll 2
         for (int v = 0; v < VPB; v++) vi_store(C + m * ldc + v * VL, acc[m][v]);
 }
 
-/* rows x one block with a scale per ACT_GROUP inputs (int8g_fn): each group's exact sums on
- * vpmaddubsw as int8_tile's, then acc = fma(float(sums), the row's group scale, acc) */
+/* rows x one block with a scale per ACT_GROUP inputs (int8g_fn): each group's exact sums
+ * (int8_quads), then acc = fma(float(sums), the row's group scale, acc) */
 #define GROUP_QUADS (ACT_GROUP / 4)
 static inline __attribute__((always_inline)) void int8_tile_grouped(const int rows, const int8_t *A, int64_t lda,
                                                                     const int8_t *B, int64_t Kq, const float *sa,
@@ -102,22 +109,7 @@ static inline __attribute__((always_inline)) void int8_tile_grouped(const int ro
         for (int m = 0; m < rows; m++)
 #pragma GCC unroll 2
             for (int v = 0; v < VPB; v++) sums[m][v] = vi_set1(0);
-        for (int64_t kq = q0; kq < q1; kq++) {
-            vi w[VPB], wa[VPB];
-#pragma GCC unroll 2
-            for (int v = 0; v < VPB; v++) {
-                w[v] = vi_load(B + kq * 4 * BLOCK + v * 4 * VL);
-                wa[v] = vi_abs8(w[v]);
-            }
-#pragma GCC unroll 8
-            for (int m = 0; m < rows; m++) {
-                int32_t x4;
-                memcpy(&x4, A + m * lda + 4 * kq, 4);
-                const vi x = vi_set1(x4);
-#pragma GCC unroll 2
-                for (int v = 0; v < VPB; v++) sums[m][v] = vi_dot4(sums[m][v], wa[v], w[v], x);
-            }
-        }
+        int8_quads(rows, A, lda, B, q0, q1, sums);
 #pragma GCC unroll 8
         for (int m = 0; m < rows; m++) {
             const vf s = vf_set1(sa[m * lds + g]);
