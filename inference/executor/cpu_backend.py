@@ -33,7 +33,9 @@ from inference.quantization.qweight import FOUR_BIT, QWeight
 def _replacement(name: str, module: nn.Module, parent: nn.Module) -> nn.Module | None:
     kind = type(module)
     if kind is QuantExperts and module.w13.fmt in FOUR_BIT:
-        if not cpu.int4_moe_fits(module.w13, module.w13.in_features):
+        # (an act-order down projection is gathered there: the loader folds it into gate/up
+        # where it can, loader._fold_down_orders)
+        if not cpu.int4_moe_fits(module.w13, module.w13.in_features) or module.w2.perm is not None:
             return None  # torch's path, one expert at a time
         return CpuExperts(module)
     if kind is QuantLinear and module.weight.fmt in FOUR_BIT and cpu.INT4 is None:

@@ -18,7 +18,7 @@ from inference.errors import ModelLoadError
 from inference.hf_overrides import apply_hf_overrides, hf_overrides
 from inference.models.args import Family, ModelArgs
 from inference.models.mtp import MTP_OWN_WEIGHTS, MTP_SHARED_WEIGHTS
-from inference.quantization import autoround, awq, compressed_tensors, gptq, mxfp4
+from inference.quantization import act_order, autoround, awq, compressed_tensors, gptq, mxfp4
 from inference.quantization import qweight as quant
 from inference.quantization.published import Int4Levels, UnservedVariant
 from inference.quantization.qweight import QWeight
@@ -256,7 +256,10 @@ class _Int4Parts:
         self.scales: torch.Tensor | None = None  # [..., N, G]
         self.zeros: torch.Tensor | None = None  # [..., N, G], 8 where symmetric
         self.group: int | None = None
-        self.act_order = False  # a part whose groups are not contiguous inputs
+        # act-order: each matrix's input order (expert index or None -> perm or None), which
+        # its parts (q/k/v, gate/up: one input) must share to be gathered once
+        self.orders: dict[int | None, torch.Tensor | None] = {}
+        self.orders_differ = False
 
     def fill(self, index, rows: slice, part: Int4Levels) -> None:
         if self.group is None:
@@ -270,16 +273,37 @@ class _Int4Parts:
                 f"{self.name}: its parts come in groups of {self.group} and {part.group} "
                 "inputs (one fused weight takes one group size)"
             )
-        self.act_order |= part.perm is not None
+        if index not in self.orders:
+            self.orders[index] = part.perm
+        elif not _same_order(self.orders[index], part.perm):
+            self.orders_differ = True
         at = (lambda t: t[rows]) if index is None else (lambda t: t[index][rows])
         at(self.levels).copy_(part.levels)
         at(self.scales).copy_(part.scales)
         if part.zeros is not None:
             at(self.zeros).copy_(part.zeros)
 
-    def qweight(self) -> QWeight:
+    def qweight(self) -> QWeight | None:
+        """The parameter in 4 bits; None where its parts' act-order input orders differ (one
+        gather cannot serve them: it is served from its dequantized weights instead)."""
+        if self.orders_differ:
+            return None
         zeros = None if bool((self.zeros == 8).all()) else self.zeros
-        return quant.int4_from_levels(self.levels, self.scales, zeros, self.group)
+        perm = None
+        if any(p is not None for p in self.orders.values()):
+            k = self.levels.shape[-1]
+            if self.levels.dim() == 2:
+                perm = self.orders[None]
+            else:  # experts in order (or none) keep the identity
+                perm = torch.arange(k).repeat(self.levels.shape[0], 1)
+                for e, p in self.orders.items():
+                    if p is not None:
+                        perm[e] = p
+        return quant.int4_from_levels(self.levels, self.scales, zeros, self.group, perm=perm)
+
+
+def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 def _int4_module(name: str, f, located: dict[str, Path], fmt, scheme) -> list[Int4Levels]:
@@ -433,7 +457,10 @@ def load_weights(
             f"weight is stored so (no *.{fmt.WEIGHT} tensor)"
         )
     for pname, parts in int4.items():
-        kept[pname] = _served_int4(pname, parts)
+        w = _served_int4(pname, parts)
+        if w is not None:
+            kept[pname] = w
+    _fold_down_orders(kept, params)
     for pname, parts in fp8.items():
         w = parts.qweight()
         if w is not None:
@@ -450,24 +477,38 @@ def _config_quantization(path: Path) -> dict | None:
 
 
 def _served_int4(pname: str, parts: _Int4Parts) -> QWeight | None:
-    """A published 4-bit parameter as served: its levels in 4 bits. Act-order parts (groups
-    not contiguous inputs) would need their activations gathered into the groups' order,
-    which no layer does yet: stacked experts are refused naming desc_act; a dense layer is
-    served from its dequantized 16-bit weights (None), said at start-up."""
-    if not parts.act_order:
-        return parts.qweight()
-    if parts.levels.dim() > 2:
-        raise ModelLoadError(
-            f"{parts.name}: act-order (quantization_config.desc_act, a g_idx whose groups are "
-            "not contiguous inputs) is not served on MoE experts (each expert has its own "
-            "input order); re-quantize with desc_act false"
+    """A published 4-bit parameter as served: its levels in 4 bits, act-order ones with their
+    input order (QWeight.perm: the activations gathered into it); None (served from its
+    dequantized 16-bit weights, said at start-up) where fused parts (q/k/v, gate/up) come in
+    different act-order input orders."""
+    w = parts.qweight()
+    if w is None:
+        log.warning(
+            "act-order weight served dequantized",
+            weight=pname,
+            reason="its fused parts' g_idx give different input orders (one gather a weight)",
         )
-    log.warning(
-        "act-order weight served dequantized",
-        weight=pname,
-        reason="quantization_config.desc_act: its g_idx groups are not contiguous inputs",
-    )
-    return None
+    return w
+
+
+_DOWN = re.compile(r"(.*)\.w2(\.weight)?")
+
+
+def _fold_down_orders(kept: dict[str, QWeight], params: dict) -> None:
+    """Each act-order down projection (an MLP's w2, experts' w2) whose gate/up weight is
+    served in 4 bits without a bias: its input order folded into gate/up's rows
+    (act_order.fold_down_order), so no gather runs for it; others keep their gather."""
+    for pname, w2 in list(kept.items()):
+        found = _DOWN.fullmatch(pname)
+        if w2.perm is None or found is None:
+            continue
+        base, weight = found.group(1), found.group(2) or ""
+        up = f"{base}.w13{weight}"
+        bias = f"{base}.w13.bias" if weight else f"{base}.b13"
+        w13 = kept.get(up)
+        if w13 is None or w13.fmt != "int4" or w13.packed or params.get(bias) is not None:
+            continue
+        kept[up], kept[pname] = act_order.fold_down_order(w13, w2)
 
 
 def _converted(w: QWeight, convert) -> QWeight:

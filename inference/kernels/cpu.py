@@ -184,8 +184,8 @@ def _build(sources: list[Path], flags: list[str], name: str) -> Path:
 class WMat(ctypes.Structure):
     """A packed weight as the kernels take it (csrc/kernels.h wmat): bf16 pairs, or 8-bit
     quads with float32 scales per (group, column) and, for int8, column sums; or 4-bit octets
-    with scales, int4's zero points (NULL: symmetric) and whether their rows are plain
-    (unrotated)."""
+    with scales, int4's zero points (NULL: symmetric), whether their rows are plain
+    (unrotated) and an act-order weight's input order (int32 [..., K]; NULL: in order)."""
 
     _fields_ = [
         ("data", _P),
@@ -195,6 +195,7 @@ class WMat(ctypes.Structure):
         ("kind", _I64),
         ("zero", _P),
         ("plain", _I64),
+        ("perm", _P),
     ]
 
 
@@ -231,6 +232,7 @@ def wmat(w: torch.Tensor | QWeight | None) -> WMat:
             _W_KINDS[w.fmt],
             zero,
             int(four_bit and not w.rotated),
+            None if w.perm is None else w.perm.data_ptr(),
         )
     return WMat(w.data_ptr(), None, None, 0, 0)
 
@@ -682,8 +684,16 @@ def _pack_int4(w: QWeight) -> QWeight:
     nibbles = (octets[..., 0, :] | (octets[..., 1, :] << 4)).flatten(-2)  # [..., N, Kp/2]
     data = _pack(nibbles, 4)
     zero = None if w.zero is None else w.zero.contiguous()
+    perm = None if w.perm is None else w.perm.to(torch.int32).contiguous()
     return QWeight(
-        w.fmt, data, w.scale.contiguous(), w.group, w.in_features, rotated=w.rotated, zero=zero
+        w.fmt,
+        data,
+        w.scale.contiguous(),
+        w.group,
+        w.in_features,
+        rotated=w.rotated,
+        zero=zero,
+        perm=perm,
     )
 
 
@@ -868,6 +878,8 @@ def moe(
     t, d = x.shape
     if isinstance(w13, QWeight) and w13.fmt in quant.FOUR_BIT and not int4_moe_fits(w13, d):
         raise ValueError("moe: 4-bit experts need the int4 kernel and D and I % 8 == 0")
+    if isinstance(w2, QWeight) and w2.perm is not None:  # ms_moe gathers the tokens only
+        raise ValueError("moe: an act-order w2 is folded into w13 first (act_order.py)")
     if isinstance(w13, QWeight):
         e, i = w13.scale.shape[0], w13.scale.shape[-1] // 2
     else:

@@ -7,7 +7,9 @@ scale. Checkpoint format "gptq" (v1) stores each zero point minus one (AutoGPTQ'
 convention: its dequantization adds the one back, so a zero of 0 wraps to 16); "gptq_v2"
 (GPTQModel's) stores them as they are.
 
-Served: 4 bits, symmetric or not, any group (a multiple of 8 or per channel). Refused,
+Served: 4 bits, symmetric or not, any group (a multiple of 8 or per channel), act-order or
+not (desc_act: unpacked with the inputs sorted by group, Int4Levels.perm; served with the
+activations gathered into that order, act_order.py). Refused,
 naming the field: other bit widths, other checkpoint formats (marlin, bitblas...), and
 `dynamic` overrides that change the bit width or group of some modules."""
 

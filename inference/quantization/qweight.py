@@ -96,6 +96,10 @@ class QWeight:
     # int4 only: int8 [..., G, N] zero points in the level domain, w = (level - zero) *
     # scale = (data + 8 - zero) * scale; None: symmetric (every zero 8)
     zero: torch.Tensor | None = None
+    # int4 only, act-order (GPTQ desc_act): int32 [..., K], column j of the weight is input
+    # perm[j] (each group's inputs contiguous); activations are gathered so before their
+    # products (y = W x = W[:, perm] x[perm]). None: the inputs in order
+    perm: torch.Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -109,7 +113,7 @@ class QWeight:
     def nbytes(self) -> int:
         return sum(
             t.numel() * t.element_size()
-            for t in (self.data, self.scale, self.colsum, self.zero)
+            for t in (self.data, self.scale, self.colsum, self.zero, self.perm)
             if t is not None
         )
 
@@ -117,6 +121,7 @@ class QWeight:
         """One matrix of a stack (an expert of [E, N, K])."""
         colsum = None if self.colsum is None else self.colsum[index]
         zero = None if self.zero is None else self.zero[index]
+        perm = None if self.perm is None else self.perm[index]
         return QWeight(
             self.fmt,
             self.data[index],
@@ -126,6 +131,7 @@ class QWeight:
             colsum,
             self.rotated,
             zero,
+            perm,
         )
 
     @property
@@ -135,7 +141,8 @@ class QWeight:
 
     def integers(self) -> torch.Tensor:
         """The integer weights [..., N, K] the W4A8 products sum exactly, each times its
-        group's scale (int4: level - zero; mxfp4: 2 * e2m1), as int32; row-major only."""
+        group's scale (int4: level - zero; mxfp4: 2 * e2m1), as int32; row-major only; in the
+        order of `perm` where there is one (the gathered activations')."""
         if self.packed or self.fmt not in FOUR_BIT:
             raise ValueError("integers() reads a row-major int4 or mxfp4 weight")
         w = self.data.to(torch.int32)
@@ -151,6 +158,10 @@ class QWeight:
         scale = per_input(self.scale, self.group, self.in_features)
         values = self.integers() if self.fmt in FOUR_BIT else self.data
         w = values.float() * scale
+        if self.perm is not None:  # back to the inputs' own order
+            w = torch.empty_like(w).scatter_(
+                -1, self.perm.long().unsqueeze(-2).expand_as(w).contiguous(), w
+            )
         return (rotate_by_products(w) if self.rotates else w).to(dtype)
 
 
@@ -216,6 +227,7 @@ def int4_from_levels(
     zeros: torch.Tensor | None,
     group: int,
     rotated: bool = False,
+    perm: torch.Tensor | None = None,
 ) -> QWeight:
     """A 4-bit weight as published formats give it (GPTQ, AWQ, compressed-tensors once
     unpacked from their int32 words): levels [..., N, K] integers in [0, 15], scales [..., N,
@@ -223,7 +235,7 @@ def int4_from_levels(
     holding whole numbers in [-128, 127]) or None (symmetric: 8), meaning w = (level - zero)
     * scale. group: 32, 64, 128, ... (a multiple of 8) or K (per channel, any K). rotated:
     the levels are of rows rotated by hadamard.rotate (our own --quantization int4); published
-    checkpoints are not."""
+    checkpoints are not. perm [..., K]: act-order, column j is input perm[j] (QWeight.perm)."""
     *lead, n, k = levels.shape
     if group <= 0 or (group % 8 and group < k):
         raise ValueError(f"int4 groups must be a multiple of 8 inputs or all of K={k} ({group})")
@@ -244,6 +256,10 @@ def int4_from_levels(
         if not torch.equal(z, z.round()) or (z.numel() and (z.min() < -128 or z.max() > 127)):
             raise ValueError("int4 zero points must be whole numbers in [-128, 127]")
         zero = zeros.to(torch.int8).transpose(-1, -2).contiguous()
+    if perm is not None:
+        if rotated or tuple(perm.shape) != (*lead, k):
+            raise ValueError(f"int4 perm must be [..., {k}] of an unrotated weight")
+        perm = perm.to(torch.int32).contiguous()
     return QWeight(
         "int4",
         (levels.to(torch.int16) - 8).to(torch.int8).contiguous(),
@@ -252,6 +268,7 @@ def int4_from_levels(
         k,
         rotated=rotated,
         zero=zero,
+        perm=perm,
     )
 
 
@@ -369,9 +386,12 @@ def linear(
 
 
 def quantize_activations(rows: torch.Tensor, w: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows [M, K] as an int8/int4 weight takes them: rotated where the weight is, then int8
-    per row (quantize_rows) -> q [M, K] int8, scales [M] float32."""
+    """Rows [M, K] as an int8/int4 weight takes them: gathered into the weight's input order
+    where it has one (act-order), rotated where the weight is, then int8 per row
+    (quantize_rows) -> q [M, K] int8, scales [M] float32."""
     rows = rows.float()
+    if w.perm is not None:
+        rows = rows.index_select(-1, w.perm)
     return quantize_rows(rotate(rows) if w.rotates else rows)
 
 

@@ -9,16 +9,20 @@ dequantization of them (the reference a loader is held to).
   (auto_round_extension.torch.qlinear_torch_zp.QuantLinear: AutoGPTQ's v1 dequantization,
   g_idx and all), AutoRound's copy of AutoAWQ's dequantize_gemm, and the compressed-tensors
   library's own PackedQuantizationCompressor.decompress.
-- Act-order GPTQ: no installable library writes it (GPTQModel, AutoGPTQ); the g_idx
-  checkpoint is AutoRound's GPTQ one with its inputs reordered (levels and g_idx permuted
-  the way act-order writes them), and the reference is still AutoRound's g_idx-aware layer.
+- Act-order GPTQ: no installable library writes it (GPTQModel, AutoGPTQ; AutoRound 0.16.1
+  exports desc_act false with in-order g_idx, and its own loader refuses other g_idx); the
+  g_idx checkpoint is AutoRound's GPTQ one with its inputs reordered (levels and g_idx
+  permuted the way act-order writes them, one order for the modules that read one input),
+  and the reference is still AutoRound's g_idx-aware layer (AutoGPTQ's dequantization).
 
-The demo model's tiny preset is widened to 128 inputs so groups of 128 exist."""
+The demo models' tiny preset (and a dense llama) is widened to 128 inputs so groups of 128
+exist."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -34,6 +38,8 @@ VARIANTS = {
     "gptq-sym-g128": ("auto_gptq", True, 128),
     "gptq-asym-g128": ("auto_gptq", False, 128),
     "gptq-asym-channel": ("auto_gptq", False, -1),
+    "gptq-sym-g32": ("auto_gptq", True, 32),
+    "gptq-asym-g32": ("auto_gptq", False, 32),
     "awq-g128": ("auto_awq", False, 128),
     "awq-sym-g128": ("auto_awq", True, 128),
     "ct-sym-g128": ("llm_compressor", True, 128),
@@ -43,14 +49,25 @@ VARIANTS = {
 ARCH = "qwen2_moe"  # experts, attention and a dense MLP (the shared expert)
 
 
-def source_model(root: Path) -> Path:
-    """A float32 qwen2_moe demo checkpoint with 128 hidden inputs (groups of 128 fit)."""
-    out = root / "source"
-    if not (out / "config.json").is_file():
-        p = dataclasses.replace(
-            family_preset("tiny", ARCH), hidden=128, head_dim=32, ffn=256, shared_ffn=256
-        )
-        write_demo_model(out, preset=p, arch=ARCH)
+def source_model(root: Path, arch: str = ARCH) -> Path:
+    """A float32 demo checkpoint of `arch` (a demo family, or "llama": a dense
+    LlamaForCausalLM over the demo tokenizer) with 128 hidden inputs (groups of 128 fit)."""
+    out = root / ("source" if arch == ARCH else f"source-{arch}")
+    if (out / "config.json").is_file():
+        return out
+    if arch == "llama":
+        from tests.inference.tiny_gguf import random_llama
+
+        tokenizer = source_model(root)
+        model = random_llama(tokenizer, seed=1, hidden_size=128, intermediate_size=256, head_dim=32)
+        model.save_pretrained(out)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tokenizer / name, out / name)
+        return out
+    p = dataclasses.replace(
+        family_preset("tiny", arch), hidden=128, head_dim=32, ffn=256, shared_ffn=256
+    )
+    write_demo_model(out, preset=p, arch=arch)
     return out
 
 
@@ -182,24 +199,38 @@ def dequantized_twin(path: Path, out: Path) -> Path:
     return out
 
 
-def act_order_gptq(path: Path, out: Path, experts: bool, seed: int = 0) -> Path:
+# the modules that read one input (GPTQ's act-order order comes from that input's Hessian,
+# so theirs is one order): q/k/v, and each MLP's or expert's gate/up
+_SAME_INPUT = re.compile(r"\.(?:(?:q|k|v)_proj|(?:gate|up)_proj)$")
+
+
+def _input_of(module: str) -> str:
+    return _SAME_INPUT.sub(lambda m: ".qkv" if m.group(0)[1] in "qkv" else ".gate_up", module)
+
+
+def act_order_gptq(
+    path: Path, out: Path, experts: bool, seed: int = 0, one_order_an_input: bool = True
+) -> Path:
     """AutoRound's GPTQ checkpoint `path` rewritten as act-order writes one: the inputs of
     the attention and dense MLP modules (and the experts' with `experts`) in a random order,
-    g_idx saying each input's group, desc_act true. (Its weights are other weights, each
-    input's levels moved to another input: a valid act-order checkpoint, which the
-    reference layer dequantizes by its g_idx.)"""
+    g_idx saying each input's group, desc_act true. Modules that read one input (q/k/v,
+    gate/up) share their order, as GPTQ's (one Hessian) do, unless one_order_an_input is
+    False. (Its weights are other weights, each input's levels moved to another input: a
+    valid act-order checkpoint, which the reference layer dequantizes by its g_idx.)"""
     shutil.copytree(path, out)
     tensors = read_all(path)
     g = torch.Generator().manual_seed(seed)
     shifts = torch.arange(0, 32, 4, dtype=torch.int64)
-    for name in [n for n in tensors if n.endswith(".qweight")]:
+    orders: dict[str, torch.Tensor] = {}
+    for name in sorted(n for n in tensors if n.endswith(".qweight")):
         module = name.removesuffix(".qweight")
         if ".experts." in module and not experts:
             continue
         qweight, g_idx = tensors[name].to(torch.int64), tensors[f"{module}.g_idx"]
         k = qweight.shape[0] * 8
         levels = ((qweight.unsqueeze(1) >> shifts.view(1, 8, 1)) & 0xF).reshape(k, -1)
-        perm = torch.randperm(k, generator=g)
+        key = _input_of(module) if one_order_an_input else module
+        perm = orders.setdefault(key, torch.randperm(k, generator=g))
         levels, g_idx = levels[perm], g_idx[perm]
         words = (levels.reshape(k // 8, 8, -1) << shifts.view(1, 8, 1)).sum(1)
         tensors[name] = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)

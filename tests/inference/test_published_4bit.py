@@ -8,7 +8,8 @@ norms, lm_head) as it is:
 - its weights unpack to the library's own dequantization;
 - served dequantized (--quantization none), its logits are the library-dequantized model's;
 - served as published (the default), in 4 bits, its logits stay as close to that model as
-  our int4 W4A8 does to its own dequantized weights (int8 activations only);
+  our int4 W4A8 does to its own dequantized weights (int8 activations only); act-order GPTQ
+  too (qwen2_moe, qwen3_moe and a dense llama; groups of 32 and 128, symmetric or not);
 - ModelInfo's quantization names the format;
 - variants we do not serve are refused naming the config field."""
 
@@ -45,13 +46,14 @@ W4A8_TOLERANCE = 0.06
 def published(tmp_path_factory):
     """variant -> the library-made checkpoint folder (made on first use)."""
     root = tmp_path_factory.mktemp("published_4bit")
-    made: dict[str, object] = {}
+    made: dict[tuple[str, str], object] = {}
 
-    def get(variant: str):
-        if variant not in made:
-            src = pub.source_model(root)
-            made[variant] = pub.autoround_checkpoint(src, root / variant, variant)
-        return made[variant]
+    def get(variant: str, arch: str = pub.ARCH):
+        if (variant, arch) not in made:
+            src = pub.source_model(root, arch)
+            out = root / (variant if arch == pub.ARCH else f"{arch}-{variant}")
+            made[variant, arch] = pub.autoround_checkpoint(src, out, variant)
+        return made[variant, arch]
 
     return get
 
@@ -133,21 +135,97 @@ def test_symmetric_checkpoints_carry_no_zero_points(published):
     assert eng.executor.model.layers[0].attn.wqkv.weight.zero is None
 
 
-def test_act_order_dense_layers_load_and_match_the_library(published, tmp_path):
-    src = published("gptq-sym-g128")
-    path = pub.act_order_gptq(src, tmp_path / "act_order", experts=False)
+# act-order checkpoints (published_4bit.act_order_gptq over AutoRound's GPTQ ones): id ->
+# (architecture, variant); qwen2_moe has experts, a dense MLP (its shared expert) and
+# attention, qwen3_moe experts alone, llama dense MLPs
+ACT_ORDER = {
+    "qwen2_moe-sym-g128": ("qwen2_moe", "gptq-sym-g128"),
+    "qwen2_moe-asym-g32": ("qwen2_moe", "gptq-asym-g32"),
+    "qwen3_moe-asym-g128": ("qwen3_moe", "gptq-asym-g128"),
+    "llama-sym-g32": ("llama", "gptq-sym-g32"),
+    "llama-asym-g128": ("llama", "gptq-asym-g128"),
+}
+
+
+def act_order_checkpoint(published, tmp_path, case: str, **options):
+    arch, variant = ACT_ORDER[case]
+    return pub.act_order_gptq(published(variant, arch), tmp_path / "act_order", True, **options)
+
+
+def mlps(model) -> list:
+    """Every MLP's modules holding w13 and w2: experts (a stack) and dense MLPs."""
+    found = []
+    for layer in model.layers:
+        mlp = layer.mlp
+        moe = getattr(mlp, "moe", mlp)
+        if hasattr(moe, "experts"):
+            found.append(moe.experts)
+        for dense in (getattr(mlp, "shared", None), mlp if hasattr(mlp, "w13") else None):
+            if dense is not None:
+                found.append(dense)
+    return found
+
+
+def weight_of(module):
+    return module.weight if hasattr(module, "weight") else module
+
+
+@pytest.mark.parametrize("case", sorted(ACT_ORDER))
+def test_act_order_checkpoints_are_served_in_four_bits_and_match_the_library(
+    published, tmp_path, case
+):
+    """Every layer kind of an act-order checkpoint (experts, attention, dense MLPs) served
+    in 4 bits, its activations gathered into each weight's input order (the down
+    projections' folded into gate/up's rows): the logits stay as close to the
+    library-dequantized model as W4A8 does, on torch's path (float32) and on the kernels
+    with the one-call decode step (bf16)."""
+    path = act_order_checkpoint(published, tmp_path, case)
+    twin_path = pub.dequantized_twin(path, tmp_path / "twin")
+    batch = prompts(1024, [24, 17])
+    twin = prompt_logprobs(engine(twin_path), batch)
+    for dtype in ("float32", "bfloat16"):
+        served = engine(path, dtype=dtype)
+        assert served.quantization == "gptq"
+        model = served.executor.model
+        attn = model.layers[0].attn
+        # (a weight of one group a row, 128 inputs in groups of 128, needs no order)
+        for w in (weight_of(attn.wqkv), weight_of(attn.wo)):
+            assert w.fmt == "int4" and (w.perm is not None) == (w.group < w.in_features)
+        for mlp in mlps(model):
+            w13, w2 = weight_of(mlp.w13), weight_of(mlp.w2)
+            assert w13.fmt == w2.fmt == "int4" and w2.group < w2.in_features
+            assert (w13.perm is not None) == (w13.group < w13.in_features)
+            assert w2.perm is None  # w2's order folded into w13's rows
+        if dtype == "bfloat16":
+            assert served.executor.fused_step is not None
+        error = (prompt_logprobs(served, batch) - twin).abs().mean().item()
+        assert error < W4A8_TOLERANCE, (dtype, error)
+        out = served.generate(
+            batch[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        )
+        assert len(out[0].token_ids) == 4
+
+
+def test_fused_parts_in_different_act_orders_are_served_from_their_16_bit_weights(
+    published, tmp_path
+):
+    """q/k/v or gate/up whose g_idx give different orders (no GPTQ run writes them: one
+    input, one Hessian) cannot share one gather: those fused weights are served dequantized,
+    the rest in 4 bits, and the logits still match the library."""
+    path = act_order_checkpoint(published, tmp_path, "qwen2_moe-asym-g32", one_order_an_input=False)
     twin_path = pub.dequantized_twin(path, tmp_path / "twin")
     batch = prompts(1024, [20])
     twin = prompt_logprobs(engine(twin_path), batch)
-    eng = engine(path)
-    assert eng.quantization == "gptq"
-    assert (prompt_logprobs(eng, batch) - twin).abs().mean().item() < W4A8_TOLERANCE
-
-
-def test_act_order_experts_are_refused_naming_desc_act(published, tmp_path):
-    path = pub.act_order_gptq(published("gptq-sym-g128"), tmp_path / "act_order", experts=True)
-    with pytest.raises(ModelLoadError, match="desc_act"):
-        engine(path)
+    served = engine(path, dtype="float32")
+    layer = served.executor.model.layers[0]
+    assert not isinstance(layer.attn.wqkv, QuantLinear) and not isinstance(
+        layer.mlp.moe.experts, QuantExperts
+    )
+    assert isinstance(layer.attn.wo, QuantLinear) and layer.attn.wo.weight.perm is not None
+    shared = layer.mlp.shared
+    assert not isinstance(shared.w13, QuantLinear)
+    assert shared.w2.weight.perm is not None  # gathered at run time: no 4-bit gate/up to fold into
+    assert (prompt_logprobs(served, batch) - twin).abs().mean().item() < W4A8_TOLERANCE
 
 
 @pytest.mark.parametrize(

@@ -54,8 +54,10 @@ static inline int64_t quad(int64_t k) { return (k + 3) & ~(int64_t)3; }
  * values a byte, blocks of 16 columns of input octets ([K8/8][16][4] bytes, K8 = K rounded up
  * to 8; int4.c has the layout), scales as the 8-bit ones', int4's integer zero points per
  * (group, column) (zero[g * N + n], int8; NULL: 8, symmetric); their rows rotated as int8's
- * unless `plain` (published checkpoints: the activations are quantized unrotated). Per-expert
- * stacks are E such matrices back to back (data, scales, sums and zeros alike). */
+ * unless `plain` (published checkpoints: the activations are quantized unrotated). `perm`
+ * (4-bit, plain, act-order GPTQ; NULL: none): column k of the weight is input perm[k], so the
+ * activations are gathered into that order before they are quantized. Per-expert stacks are
+ * E such matrices back to back (data, scales, sums, zeros and perms alike). */
 enum { W_BF16 = 0, W_INT8 = 1, W_FP8 = 2, W_INT4 = 3, W_MXFP4 = 4 };
 typedef struct {
     const void *data;
@@ -65,6 +67,7 @@ typedef struct {
     int64_t kind;
     const int8_t *zero; /* int4: zero points [G][N], or NULL */
     int64_t plain;      /* 4-bit: the weight's rows are not rotated (nor are the activations) */
+    const int32_t *perm; /* act-order: the inputs' order [K], or NULL */
 } wmat;
 static inline int four_bit(const wmat *w) { return w->kind == W_INT4 || w->kind == W_MXFP4; }
 
@@ -133,6 +136,16 @@ static inline void widen_row(const bf16 *x, int64_t K, float *out, int64_t Kp) {
     for (; k + VL <= K; k += VL) vf_store(out + k, vf_load_bf16(x + k));
     for (; k < K; k++) out[k] = bf16_to_f32(x[k]);
     for (; k < Kp; k++) out[k] = 0.0f;
+}
+
+/* A bf16 row -> its K values as float32 in a weight's input order (w->perm: out[k] =
+ * x[perm[k]], act-order; NULL: in order). */
+static inline void widen_row_for(const wmat *w, const bf16 *x, int64_t K, float *out) {
+    if (!w->perm) {
+        widen_row(x, K, out, K);
+        return;
+    }
+    for (int64_t k = 0; k < K; k++) out[k] = bf16_to_f32(x[w->perm[k]]);
 }
 
 /* the largest |x[i]|, i < n (the scale of an 8-bit row: activations (gemm8.c) and KV-cache

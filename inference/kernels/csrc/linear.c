@@ -63,7 +63,7 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
                     X16[(i * M + m) * Kp + K] = 0;
                 }
                 if (Q) {
-                    widen_row(row, K, row32, K);
+                    widen_row_for(w, row, K, row32); /* (act-order: gathered) */
                     quantize_row_s8(row32, K, Q + (i * M + m) * Kq, Kq, S + (i * M + m) * lds, rows_rotate(w), group8);
                 }
             }

@@ -195,7 +195,15 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
                 if (Dp != D) xs16[r * Dp + D] = 0;
             }
         }
-        if (xs8) { /* each token rotated and quantized once, copied to its other rows */
+        if (xs8 && w13->perm) { /* act-order: each row in its expert's input order */
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < pairs; p++) {
+                const int64_t r = pair_row[p];
+                const wmat we = wmat_expert(w13, ids[p], N1, D);
+                widen_row_for(&we, x + (p / A) * ldx, D, tpad);
+                quantize_row_s8(tpad, D, xs8 + r * Dq, Dq, xs8_scale + r * xls, rows_rotate(w13), xg);
+            }
+        } else if (xs8) { /* each token rotated and quantized once, copied to its other rows */
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 float *row32 = tpad;

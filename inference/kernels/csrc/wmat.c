@@ -16,6 +16,7 @@ wmat wmat_expert(const wmat *w, int64_t e, int64_t N, int64_t K) {
     x.scale = w->scale + e * groups * N;
     x.zero = w->zero ? w->zero + e * groups * N : NULL;
     x.colsum = w->colsum ? w->colsum + e * ((N + BLOCK - 1) / BLOCK) * BLOCK : NULL;
+    x.perm = w->perm ? w->perm + e * K : NULL;
     return x;
 }
 
