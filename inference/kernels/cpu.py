@@ -136,6 +136,7 @@ KERNEL_SOURCES = (
     "linear.c",
     "moe.c",
     "attention.c",
+    "prefill_attention.c",
     "norm_rope.c",
     "embed.c",
     "greedy.c",
@@ -332,6 +333,7 @@ _SIGNATURES = {
     "ms_linear": "p i i i i w i i p p i i i n",
     "ms_moe": "p i i i w w i i p p i p p i p n",
     "ms_decode_attention": "p i i i i n p i i i p i i i i p i p i f p i p i n",
+    "ms_prefill_attention": "p i i i i i p i i p i i p i f p i n",
     "ms_rmsnorm": "p i p i p f p i i i n",
     "ms_rope_cache": "p i i i i i i p p p n p p i n",
     "ms_greedy": "p i i i p n",
@@ -981,6 +983,66 @@ def decode_attention(
             _threads(),
         ),
         "decode_attention",
+    )
+    return out
+
+
+def prefill_attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether ms_prefill_attention takes a chunk's queries q [C, H, d] over this cache: the
+    AVX512-BF16 build (vdpbf16ps), a bf16 cache, d a multiple of 32 up to 256, at most 96
+    query heads a kv head. Elsewhere ATen's flash kernel runs (models/attention_parts.py)."""
+    h, d = q.shape[1], q.shape[2]
+    g = k_cache.shape[1]
+    return (
+        ISA == "avx512bf16"
+        and q.dtype == k_cache.dtype == torch.bfloat16
+        and d % 32 == 0
+        and d <= 256
+        and h % g == 0
+        and h // g <= 96
+        and k_cache.shape[-1] == d
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """A prompt chunk's queries q [C, H, d] (positions context_len .. context_len + C - 1,
+    their keys and values already in the caches) attending causally to their sequence's
+    context, read in place from the bf16 caches [S, G, d] by `slots` [context_len + C]
+    (each position's slot) -> [C, H, d] bf16 (prefill_attention_fits says where it runs)."""
+    c, h, d = q.shape
+    if q.stride(-1) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    out = q.new_empty(c, h, d)
+    _check(
+        _lib.ms_prefill_attention(
+            q.data_ptr(),
+            q.stride(0),
+            c,
+            h,
+            k_cache.shape[1],
+            d,
+            k_cache.data_ptr(),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            v_cache.data_ptr(),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            slots.data_ptr(),
+            context_len,
+            scale,
+            out.data_ptr(),
+            h * d,
+            _threads(),
+        ),
+        "prefill_attention",
     )
     return out
 

@@ -49,7 +49,7 @@ class AttentionMetadata:
 class PagedAttention(nn.Module):
     """Rotates the step's queries and keys, writes its keys and values into the paged cache
     and attends: decode rows over their cached context, prefill chunks causally. A backend
-    overrides rope_and_write (a fused kernel) and decode (reading the cache in place).
+    overrides rope_and_write (a fused kernel), prefill and decode (reading the cache in place).
 
     window > 0: a sliding-window layer, each query sees its last `window` positions (itself
     included). sinks: a learned logit per head that joins each softmax's denominator with no
@@ -80,16 +80,8 @@ class PagedAttention(nn.Module):
             out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta)
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
-            out[rows] = prefill_attention(
-                q[rows],
-                k[rows],
-                v[rows],
-                k_cache,
-                v_cache,
-                chunk,
-                self.scale,
-                self.window,
-                self.sinks,
+            out[rows] = self.prefill(
+                q[rows], k[rows], v[rows], k_cache, v_cache, chunk, meta.slot_mapping[rows]
             )
         return out
 
@@ -101,6 +93,13 @@ class PagedAttention(nn.Module):
         write_kv(k_cache, meta.slot_mapping, k)
         write_kv(v_cache, meta.slot_mapping, v)
         return q, k, v
+
+    def prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk, new_slots) -> torch.Tensor:
+        """A prompt chunk's queries q [c, H, d] (its keys and values k, v [c, G, d], written
+        to the caches at `new_slots` [c]) over its prefix and itself -> [c, H, d]."""
+        return prefill_attention(
+            q, k, v, k_cache, v_cache, chunk, self.scale, self.window, self.sinks
+        )
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Single-token queries q [B_d, H, d] over their gathered context slots -> [B_d, H, d]."""

@@ -1,0 +1,232 @@
+/* Prefill attention over the paged KV cache on AVX512-BF16 (see ms_prefill_attention). */
+#include <omp.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#if defined(MS_AVX512_BF16)
+
+#define ROWV 6            /* vectors of 16 (query, head) rows per work item */
+#define ROWS (16 * ROWV)  /* those rows: a kv head's query heads times a few queries */
+#define KEYS 64           /* keys per block: scores, softmax, then the values' products */
+#define KT 4              /* keys per score tile: KT x ROWV accumulators */
+#define CT 4              /* value columns per output tile: CT x ROWV accumulators */
+#define MAX_D 256
+
+static inline __m512bh as_pairs(__m512i x) {
+    __m512bh r;
+    memcpy(&r, &x, 64);
+    return r;
+}
+
+/* float32 lanes rounded to bf16 (to nearest even; the probabilities are finite), in each
+ * lane's low 16 bits */
+static inline __m512i bf16_bits(__m512 x) {
+    const __m512i b = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+}
+
+/* lanes 2t and 2t + 1 from lanes t and 16 + t: two rows' halves interleaved into pairs */
+static inline __m512i pair_index(void) {
+    int16_t idx[32];
+    for (int t = 0; t < 16; t++) idx[2 * t] = (int16_t)t, idx[2 * t + 1] = (int16_t)(16 + t);
+    return _mm512_loadu_si512(idx);
+}
+
+/* One work item: ROWS (query, head) rows of kv head g — query i0 + r / hpg, head
+ * g * hpg + r % hpg — over the keys [0, last] of the cache, in blocks of KEYS with an online
+ * softmax. The rows lie across the vectors' lanes, so a key's scores for all rows are one
+ * vector: the softmax's maxima and sums run down the keys, with no horizontal reductions.
+ * Scores: each key's bf16 pairs broadcast from its cache row against the queries' pairs (qp,
+ * [d / 2][ROWS]); values: each key pair's values as pairs (vp, [KEYS / 2][d]) broadcast
+ * against the rows' probabilities in pairs of keys (pp, [KEYS / 2][ROWS]). */
+static void rows_over_keys(const uint32_t *qp, const int32_t *pos, int64_t last, int64_t first_pos,
+                           const bf16 *k_cache, int64_t k_slot, int64_t k_off, const bf16 *v_cache, int64_t v_slot,
+                           int64_t v_off, const int64_t *slots, int64_t d, float scale, float *s, uint32_t *pp,
+                           uint32_t *vp, float *o, float *m_out, float *l_out) {
+    static const bf16 zeros[MAX_D];
+    const __m512i pairs = pair_index();
+    __m512 m[ROWV], l[ROWV];
+    __m512i posv[ROWV];
+    for (int v = 0; v < ROWV; v++) {
+        m[v] = _mm512_set1_ps(-INFINITY), l[v] = _mm512_setzero_ps();
+        posv[v] = _mm512_loadu_si512(pos + 16 * v);
+    }
+    memset(o, 0, (size_t)d * ROWS * sizeof(float));
+    const int64_t half = d / 2;
+    for (int64_t k0 = 0; k0 <= last; k0 += KEYS) {
+        const int64_t nk = last + 1 - k0 < KEYS ? last + 1 - k0 : KEYS;
+        /* the next block's rows are on their way (its slots need not be adjacent) */
+        for (int64_t p = k0 + KEYS; p < k0 + 2 * KEYS && p <= last; p++) {
+            const char *kr = (const char *)(k_cache + slots[p] * k_slot + k_off);
+            const char *vr = (const char *)(v_cache + slots[p] * v_slot + v_off);
+            for (int64_t b = 0; b < 2 * d; b += 64) _mm_prefetch(kr + b, _MM_HINT_T0), _mm_prefetch(vr + b, _MM_HINT_T0);
+        }
+        /* scores, scaled: s[j][r] */
+        for (int64_t j0 = 0; j0 < nk; j0 += KT) {
+            const uint32_t *kr[KT];
+            for (int t = 0; t < KT; t++) {
+                const int64_t p = k0 + j0 + t;
+                kr[t] = (const uint32_t *)(p <= last ? k_cache + slots[p] * k_slot + k_off : zeros);
+            }
+            __m512 acc[KT][ROWV];
+            for (int t = 0; t < KT; t++)
+                for (int v = 0; v < ROWV; v++) acc[t][v] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < half; c++) {
+                __m512bh qv[ROWV];
+                for (int v = 0; v < ROWV; v++) qv[v] = as_pairs(_mm512_loadu_si512(qp + c * ROWS + 16 * v));
+                for (int t = 0; t < KT; t++) {
+                    const __m512bh kv = as_pairs(_mm512_set1_epi32((int32_t)kr[t][c]));
+                    for (int v = 0; v < ROWV; v++) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], qv[v], kv);
+                }
+            }
+            const int64_t n = nk - j0 < KT ? nk - j0 : KT;
+            for (int64_t t = 0; t < n; t++)
+                for (int v = 0; v < ROWV; v++)
+                    _mm512_storeu_ps(s + (j0 + t) * ROWS + 16 * v, _mm512_mul_ps(acc[t][v], _mm512_set1_ps(scale)));
+        }
+        /* causal: key p is seen by the rows at positions >= p (a block past the earliest
+         * row's position has keys some rows do not see) */
+        const int masked = k0 + nk - 1 > first_pos;
+        __m512 top[ROWV];
+        for (int v = 0; v < ROWV; v++) top[v] = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < nk; j++)
+            for (int v = 0; v < ROWV; v++) {
+                __m512 x = _mm512_loadu_ps(s + j * ROWS + 16 * v);
+                if (masked) {
+                    const __mmask16 seen = _mm512_cmpge_epi32_mask(posv[v], _mm512_set1_epi32((int32_t)(k0 + j)));
+                    x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, x);
+                    _mm512_storeu_ps(s + j * ROWS + 16 * v, x);
+                }
+                top[v] = _mm512_max_ps(top[v], x);
+            }
+        __m512 alpha[ROWV];
+        for (int v = 0; v < ROWV; v++) {
+            const __m512 m_new = _mm512_max_ps(m[v], top[v]); /* finite: key 0 is seen by every row */
+            alpha[v] = vf_exp(_mm512_sub_ps(m[v], m_new));
+            m[v] = m_new;
+        }
+        /* probabilities, their sums, and their bf16 pairs (keys 2jp and 2jp + 1 of each row) */
+        __m512 sum[ROWV];
+        for (int v = 0; v < ROWV; v++) sum[v] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < nk; j++)
+            for (int v = 0; v < ROWV; v++) {
+                const __m512 x = _mm512_loadu_ps(s + j * ROWS + 16 * v);
+                const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+                const __m512 e = _mm512_maskz_mov_ps(live, vf_exp(_mm512_sub_ps(x, m[v])));
+                sum[v] = _mm512_add_ps(sum[v], e);
+                _mm512_storeu_ps(s + j * ROWS + 16 * v, e);
+            }
+        for (int v = 0; v < ROWV; v++) l[v] = _mm512_fmadd_ps(l[v], alpha[v], sum[v]);
+        const int64_t np = (nk + 1) / 2;
+        for (int64_t jp = 0; jp < np; jp++) {
+            for (int v = 0; v < ROWV; v++) {
+                const __m512 a = _mm512_loadu_ps(s + 2 * jp * ROWS + 16 * v);
+                const __m512 b = 2 * jp + 1 < nk ? _mm512_loadu_ps(s + (2 * jp + 1) * ROWS + 16 * v) : _mm512_setzero_ps();
+                _mm512_storeu_si512(pp + jp * ROWS + 16 * v,
+                                    _mm512_or_si512(bf16_bits(a), _mm512_slli_epi32(bf16_bits(b), 16)));
+            }
+            const int64_t p = k0 + 2 * jp;
+            const bf16 *va = v_cache + slots[p] * v_slot + v_off;
+            const bf16 *vb = p + 1 <= last ? v_cache + slots[p + 1] * v_slot + v_off : zeros;
+            for (int64_t c = 0; c < d; c += 16) {
+                const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(va + c))),
+                                                      _mm256_loadu_si256((const __m256i *)(vb + c)), 1);
+                _mm512_storeu_si512(vp + jp * d + c, _mm512_permutexvar_epi16(pairs, ab));
+            }
+        }
+        /* o = o * alpha + p v, o [d][ROWS] */
+        for (int64_t c0 = 0; c0 < d; c0 += CT) {
+            __m512 acc[CT][ROWV];
+            for (int t = 0; t < CT; t++)
+                for (int v = 0; v < ROWV; v++)
+                    acc[t][v] = _mm512_mul_ps(_mm512_loadu_ps(o + (c0 + t) * ROWS + 16 * v), alpha[v]);
+            for (int64_t jp = 0; jp < np; jp++) {
+                __m512bh pv[ROWV];
+                for (int v = 0; v < ROWV; v++) pv[v] = as_pairs(_mm512_loadu_si512(pp + jp * ROWS + 16 * v));
+                for (int t = 0; t < CT; t++) {
+                    const __m512bh vv = as_pairs(_mm512_set1_epi32((int32_t)vp[jp * d + c0 + t]));
+                    for (int v = 0; v < ROWV; v++) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], pv[v], vv);
+                }
+            }
+            for (int t = 0; t < CT; t++)
+                for (int v = 0; v < ROWV; v++) _mm512_storeu_ps(o + (c0 + t) * ROWS + 16 * v, acc[t][v]);
+        }
+    }
+    for (int v = 0; v < ROWV; v++) _mm512_storeu_ps(m_out + 16 * v, m[v]), _mm512_storeu_ps(l_out + 16 * v, l[v]);
+}
+#endif
+
+/* Causal attention of a prompt chunk's C queries, at positions ctx .. ctx + C - 1 of one
+ * sequence, over that sequence's keys and values in the paged cache (the chunk's own already
+ * written), read in place by slot: no gathered copy, one pass over the whole context (no
+ * parts to merge). Products on vdpbf16ps (q and the cached rows are bf16 already), scores
+ * and softmax in float32, the probabilities rounded to bf16 for the values' products as
+ * ATen's flash kernel rounds them for bf16 inputs.
+ * q [C, H, d] (row stride ldq, heads d apart); caches bf16, key row of (slot, kv head g) at
+ * k_cache + slot * k_slot + g * k_head, value rows likewise; slots [ctx + C]: each position's
+ * cache slot; out [C, H, d] (row stride ldo). Query heads [g * H / G, (g + 1) * H / G) share
+ * kv head g. Returns 2 where this build has no AVX512-BF16 (cpu.py calls it only where it
+ * has), 1 for shapes it does not take (d a multiple of 32 up to 256, at most 96 query heads
+ * a kv head), -1 when out of scratch memory. */
+int ms_prefill_attention(const bf16 *q, int64_t ldq, int64_t C, int64_t H, int64_t G, int64_t d,
+                         const bf16 *k_cache, int64_t k_slot, int64_t k_head, const bf16 *v_cache, int64_t v_slot,
+                         int64_t v_head, const int64_t *slots, int64_t ctx, float scale, bf16 *out, int64_t ldo,
+                         int nthreads) {
+#if !defined(MS_AVX512_BF16)
+    (void)q, (void)ldq, (void)C, (void)H, (void)G, (void)d, (void)k_cache, (void)k_slot, (void)k_head;
+    (void)v_cache, (void)v_slot, (void)v_head, (void)slots, (void)ctx, (void)scale, (void)out, (void)ldo;
+    (void)nthreads;
+    return 2;
+#else
+    if (d % 32 || d > MAX_D || G < 1 || H % G || H / G > ROWS) return 1;
+    if (C <= 0) return 0;
+    const int64_t hpg = H / G, per = ROWS / hpg; /* queries a work item */
+    const int64_t blocks = (C + per - 1) / per, items = G * blocks;
+    const size_t qp_bytes = round64((size_t)d / 2 * ROWS * 4), s_bytes = round64((size_t)KEYS * ROWS * 4);
+    const size_t pp_bytes = round64((size_t)KEYS / 2 * ROWS * 4), vp_bytes = round64((size_t)KEYS / 2 * d * 4);
+    const size_t o_bytes = round64((size_t)d * ROWS * 4), small = round64((size_t)3 * ROWS * 4);
+    const size_t local = qp_bytes + s_bytes + pp_bytes + vp_bytes + o_bytes + small;
+    region_enter();
+    char *scratch = region_alloc((size_t)nthreads * local);
+    if (!scratch) {
+        region_leave();
+        return -1;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        char *mine = scratch + (size_t)omp_get_thread_num() * local;
+        uint32_t *qp = (uint32_t *)mine;
+        float *s = (float *)(mine + qp_bytes);
+        uint32_t *pp = (uint32_t *)(mine + qp_bytes + s_bytes);
+        uint32_t *vp = (uint32_t *)(mine + qp_bytes + s_bytes + pp_bytes);
+        float *o = (float *)(mine + qp_bytes + s_bytes + pp_bytes + vp_bytes);
+        float *m = (float *)(mine + qp_bytes + s_bytes + pp_bytes + vp_bytes + o_bytes), *l = m + ROWS;
+        int32_t *pos = (int32_t *)(l + ROWS);
+        /* the latest queries (the most keys) first, so the last items to finish are short */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t g = it % G, i0 = (blocks - 1 - it / G) * per;
+            const int64_t nq = C - i0 < per ? C - i0 : per, last = ctx + i0 + nq - 1;
+            for (int64_t r = 0; r < ROWS; r++) {
+                const int64_t i = r / hpg, h = g * hpg + r % hpg;
+                const int real = i < nq;
+                pos[r] = (int32_t)(real ? ctx + i0 + i : last); /* a padding row sees every key */
+                const uint32_t *qr = (const uint32_t *)(q + (i0 + i) * ldq + h * d);
+                for (int64_t c = 0; c < d / 2; c++) qp[c * ROWS + r] = real ? qr[c] : 0;
+            }
+            rows_over_keys(qp, pos, last, ctx + i0, k_cache, k_slot, g * k_head, v_cache, v_slot, g * v_head, slots,
+                           d, scale, s, pp, vp, o, m, l);
+            for (int64_t r = 0; r < nq * hpg; r++) {
+                const int64_t i = r / hpg, h = g * hpg + r % hpg;
+                bf16 *dst = out + (i0 + i) * ldo + h * d;
+                const float inv = 1.0f / l[r];
+                for (int64_t c = 0; c < d; c++) dst[c] = f32_to_bf16(o[c * ROWS + r] * inv);
+            }
+        }
+    }
+    region_leave();
+    return 0;
+#endif
+}
