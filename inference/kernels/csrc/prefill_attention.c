@@ -12,6 +12,7 @@
 #define KT 4              /* keys per score tile: KT x ROWV accumulators */
 #define CT 4              /* value columns per output tile: CT x ROWV accumulators */
 #define MAX_D 256
+#define SETS 2           /* sets of rows a work item takes over the same keys */
 
 static inline __m512bh as_pairs(__m512i x) {
     __m512bh r;
@@ -34,127 +35,134 @@ static inline __m512i pair_index(void) {
     return _mm512_loadu_si512(idx);
 }
 
-/* One work item: ROWS (query, head) rows of kv head g — query i0 + r / hpg, head
- * g * hpg + r % hpg — over the keys [0, last] of the cache, in blocks of KEYS with an online
- * softmax. The rows lie across the vectors' lanes, so a key's scores for all rows are one
- * vector: the softmax's maxima and sums run down the keys, with no horizontal reductions.
- * Scores: each key's bf16 pairs broadcast from its cache row against the queries' pairs (qp,
- * [d / 2][ROWS]); values: each key pair's values as pairs (vp, [KEYS / 2][d]) broadcast
- * against the rows' probabilities in pairs of keys (pp, [KEYS / 2][ROWS]). */
-static void rows_over_keys(const uint32_t *qp, const int32_t *pos, int64_t last, int64_t first_pos,
-                           const bf16 *k_cache, int64_t k_slot, int64_t k_off, const bf16 *v_cache, int64_t v_slot,
-                           int64_t v_off, const int64_t *slots, int64_t d, float scale, float *s, uint32_t *pp,
-                           uint32_t *vp, float *o, float *m_out, float *l_out) {
+/* ROWS (query, head) rows of one kv head — query i0 + r / hpg, head g * hpg + r % hpg — and
+ * their online softmax's state over the keys seen so far. The rows lie across the vectors'
+ * lanes, so a key's scores for all rows are one vector: the softmax's maxima and sums run
+ * down the keys, with no horizontal reductions. */
+typedef struct {
+    uint32_t *qp;            /* [d / 2][ROWS] the rows' query pairs */
+    int32_t *pos;            /* [ROWS] each row's position (a padding row's: last) */
+    float *o, *m, *l;        /* [d][ROWS] weighted values; [ROWS] running maximum and sum */
+    int64_t last, first_pos; /* the last key any row sees; the earliest row's position */
+} rowset;
+
+/* One block of keys [k0, k0 + KEYS) for a set of rows (k0 <= rs->last): scores from each
+ * key's bf16 pairs broadcast from its cache row against the queries' pairs, the online
+ * softmax, the probabilities as bf16 pairs of keys (pp, [KEYS / 2][ROWS]) against the block's
+ * value pairs (vp, [KEYS / 2][d], packed by the caller). */
+static void key_block(const rowset *rs, int64_t k0, const bf16 *k_cache, int64_t k_slot, int64_t k_off,
+                      const int64_t *slots, int64_t d, float scale, float *s, uint32_t *pp, const uint32_t *vp) {
     static const bf16 zeros[MAX_D];
-    const __m512i pairs = pair_index();
-    __m512 m[ROWV], l[ROWV];
+    const int64_t nk = rs->last + 1 - k0 < KEYS ? rs->last + 1 - k0 : KEYS, half = d / 2;
+    /* scores, scaled: s[j][r] */
+    for (int64_t j0 = 0; j0 < nk; j0 += KT) {
+        const uint32_t *kr[KT];
+        for (int t = 0; t < KT; t++) {
+            const int64_t p = k0 + j0 + t;
+            kr[t] = (const uint32_t *)(p <= rs->last ? k_cache + slots[p] * k_slot + k_off : zeros);
+        }
+        __m512 acc[KT][ROWV];
+        for (int t = 0; t < KT; t++)
+            for (int v = 0; v < ROWV; v++) acc[t][v] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < half; c++) {
+            __m512bh qv[ROWV];
+            for (int v = 0; v < ROWV; v++) qv[v] = as_pairs(_mm512_loadu_si512(rs->qp + c * ROWS + 16 * v));
+            for (int t = 0; t < KT; t++) {
+                const __m512bh kv = as_pairs(_mm512_set1_epi32((int32_t)kr[t][c]));
+                for (int v = 0; v < ROWV; v++) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], qv[v], kv);
+            }
+        }
+        const int64_t n = nk - j0 < KT ? nk - j0 : KT;
+        for (int64_t t = 0; t < n; t++)
+            for (int v = 0; v < ROWV; v++)
+                _mm512_storeu_ps(s + (j0 + t) * ROWS + 16 * v, _mm512_mul_ps(acc[t][v], _mm512_set1_ps(scale)));
+    }
+    /* causal: key p is seen by the rows at positions >= p (a block past the earliest row's
+     * position has keys some rows do not see) */
+    const int masked = k0 + nk - 1 > rs->first_pos;
+    __m512 top[ROWV], m[ROWV], alpha[ROWV], sum[ROWV];
     __m512i posv[ROWV];
     for (int v = 0; v < ROWV; v++) {
-        m[v] = _mm512_set1_ps(-INFINITY), l[v] = _mm512_setzero_ps();
-        posv[v] = _mm512_loadu_si512(pos + 16 * v);
+        top[v] = _mm512_set1_ps(-INFINITY), sum[v] = _mm512_setzero_ps();
+        posv[v] = _mm512_loadu_si512(rs->pos + 16 * v);
     }
-    memset(o, 0, (size_t)d * ROWS * sizeof(float));
-    const int64_t half = d / 2;
-    for (int64_t k0 = 0; k0 <= last; k0 += KEYS) {
-        const int64_t nk = last + 1 - k0 < KEYS ? last + 1 - k0 : KEYS;
-        /* the next block's rows are on their way (its slots need not be adjacent) */
-        for (int64_t p = k0 + KEYS; p < k0 + 2 * KEYS && p <= last; p++) {
-            const char *kr = (const char *)(k_cache + slots[p] * k_slot + k_off);
-            const char *vr = (const char *)(v_cache + slots[p] * v_slot + v_off);
-            for (int64_t b = 0; b < 2 * d; b += 64) _mm_prefetch(kr + b, _MM_HINT_T0), _mm_prefetch(vr + b, _MM_HINT_T0);
-        }
-        /* scores, scaled: s[j][r] */
-        for (int64_t j0 = 0; j0 < nk; j0 += KT) {
-            const uint32_t *kr[KT];
-            for (int t = 0; t < KT; t++) {
-                const int64_t p = k0 + j0 + t;
-                kr[t] = (const uint32_t *)(p <= last ? k_cache + slots[p] * k_slot + k_off : zeros);
-            }
-            __m512 acc[KT][ROWV];
-            for (int t = 0; t < KT; t++)
-                for (int v = 0; v < ROWV; v++) acc[t][v] = _mm512_setzero_ps();
-            for (int64_t c = 0; c < half; c++) {
-                __m512bh qv[ROWV];
-                for (int v = 0; v < ROWV; v++) qv[v] = as_pairs(_mm512_loadu_si512(qp + c * ROWS + 16 * v));
-                for (int t = 0; t < KT; t++) {
-                    const __m512bh kv = as_pairs(_mm512_set1_epi32((int32_t)kr[t][c]));
-                    for (int v = 0; v < ROWV; v++) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], qv[v], kv);
-                }
-            }
-            const int64_t n = nk - j0 < KT ? nk - j0 : KT;
-            for (int64_t t = 0; t < n; t++)
-                for (int v = 0; v < ROWV; v++)
-                    _mm512_storeu_ps(s + (j0 + t) * ROWS + 16 * v, _mm512_mul_ps(acc[t][v], _mm512_set1_ps(scale)));
-        }
-        /* causal: key p is seen by the rows at positions >= p (a block past the earliest
-         * row's position has keys some rows do not see) */
-        const int masked = k0 + nk - 1 > first_pos;
-        __m512 top[ROWV];
-        for (int v = 0; v < ROWV; v++) top[v] = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < nk; j++)
-            for (int v = 0; v < ROWV; v++) {
-                __m512 x = _mm512_loadu_ps(s + j * ROWS + 16 * v);
-                if (masked) {
-                    const __mmask16 seen = _mm512_cmpge_epi32_mask(posv[v], _mm512_set1_epi32((int32_t)(k0 + j)));
-                    x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, x);
-                    _mm512_storeu_ps(s + j * ROWS + 16 * v, x);
-                }
-                top[v] = _mm512_max_ps(top[v], x);
-            }
-        __m512 alpha[ROWV];
+    for (int64_t j = 0; j < nk; j++)
         for (int v = 0; v < ROWV; v++) {
-            const __m512 m_new = _mm512_max_ps(m[v], top[v]); /* finite: key 0 is seen by every row */
-            alpha[v] = vf_exp(_mm512_sub_ps(m[v], m_new));
-            m[v] = m_new;
-        }
-        /* probabilities, their sums, and their bf16 pairs (keys 2jp and 2jp + 1 of each row) */
-        __m512 sum[ROWV];
-        for (int v = 0; v < ROWV; v++) sum[v] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < nk; j++)
-            for (int v = 0; v < ROWV; v++) {
-                const __m512 x = _mm512_loadu_ps(s + j * ROWS + 16 * v);
-                const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-                const __m512 e = _mm512_maskz_mov_ps(live, vf_exp(_mm512_sub_ps(x, m[v])));
-                sum[v] = _mm512_add_ps(sum[v], e);
-                _mm512_storeu_ps(s + j * ROWS + 16 * v, e);
+            __m512 x = _mm512_loadu_ps(s + j * ROWS + 16 * v);
+            if (masked) {
+                const __mmask16 seen = _mm512_cmpge_epi32_mask(posv[v], _mm512_set1_epi32((int32_t)(k0 + j)));
+                x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, x);
+                _mm512_storeu_ps(s + j * ROWS + 16 * v, x);
             }
-        for (int v = 0; v < ROWV; v++) l[v] = _mm512_fmadd_ps(l[v], alpha[v], sum[v]);
-        const int64_t np = (nk + 1) / 2;
+            top[v] = _mm512_max_ps(top[v], x);
+        }
+    for (int v = 0; v < ROWV; v++) {
+        const __m512 m_old = _mm512_loadu_ps(rs->m + 16 * v);
+        m[v] = _mm512_max_ps(m_old, top[v]); /* finite: key 0 is seen by every row */
+        alpha[v] = vf_exp(_mm512_sub_ps(m_old, m[v]));
+        _mm512_storeu_ps(rs->m + 16 * v, m[v]);
+    }
+    /* probabilities, their sums, and their bf16 pairs (keys 2jp and 2jp + 1 of each row) */
+    for (int64_t j = 0; j < nk; j++)
+        for (int v = 0; v < ROWV; v++) {
+            const __m512 x = _mm512_loadu_ps(s + j * ROWS + 16 * v);
+            const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+            const __m512 e = _mm512_maskz_mov_ps(live, vf_exp(_mm512_sub_ps(x, m[v])));
+            sum[v] = _mm512_add_ps(sum[v], e);
+            _mm512_storeu_ps(s + j * ROWS + 16 * v, e);
+        }
+    for (int v = 0; v < ROWV; v++)
+        _mm512_storeu_ps(rs->l + 16 * v, _mm512_fmadd_ps(_mm512_loadu_ps(rs->l + 16 * v), alpha[v], sum[v]));
+    const int64_t np = (nk + 1) / 2;
+    for (int64_t jp = 0; jp < np; jp++)
+        for (int v = 0; v < ROWV; v++) {
+            const __m512 a = _mm512_loadu_ps(s + 2 * jp * ROWS + 16 * v);
+            const __m512 b = 2 * jp + 1 < nk ? _mm512_loadu_ps(s + (2 * jp + 1) * ROWS + 16 * v) : _mm512_setzero_ps();
+            _mm512_storeu_si512(pp + jp * ROWS + 16 * v, _mm512_or_si512(bf16_bits(a), _mm512_slli_epi32(bf16_bits(b), 16)));
+        }
+    /* o = o * alpha + p v, o [d][ROWS] */
+    for (int64_t c0 = 0; c0 < d; c0 += CT) {
+        __m512 acc[CT][ROWV];
+        for (int t = 0; t < CT; t++)
+            for (int v = 0; v < ROWV; v++)
+                acc[t][v] = _mm512_mul_ps(_mm512_loadu_ps(rs->o + (c0 + t) * ROWS + 16 * v), alpha[v]);
         for (int64_t jp = 0; jp < np; jp++) {
-            for (int v = 0; v < ROWV; v++) {
-                const __m512 a = _mm512_loadu_ps(s + 2 * jp * ROWS + 16 * v);
-                const __m512 b = 2 * jp + 1 < nk ? _mm512_loadu_ps(s + (2 * jp + 1) * ROWS + 16 * v) : _mm512_setzero_ps();
-                _mm512_storeu_si512(pp + jp * ROWS + 16 * v,
-                                    _mm512_or_si512(bf16_bits(a), _mm512_slli_epi32(bf16_bits(b), 16)));
-            }
-            const int64_t p = k0 + 2 * jp;
-            const bf16 *va = v_cache + slots[p] * v_slot + v_off;
-            const bf16 *vb = p + 1 <= last ? v_cache + slots[p + 1] * v_slot + v_off : zeros;
-            for (int64_t c = 0; c < d; c += 16) {
-                const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(va + c))),
-                                                      _mm256_loadu_si256((const __m256i *)(vb + c)), 1);
-                _mm512_storeu_si512(vp + jp * d + c, _mm512_permutexvar_epi16(pairs, ab));
+            __m512bh pv[ROWV];
+            for (int v = 0; v < ROWV; v++) pv[v] = as_pairs(_mm512_loadu_si512(pp + jp * ROWS + 16 * v));
+            for (int t = 0; t < CT; t++) {
+                const __m512bh vv = as_pairs(_mm512_set1_epi32((int32_t)vp[jp * d + c0 + t]));
+                for (int v = 0; v < ROWV; v++) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], pv[v], vv);
             }
         }
-        /* o = o * alpha + p v, o [d][ROWS] */
-        for (int64_t c0 = 0; c0 < d; c0 += CT) {
-            __m512 acc[CT][ROWV];
-            for (int t = 0; t < CT; t++)
-                for (int v = 0; v < ROWV; v++)
-                    acc[t][v] = _mm512_mul_ps(_mm512_loadu_ps(o + (c0 + t) * ROWS + 16 * v), alpha[v]);
-            for (int64_t jp = 0; jp < np; jp++) {
-                __m512bh pv[ROWV];
-                for (int v = 0; v < ROWV; v++) pv[v] = as_pairs(_mm512_loadu_si512(pp + jp * ROWS + 16 * v));
-                for (int t = 0; t < CT; t++) {
-                    const __m512bh vv = as_pairs(_mm512_set1_epi32((int32_t)vp[jp * d + c0 + t]));
-                    for (int v = 0; v < ROWV; v++) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], pv[v], vv);
-                }
-            }
-            for (int t = 0; t < CT; t++)
-                for (int v = 0; v < ROWV; v++) _mm512_storeu_ps(o + (c0 + t) * ROWS + 16 * v, acc[t][v]);
+        for (int t = 0; t < CT; t++)
+            for (int v = 0; v < ROWV; v++) _mm512_storeu_ps(rs->o + (c0 + t) * ROWS + 16 * v, acc[t][v]);
+    }
+}
+
+/* The value pairs of keys [k0, k0 + KEYS) up to key last (later ones zero): vp[jp][c] =
+ * (v[k0 + 2jp][c], v[k0 + 2jp + 1][c]) as bf16 pairs; and the next block's key and value rows
+ * asked for (their slots need not be adjacent). */
+static void value_pairs(int64_t k0, int64_t last, const bf16 *k_cache, int64_t k_slot, int64_t k_off,
+                        const bf16 *v_cache, int64_t v_slot, int64_t v_off, const int64_t *slots, int64_t d,
+                        uint32_t *vp) {
+    static const bf16 zeros[MAX_D];
+    const __m512i pairs = pair_index();
+    for (int64_t p = k0 + KEYS; p < k0 + 2 * KEYS && p <= last; p++) {
+        const char *kr = (const char *)(k_cache + slots[p] * k_slot + k_off);
+        const char *vr = (const char *)(v_cache + slots[p] * v_slot + v_off);
+        for (int64_t b = 0; b < 2 * d; b += 64) _mm_prefetch(kr + b, _MM_HINT_T0), _mm_prefetch(vr + b, _MM_HINT_T0);
+    }
+    const int64_t nk = last + 1 - k0 < KEYS ? last + 1 - k0 : KEYS;
+    for (int64_t jp = 0; jp < (nk + 1) / 2; jp++) {
+        const int64_t p = k0 + 2 * jp;
+        const bf16 *va = v_cache + slots[p] * v_slot + v_off;
+        const bf16 *vb = p + 1 <= last ? v_cache + slots[p + 1] * v_slot + v_off : zeros;
+        for (int64_t c = 0; c < d; c += 16) {
+            const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(va + c))),
+                                                  _mm256_loadu_si256((const __m256i *)(vb + c)), 1);
+            _mm512_storeu_si512(vp + jp * d + c, _mm512_permutexvar_epi16(pairs, ab));
         }
     }
-    for (int v = 0; v < ROWV; v++) _mm512_storeu_ps(m_out + 16 * v, m[v]), _mm512_storeu_ps(l_out + 16 * v, l[v]);
 }
 #endif
 
@@ -182,12 +190,14 @@ int ms_prefill_attention(const bf16 *q, int64_t ldq, int64_t C, int64_t H, int64
 #else
     if (d % 32 || d > MAX_D || G < 1 || H % G || H / G > ROWS) return 1;
     if (C <= 0) return 0;
-    const int64_t hpg = H / G, per = ROWS / hpg; /* queries a work item */
-    const int64_t blocks = (C + per - 1) / per, items = G * blocks;
-    const size_t qp_bytes = round64((size_t)d / 2 * ROWS * 4), s_bytes = round64((size_t)KEYS * ROWS * 4);
-    const size_t pp_bytes = round64((size_t)KEYS / 2 * ROWS * 4), vp_bytes = round64((size_t)KEYS / 2 * d * 4);
-    const size_t o_bytes = round64((size_t)d * ROWS * 4), small = round64((size_t)3 * ROWS * 4);
-    const size_t local = qp_bytes + s_bytes + pp_bytes + vp_bytes + o_bytes + small;
+    const int64_t hpg = H / G, per = ROWS / hpg; /* queries a set of rows */
+    /* a work item: SETS sets of rows of one kv head, consecutive queries, sharing each block
+     * of keys while it is in cache */
+    const int64_t sets = (C + per - 1) / per, blocks = (sets + SETS - 1) / SETS, items = G * blocks;
+    const size_t qp_bytes = round64((size_t)d / 2 * ROWS * 4), o_bytes = round64((size_t)d * ROWS * 4);
+    const size_t state_bytes = round64((size_t)3 * ROWS * 4), set_bytes = qp_bytes + o_bytes + state_bytes;
+    const size_t s_bytes = round64((size_t)KEYS * ROWS * 4), pp_bytes = round64((size_t)KEYS / 2 * ROWS * 4);
+    const size_t local = SETS * set_bytes + s_bytes + pp_bytes + round64((size_t)KEYS / 2 * d * 4);
     region_enter();
     char *scratch = region_alloc((size_t)nthreads * local);
     if (!scratch) {
@@ -197,32 +207,47 @@ int ms_prefill_attention(const bf16 *q, int64_t ldq, int64_t C, int64_t H, int64
 #pragma omp parallel num_threads(nthreads)
     {
         char *mine = scratch + (size_t)omp_get_thread_num() * local;
-        uint32_t *qp = (uint32_t *)mine;
-        float *s = (float *)(mine + qp_bytes);
-        uint32_t *pp = (uint32_t *)(mine + qp_bytes + s_bytes);
-        uint32_t *vp = (uint32_t *)(mine + qp_bytes + s_bytes + pp_bytes);
-        float *o = (float *)(mine + qp_bytes + s_bytes + pp_bytes + vp_bytes);
-        float *m = (float *)(mine + qp_bytes + s_bytes + pp_bytes + vp_bytes + o_bytes), *l = m + ROWS;
-        int32_t *pos = (int32_t *)(l + ROWS);
+        float *s = (float *)(mine + SETS * set_bytes);
+        uint32_t *pp = (uint32_t *)(mine + SETS * set_bytes + s_bytes);
+        uint32_t *vp = (uint32_t *)(mine + SETS * set_bytes + s_bytes + pp_bytes);
+        rowset rs[SETS];
         /* the latest queries (the most keys) first, so the last items to finish are short */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
-            const int64_t g = it % G, i0 = (blocks - 1 - it / G) * per;
-            const int64_t nq = C - i0 < per ? C - i0 : per, last = ctx + i0 + nq - 1;
-            for (int64_t r = 0; r < ROWS; r++) {
-                const int64_t i = r / hpg, h = g * hpg + r % hpg;
-                const int real = i < nq;
-                pos[r] = (int32_t)(real ? ctx + i0 + i : last); /* a padding row sees every key */
-                const uint32_t *qr = (const uint32_t *)(q + (i0 + i) * ldq + h * d);
-                for (int64_t c = 0; c < d / 2; c++) qp[c * ROWS + r] = real ? qr[c] : 0;
+            const int64_t g = it % G, b = blocks - 1 - it / G;
+            int n = 0;
+            int64_t last = 0;
+            for (int64_t set = b * SETS; set < (b + 1) * SETS && set < sets; set++, n++) {
+                rowset *r = &rs[n];
+                char *at = mine + n * set_bytes;
+                r->qp = (uint32_t *)at, r->o = (float *)(at + qp_bytes), r->m = (float *)(at + qp_bytes + o_bytes);
+                r->l = r->m + ROWS, r->pos = (int32_t *)(r->l + ROWS);
+                const int64_t i0 = set * per, nq = C - i0 < per ? C - i0 : per;
+                r->last = ctx + i0 + nq - 1, r->first_pos = ctx + i0;
+                for (int64_t row = 0; row < ROWS; row++) {
+                    const int64_t i = row / hpg, h = g * hpg + row % hpg;
+                    const int real = i < nq;
+                    r->pos[row] = (int32_t)(real ? ctx + i0 + i : r->last); /* a padding row sees every key */
+                    r->m[row] = -INFINITY, r->l[row] = 0.0f;
+                    const uint32_t *qr = (const uint32_t *)(q + (i0 + i) * ldq + h * d);
+                    for (int64_t c = 0; c < d / 2; c++) r->qp[c * ROWS + row] = real ? qr[c] : 0;
+                }
+                memset(r->o, 0, (size_t)d * ROWS * sizeof(float));
+                last = r->last > last ? r->last : last;
             }
-            rows_over_keys(qp, pos, last, ctx + i0, k_cache, k_slot, g * k_head, v_cache, v_slot, g * v_head, slots,
-                           d, scale, s, pp, vp, o, m, l);
-            for (int64_t r = 0; r < nq * hpg; r++) {
-                const int64_t i = r / hpg, h = g * hpg + r % hpg;
-                bf16 *dst = out + (i0 + i) * ldo + h * d;
-                const float inv = 1.0f / l[r];
-                for (int64_t c = 0; c < d; c++) dst[c] = f32_to_bf16(o[c * ROWS + r] * inv);
+            for (int64_t k0 = 0; k0 <= last; k0 += KEYS) {
+                value_pairs(k0, last, k_cache, k_slot, g * k_head, v_cache, v_slot, g * v_head, slots, d, vp);
+                for (int j = 0; j < n; j++)
+                    if (k0 <= rs[j].last) key_block(&rs[j], k0, k_cache, k_slot, g * k_head, slots, d, scale, s, pp, vp);
+            }
+            for (int j = 0; j < n; j++) {
+                const int64_t i0 = (b * SETS + j) * per;
+                for (int64_t row = 0; row < (rs[j].last - rs[j].first_pos + 1) * hpg; row++) {
+                    const int64_t i = row / hpg, h = g * hpg + row % hpg;
+                    bf16 *dst = out + (i0 + i) * ldo + h * d;
+                    const float inv = 1.0f / rs[j].l[row];
+                    for (int64_t c = 0; c < d; c++) dst[c] = f32_to_bf16(rs[j].o[c * ROWS + row] * inv);
+                }
             }
         }
     }
