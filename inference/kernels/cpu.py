@@ -333,7 +333,7 @@ _SIGNATURES = {
     "ms_linear": "p i i i i w i i p p i i i n",
     "ms_moe": "p i i i w w i i p p i p p i p n",
     "ms_decode_attention": "p i i i i n p i i i p i i i i p i p i f p i p i n",
-    "ms_prefill_attention": "p i i i i i p i i p i i p i f p i n",
+    "ms_prefill_attention": "p i i i i i p i i p i i p i f p i p i n",
     "ms_rmsnorm": "p i p i p f p i i i n",
     "ms_rope_cache": "p i i i i i i p p p n p p i n",
     "ms_greedy": "p i i i p n",
@@ -1011,11 +1011,15 @@ def prefill_attention(
     slots: torch.Tensor,
     context_len: int,
     scale: float,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """A prompt chunk's queries q [C, H, d] (positions context_len .. context_len + C - 1,
     their keys and values already in the caches) attending causally to their sequence's
     context, read in place from the bf16 caches [S, G, d] by `slots` [context_len + C]
-    (each position's slot) -> [C, H, d] bf16 (prefill_attention_fits says where it runs)."""
+    (each position's slot) -> [C, H, d] bf16 (prefill_attention_fits says where it runs).
+    `sinks` [H] float32: gpt-oss's per-head sink logits; `window` > 0: each query sees its
+    last `window` positions."""
     c, h, d = q.shape
     if q.stride(-1) != 1 or q.stride(1) != d:
         q = q.contiguous()
@@ -1038,6 +1042,8 @@ def prefill_attention(
             slots.data_ptr(),
             context_len,
             scale,
+            None if sinks is None else sinks.data_ptr(),
+            window,
             out.data_ptr(),
             h * d,
             _threads(),

@@ -85,7 +85,7 @@ class CpuPagedAttention(PagedAttention):
     """Rope and the cache write in one pass over qkv (in place); decode rows read the paged
     cache in place through block tables (the model runner builds them for this backend),
     honouring the plain module's sliding window and sinks; prompt chunks read it in place by
-    slot where the CPU has AVX512-BF16 (no window, no sinks: else attention_parts.py)."""
+    slot where the CPU has AVX512-BF16 (else attention_parts.py)."""
 
     def __init__(self, plain: PagedAttention) -> None:
         super().__init__(plain.num_heads, plain.num_kv_heads, plain.scale, plain.window)
@@ -100,10 +100,12 @@ class CpuPagedAttention(PagedAttention):
         return qkv[:, :h], qkv[:, h : h + g], qkv[:, h + g :]
 
     def prefill(self, q, k, v, k_cache, v_cache, chunk, new_slots) -> torch.Tensor:
-        if self.window or self.sinks is not None or not cpu.prefill_attention_fits(q, k_cache):
+        if not cpu.prefill_attention_fits(q, k_cache):
             return super().prefill(q, k, v, k_cache, v_cache, chunk, new_slots)
         slots = new_slots if chunk.slots is None else chunk.slots
-        return cpu.prefill_attention(q, k_cache, v_cache, slots, chunk.context_len, self.scale)
+        return cpu.prefill_attention(
+            q, k_cache, v_cache, slots, chunk.context_len, self.scale, self.sinks32, self.window
+        )
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         if meta.block_tables is None:

@@ -1,5 +1,6 @@
 """The AVX512-BF16 prefill-attention kernel (csrc/prefill_attention.c): a prompt chunk's
-queries over its paged context, read in place by slot, against the dense float64 reference,
+queries over its paged context, read in place by slot, with sliding windows and sinks,
+against the dense float64 reference,
 on the native and the emulated AVX512-BF16 builds; and the builds without it leave prompt
 chunks to ATen's flash kernel."""
 
@@ -44,6 +45,30 @@ def test_a_chunk_matches_the_dense_reference(bf16_path, heads, kv_heads, dim, co
     out = cpu_kernels.prefill_attention(q, k_cache, v_cache, slots, context_len, scale)
     expected = reference(q, keys, values, context_len, scale)
     assert out.dtype == torch.bfloat16 and out.shape == (length, heads, dim)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "context_len,length,window,sinks",
+    [
+        (0, 100, 16, False),  # a fresh prompt longer than its window
+        (300, 64, 16, True),  # a window shorter than the chunk: the prefix barely reached
+        (300, 10, 200, True),  # a window longer than the chunk, shorter than the context
+        (100, 20, 500, False),  # a window longer than the whole context
+        (250, 150, 70, True),  # windows crossing key blocks in every work item
+        (40, 30, 0, True),  # sinks alone
+    ],
+)
+def test_windows_and_sinks_match_the_dense_reference(bf16_path, context_len, length, window, sinks):
+    heads, kv_heads, dim, scale = 8, 2, 64, 0.125
+    total = context_len + length
+    k_cache, v_cache, slots, keys, values = paged_context(total, kv_heads, dim, torch.bfloat16)
+    q = torch.randn(length, heads, dim, generator=torch.Generator().manual_seed(2)).bfloat16()
+    sink = torch.linspace(-1.0, 3.0, heads) if sinks else None
+    out = cpu_kernels.prefill_attention(
+        q, k_cache, v_cache, slots, context_len, scale, sink, window
+    )
+    expected = reference(q, keys, values, context_len, scale, window, sink)
     torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
 
 

@@ -300,8 +300,8 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
 /* prefill_attention.c */
 int ms_prefill_attention(const bf16 *q, int64_t ldq, int64_t C, int64_t H, int64_t G, int64_t d,
                          const bf16 *k_cache, int64_t k_slot, int64_t k_head, const bf16 *v_cache, int64_t v_slot,
-                         int64_t v_head, const int64_t *slots, int64_t ctx, float scale, bf16 *out, int64_t ldo,
-                         int nthreads);
+                         int64_t v_head, const int64_t *slots, int64_t ctx, float scale, const float *sinks,
+                         int64_t window, bf16 *out, int64_t ldo, int nthreads);
 /* norm_rope.c */
 void ms_rmsnorm(const bf16 *x, int64_t ldx, bf16 *residual, int64_t ldr, const bf16 *w, float eps,
                 bf16 *out, int64_t ldo, int64_t T, int64_t D, int nthreads);

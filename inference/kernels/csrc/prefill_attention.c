@@ -50,8 +50,9 @@ typedef struct {
  * key's bf16 pairs broadcast from its cache row against the queries' pairs, the online
  * softmax, the probabilities as bf16 pairs of keys (pp, [KEYS / 2][ROWS]) against the block's
  * value pairs (vp, [KEYS / 2][d], packed by the caller). */
-static void key_block(const rowset *rs, int64_t k0, const bf16 *k_cache, int64_t k_slot, int64_t k_off,
-                      const int64_t *slots, int64_t d, float scale, float *s, uint32_t *pp, const uint32_t *vp) {
+static void key_block(const rowset *rs, int64_t k0, int64_t window, const bf16 *k_cache, int64_t k_slot,
+                      int64_t k_off, const int64_t *slots, int64_t d, float scale, float *s, uint32_t *pp,
+                      const uint32_t *vp) {
     static const bf16 zeros[MAX_D];
     const int64_t nk = rs->last + 1 - k0 < KEYS ? rs->last + 1 - k0 : KEYS, half = d / 2;
     /* scores, scaled: s[j][r] */
@@ -78,8 +79,9 @@ static void key_block(const rowset *rs, int64_t k0, const bf16 *k_cache, int64_t
                 _mm512_storeu_ps(s + (j0 + t) * ROWS + 16 * v, _mm512_mul_ps(acc[t][v], _mm512_set1_ps(scale)));
     }
     /* causal: key p is seen by the rows at positions >= p (a block past the earliest row's
-     * position has keys some rows do not see) */
-    const int masked = k0 + nk - 1 > rs->first_pos;
+     * position has keys some rows do not see); with a window, only by those below p + window
+     * (a block before the latest row's first key has keys it does not see) */
+    const int masked = k0 + nk - 1 > rs->first_pos || (window > 0 && k0 <= rs->last - window);
     __m512 top[ROWV], m[ROWV], alpha[ROWV], sum[ROWV];
     __m512i posv[ROWV];
     for (int v = 0; v < ROWV; v++) {
@@ -90,7 +92,9 @@ static void key_block(const rowset *rs, int64_t k0, const bf16 *k_cache, int64_t
         for (int v = 0; v < ROWV; v++) {
             __m512 x = _mm512_loadu_ps(s + j * ROWS + 16 * v);
             if (masked) {
-                const __mmask16 seen = _mm512_cmpge_epi32_mask(posv[v], _mm512_set1_epi32((int32_t)(k0 + j)));
+                __mmask16 seen = _mm512_cmpge_epi32_mask(posv[v], _mm512_set1_epi32((int32_t)(k0 + j)));
+                if (window > 0) /* and not by those at p + window or later */
+                    seen &= (__mmask16)~_mm512_cmpge_epi32_mask(posv[v], _mm512_set1_epi32((int32_t)(k0 + j + window)));
                 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, x);
                 _mm512_storeu_ps(s + j * ROWS + 16 * v, x);
             }
@@ -98,7 +102,9 @@ static void key_block(const rowset *rs, int64_t k0, const bf16 *k_cache, int64_t
         }
     for (int v = 0; v < ROWV; v++) {
         const __m512 m_old = _mm512_loadu_ps(rs->m + 16 * v);
-        m[v] = _mm512_max_ps(m_old, top[v]); /* finite: key 0 is seen by every row */
+        /* -inf while a row has seen no key (a window's first blocks): exp's clamp then makes
+         * alpha tiny instead of NaN, times a row still empty */
+        m[v] = _mm512_max_ps(m_old, top[v]);
         alpha[v] = vf_exp(_mm512_sub_ps(m_old, m[v]));
         _mm512_storeu_ps(rs->m + 16 * v, m[v]);
     }
@@ -175,16 +181,19 @@ static void value_pairs(int64_t k0, int64_t last, const bf16 *k_cache, int64_t k
  * q [C, H, d] (row stride ldq, heads d apart); caches bf16, key row of (slot, kv head g) at
  * k_cache + slot * k_slot + g * k_head, value rows likewise; slots [ctx + C]: each position's
  * cache slot; out [C, H, d] (row stride ldo). Query heads [g * H / G, (g + 1) * H / G) share
- * kv head g. Returns 2 where this build has no AVX512-BF16 (cpu.py calls it only where it
+ * kv head g. window > 0: each query sees its last `window` positions (itself included);
+ * sinks (NULL: none) [H] float32: a logit per head joining each softmax's denominator with
+ * no value (gpt-oss). Returns 2 where this build has no AVX512-BF16 (cpu.py calls it only where it
  * has), 1 for shapes it does not take (d a multiple of 32 up to 256, at most 96 query heads
  * a kv head), -1 when out of scratch memory. */
 int ms_prefill_attention(const bf16 *q, int64_t ldq, int64_t C, int64_t H, int64_t G, int64_t d,
                          const bf16 *k_cache, int64_t k_slot, int64_t k_head, const bf16 *v_cache, int64_t v_slot,
-                         int64_t v_head, const int64_t *slots, int64_t ctx, float scale, bf16 *out, int64_t ldo,
-                         int nthreads) {
+                         int64_t v_head, const int64_t *slots, int64_t ctx, float scale, const float *sinks,
+                         int64_t window, bf16 *out, int64_t ldo, int nthreads) {
 #if !defined(MS_AVX512_BF16)
     (void)q, (void)ldq, (void)C, (void)H, (void)G, (void)d, (void)k_cache, (void)k_slot, (void)k_head;
-    (void)v_cache, (void)v_slot, (void)v_head, (void)slots, (void)ctx, (void)scale, (void)out, (void)ldo;
+    (void)v_cache, (void)v_slot, (void)v_head, (void)slots, (void)ctx, (void)scale, (void)sinks, (void)window;
+    (void)out, (void)ldo;
     (void)nthreads;
     return 2;
 #else
@@ -216,7 +225,7 @@ int ms_prefill_attention(const bf16 *q, int64_t ldq, int64_t C, int64_t H, int64
         for (int64_t it = 0; it < items; it++) {
             const int64_t g = it % G, b = blocks - 1 - it / G;
             int n = 0;
-            int64_t last = 0;
+            int64_t last = 0, first = INT64_MAX; /* the keys any set sees */
             for (int64_t set = b * SETS; set < (b + 1) * SETS && set < sets; set++, n++) {
                 rowset *r = &rs[n];
                 char *at = mine + n * set_bytes;
@@ -234,19 +243,27 @@ int ms_prefill_attention(const bf16 *q, int64_t ldq, int64_t C, int64_t H, int64
                 }
                 memset(r->o, 0, (size_t)d * ROWS * sizeof(float));
                 last = r->last > last ? r->last : last;
+                const int64_t lo = window > 0 && r->first_pos >= window ? r->first_pos - window + 1 : 0;
+                first = lo < first ? lo : first;
             }
-            for (int64_t k0 = 0; k0 <= last; k0 += KEYS) {
+            for (int64_t k0 = first / KEYS * KEYS; k0 <= last; k0 += KEYS) {
                 value_pairs(k0, last, k_cache, k_slot, g * k_head, v_cache, v_slot, g * v_head, slots, d, vp);
-                for (int j = 0; j < n; j++)
-                    if (k0 <= rs[j].last) key_block(&rs[j], k0, k_cache, k_slot, g * k_head, slots, d, scale, s, pp, vp);
+                for (int j = 0; j < n; j++) /* a set's keys: [its first row's window start, its last] */
+                    if (k0 <= rs[j].last && (window <= 0 || k0 + KEYS > rs[j].first_pos - window + 1))
+                        key_block(&rs[j], k0, window, k_cache, k_slot, g * k_head, slots, d, scale, s, pp, vp);
             }
             for (int j = 0; j < n; j++) {
                 const int64_t i0 = (b * SETS + j) * per;
                 for (int64_t row = 0; row < (rs[j].last - rs[j].first_pos + 1) * hpg; row++) {
                     const int64_t i = row / hpg, h = g * hpg + row % hpg;
                     bf16 *dst = out + (i0 + i) * ldo + h * d;
-                    const float inv = 1.0f / rs[j].l[row];
-                    for (int64_t c = 0; c < d; c++) dst[c] = f32_to_bf16(rs[j].o[c * ROWS + row] * inv);
+                    float m = rs[j].m[row], keep = 1.0f, total = rs[j].l[row];
+                    if (sinks) { /* the sink's logit joins the denominator with no value */
+                        const float top = sinks[h] > m ? sinks[h] : m;
+                        keep = expf(m - top), total = total * keep + expf(sinks[h] - top);
+                    }
+                    const float f = keep / total;
+                    for (int64_t c = 0; c < d; c++) dst[c] = f32_to_bf16(rs[j].o[c * ROWS + row] * f);
                 }
             }
         }
