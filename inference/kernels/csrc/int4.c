@@ -116,9 +116,41 @@ static inline void group_params(const block_params *p, int64_t g, vf *s, vi *z) 
     }
 }
 
+/* octet o of rows [0, rows) times the block: each row's low quads' sums into lo[m], its high
+ * ones' into hi[m] on AVX-512 (two chains a row: a few rows' sums would otherwise wait on
+ * vpdpbusd's latency); AVX2's 16 registers hold one chain a row, both quads into lo[m] */
+static inline __attribute__((always_inline)) void octet_tile(int rows, const int8_t *q, int64_t ldq, const uint8_t *B,
+                                                             int64_t o, vi table, const int mx, vi lo[MR][VPB],
+                                                             vi hi[MR][VPB]) {
+    vi wl[VPB], wh[VPB];
+    for (int v = 0; v < VPB; v++) {
+        const vi w = vi_load(B + o * 64 + v * 4 * VL);
+        wl[v] = vi_and(w, nibble_mask());
+        wh[v] = high_nibbles(w);
+        if (mx) {
+            wl[v] = lookup(table, wl[v]);
+            wh[v] = lookup(table, wh[v]);
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        const vi xl = quad(q + m * ldq + 8 * o), xh = quad(q + m * ldq + 8 * o + 4);
+        for (int v = 0; v < VPB; v++) {
+#if defined(MS_AVX512)
+            lo[m][v] = dot4(lo[m][v], wl[v], xl);
+            hi[m][v] = dot4(hi[m][v], wh[v], xh);
+#else
+            (void)hi;
+            lo[m][v] = dot4(dot4(lo[m][v], wl[v], xl), wh[v], xh);
+#endif
+        }
+    }
+}
+
 /* rows [0, rows) of q times one block of 16 columns: B its packed bytes (octets of 64 bytes),
  * p its scales and zeros, asum the rows' group sums [rows][G], sx the rows' scales;
- * y[m][0..16). mx (a constant where it is inlined): the nibbles are mxfp4 codes, looked up. */
+ * y[m][0..16). rows and mx are constants where it is inlined (tile), so the sums stay in
+ * registers; two rows take two octets a step, in chains of their own. mx: the nibbles are
+ * mxfp4 codes, looked up. */
 static inline __attribute__((always_inline)) void block_tile(int rows, const int8_t *q, int64_t ldq,
                                                              const int32_t *asum, int64_t G, const float *sx,
                                                              const uint8_t *B, int64_t octets, int64_t group_octets,
@@ -127,34 +159,28 @@ static inline __attribute__((always_inline)) void block_tile(int rows, const int
     float acc[MR][BLOCK] __attribute__((aligned(64)));
     memset(acc, 0, sizeof acc);
     const vi table = mx_table();
+    const int unroll = rows <= 2 ? 2 : 1;
     for (int64_t g = 0; g < G; g++) {
         const int64_t o0 = g * group_octets, o1 = o0 + group_octets < octets ? o0 + group_octets : octets;
-        vi isum[MR][VPB];
-        for (int m = 0; m < MR; m++)
-            for (int v = 0; v < VPB; v++) isum[m][v] = vi_set1(0);
-        for (int64_t o = o0; o < o1; o++) {
-            vi lo[VPB], hi[VPB];
-            for (int v = 0; v < VPB; v++) {
-                const vi w = vi_load(B + o * 64 + v * 4 * VL);
-                lo[v] = vi_and(w, nibble_mask());
-                hi[v] = high_nibbles(w);
-                if (mx) {
-                    lo[v] = lookup(table, lo[v]);
-                    hi[v] = lookup(table, hi[v]);
-                }
+        vi s[4][MR][VPB]; /* per octet of a step: low quads' sums, high quads' */
+        for (int u = 0; u < 4; u++)
+            for (int m = 0; m < rows; m++)
+                for (int v = 0; v < VPB; v++) s[u][m][v] = vi_set1(0);
+        int64_t o = o0;
+        if (unroll == 2)
+            for (; o + 2 <= o1; o += 2) {
+                octet_tile(rows, q, ldq, B, o, table, mx, s[0], s[1]);
+                octet_tile(rows, q, ldq, B, o + 1, table, mx, s[2], s[3]);
             }
-            for (int m = 0; m < rows; m++) {
-                const vi xl = quad(q + m * ldq + 8 * o), xh = quad(q + m * ldq + 8 * o + 4);
-                for (int v = 0; v < VPB; v++) isum[m][v] = dot4(dot4(isum[m][v], lo[v], xl), hi[v], xh);
-            }
-        }
+        for (; o < o1; o++) octet_tile(rows, q, ldq, B, o, table, mx, s[0], s[1]);
         vf sc[VPB];
         vi zp[VPB];
         group_params(p, g, sc, zp);
         for (int m = 0; m < rows; m++) {
-            const vi s = vi_set1(asum[m * G + g]);
+            const vi total = vi_set1(asum[m * G + g]);
             for (int v = 0; v < VPB; v++) {
-                const vf exact = vi_to_vf(vi_sub(isum[m][v], mullo(s, zp[v]))); /* less z * the group's sum */
+                const vi isum = vi_add(vi_add(s[0][m][v], s[1][m][v]), vi_add(s[2][m][v], s[3][m][v]));
+                const vf exact = vi_to_vf(vi_sub(isum, mullo(total, zp[v]))); /* less z * the group's sum */
                 vf_store(acc[m] + v * VL, vf_add(vf_load(acc[m] + v * VL), vf_mul(exact, sc[v])));
             }
         }
@@ -291,18 +317,36 @@ static inline __attribute__((always_inline)) void pair_row(const int8_t *q, cons
     }
 }
 
-/* block_tile specialized on the nibbles' kind (mx: mxfp4 codes), one row on block_row */
+/* block_tile specialized on the rows (1..MR, one row on block_row) and on the nibbles' kind
+ * (mx: mxfp4 codes): constants, so each form keeps its sums in registers */
 static void tile(int mx, int rows, const int8_t *q, int64_t ldq, const int32_t *asum, int64_t G, const float *sx,
                  const uint8_t *B, int64_t octets, int64_t group_octets, const block_params *p, float *y,
                  int64_t ldy) {
-    if (rows == 1 && mx)
-        block_row(q, asum, G, sx[0], B, octets, group_octets, p, 1, y);
-    else if (rows == 1)
-        block_row(q, asum, G, sx[0], B, octets, group_octets, p, 0, y);
-    else if (mx)
-        block_tile(rows, q, ldq, asum, G, sx, B, octets, group_octets, p, 1, y, ldy);
-    else
-        block_tile(rows, q, ldq, asum, G, sx, B, octets, group_octets, p, 0, y, ldy);
+#define TILE_ROWS(r)                                                                                   \
+    case r:                                                                                            \
+        if (mx)                                                                                        \
+            block_tile(r, q, ldq, asum, G, sx, B, octets, group_octets, p, 1, y, ldy);                 \
+        else                                                                                           \
+            block_tile(r, q, ldq, asum, G, sx, B, octets, group_octets, p, 0, y, ldy);                 \
+        return;
+    switch (rows) {
+    case 1:
+        if (mx)
+            block_row(q, asum, G, sx[0], B, octets, group_octets, p, 1, y);
+        else
+            block_row(q, asum, G, sx[0], B, octets, group_octets, p, 0, y);
+        return;
+        TILE_ROWS(2)
+        TILE_ROWS(3)
+        TILE_ROWS(4)
+#if MR > 4
+        TILE_ROWS(5)
+        TILE_ROWS(6)
+        TILE_ROWS(7)
+        TILE_ROWS(8)
+#endif
+    }
+#undef TILE_ROWS
 }
 
 /* each group's sum of one row's activations (x: 8 * octets bytes; groups of group_octets
