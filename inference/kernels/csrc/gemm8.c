@@ -206,6 +206,15 @@ void quantize_row_s8(float *x, int64_t K, int8_t *q, int64_t Kq, float *scale, i
     for (int64_t k = K; k < Kq; k++) q[k] = 0;
 }
 
+void s8_group_sums(const int8_t *q, int64_t K, int64_t group, int32_t *sums) {
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, g++) {
+        const int64_t k1 = k0 + group < K ? k0 + group : K;
+        int32_t total = 0;
+        for (int64_t k = k0; k < k1; k++) total += q[k];
+        sums[g] = total;
+    }
+}
+
 /* ---- fp8 weight-only ----------------------------------------------------------------- */
 
 /* rows x one fp8 block: weights widened in registers (3 instructions a vector), float32 FMAs

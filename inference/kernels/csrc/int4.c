@@ -369,17 +369,24 @@ static void group_sums(const int8_t *x, int64_t octets, int64_t group_octets, in
     }
 }
 
-/* rows [0, rows) of A (stride lda, 8 * octets columns) times one block, each MR rows' group
- * sums taken once for the block */
-static void rows_times_block(const int8_t *A, int64_t lda, const float *sx, int64_t rows, const uint8_t *B,
-                             int64_t octets, int64_t group_octets, const block_params *p, int mx, float *C,
-                             int64_t ldc) {
+/* rows [0, rows) of A (stride lda, 8 * octets columns) times one block and, unless B2 is NULL,
+ * a second (p2, into C2), MR rows at a time; the rows' group sums asum [rows][G], or NULL:
+ * each MR rows' taken once for both blocks */
+static void rows_times_blocks(const int8_t *A, int64_t lda, const float *sx, const int32_t *asum, int64_t rows,
+                              const uint8_t *B, const uint8_t *B2, int64_t octets, int64_t group_octets,
+                              const block_params *p, const block_params *p2, int mx, float *C, float *C2,
+                              int64_t ldc) {
     const int64_t G = (octets + group_octets - 1) / group_octets;
-    int32_t asum[MR * G];
+    int32_t own[MR * G];
     for (int64_t m0 = 0; m0 < rows; m0 += MR) {
         const int rows_here = rows - m0 < MR ? (int)(rows - m0) : MR;
-        for (int m = 0; m < rows_here; m++) group_sums(A + (m0 + m) * lda, octets, group_octets, asum + m * G);
-        tile(mx, rows_here, A + m0 * lda, lda, asum, G, sx + m0, B, octets, group_octets, p, C + m0 * ldc, ldc);
+        const int32_t *sums = asum ? asum + m0 * G : own;
+        if (!asum)
+            for (int m = 0; m < rows_here; m++) group_sums(A + (m0 + m) * lda, octets, group_octets, own + m * G);
+        tile(mx, rows_here, A + m0 * lda, lda, sums, G, sx + m0, B, octets, group_octets, p, C + m0 * ldc, ldc);
+        if (B2)
+            tile(mx, rows_here, A + m0 * lda, lda, sums, G, sx + m0, B2, octets, group_octets, p2, C2 + m0 * ldc,
+                 ldc);
     }
 }
 
@@ -388,24 +395,28 @@ static void rows_times_block(const int8_t *A, int64_t lda, const float *sx, int6
  * scales and zero points read in place (sc, zero: the block's first column of the [G][N]
  * arrays, stride ld; zero NULL: 8, or mxfp4's 12; cols: the block's real width), each row
  * times its scale sx[m]; and, unless B2 is NULL, a second full block B2 (sc2, zero2) into C2,
- * one row's in the same pass (pair_row) */
-void ms_int4_wblock(const int8_t *A, int64_t lda, const float *sx, int64_t rows, int64_t octets, int64_t group_octets,
-                    int64_t ld, int mx, const uint8_t *B, const float *sc, const int8_t *zero, int64_t cols, float *C,
-                    const uint8_t *B2, const float *sc2, const int8_t *zero2, float *C2, int64_t ldc) {
+ * one row's in the same pass (pair_row). asum: the rows' group sums [rows][G] (NULL: taken
+ * here) */
+void ms_int4_wblock(const int8_t *A, int64_t lda, const float *sx, const int32_t *asum, int64_t rows, int64_t octets,
+                    int64_t group_octets, int64_t ld, int mx, const uint8_t *B, const float *sc, const int8_t *zero,
+                    int64_t cols, float *C, const uint8_t *B2, const float *sc2, const int8_t *zero2, float *C2,
+                    int64_t ldc) {
     const int32_t zdef = mx ? MX_ZERO : 8;
     const block_params p = {sc, zero, ld, cols, zdef}, p2 = {sc2, zero2, ld, BLOCK, zdef};
     if (B2 && rows == 1) {
         const int64_t G = (octets + group_octets - 1) / group_octets;
-        int32_t asum[G];
-        group_sums(A, octets, group_octets, asum);
+        int32_t own[G];
+        if (!asum) {
+            group_sums(A, octets, group_octets, own);
+            asum = own;
+        }
         if (mx)
             pair_row(A, asum, G, sx[0], B, B2, octets, group_octets, &p, &p2, 1, C, C2);
         else
             pair_row(A, asum, G, sx[0], B, B2, octets, group_octets, &p, &p2, 0, C, C2);
         return;
     }
-    rows_times_block(A, lda, sx, rows, B, octets, group_octets, &p, mx, C, ldc);
-    if (B2) rows_times_block(A, lda, sx, rows, B2, octets, group_octets, &p2, mx, C2, ldc);
+    rows_times_blocks(A, lda, sx, asum, rows, B, B2, octets, group_octets, &p, &p2, mx, C, C2, ldc);
 }
 
 /* y [M, N] float32 (stride ldy) = q [M, Kp] int8 (stride ldq; Kp a multiple of 8, zero past

@@ -86,6 +86,11 @@ typedef struct {
     int64_t ld8;
     const float *s8_scale;
     int64_t lds;
+    /* 4-bit weights: each int8 row's sums per group of gsum_group inputs (s8_group_sums), row
+     * m's at gsum[m * groups]; NULL (or another group than the weight's): the products take
+     * them per block */
+    const int32_t *gsum;
+    int64_t gsum_group;
 } rows_t;
 
 /* inputs per activation scale of int8 weights' products where groups are on
@@ -122,9 +127,10 @@ typedef void (*int8g_fn)(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq,
  * block's first column of the weight's [G][N] arrays, read in place ld (N) apart; cols the
  * block's real width (the narrow last one's bytes widened to 16 columns by the caller).
  * B2 (NULL: none): a second, full block (sc2, zero2) into C2, one row's in the same pass over
- * the activations. */
-typedef void (*int4w_fn)(const int8_t *A, int64_t lda, const float *sx, int64_t rows, int64_t octets,
-                         int64_t group_octets, int64_t ld, int mx, const uint8_t *B, const float *sc,
+ * the activations. asum: the rows' group sums [rows][groups] (s8_group_sums), or NULL: taken
+ * here, per call. */
+typedef void (*int4w_fn)(const int8_t *A, int64_t lda, const float *sx, const int32_t *asum, int64_t rows,
+                         int64_t octets, int64_t group_octets, int64_t ld, int mx, const uint8_t *B, const float *sc,
                          const int8_t *zero, int64_t cols, float *C, const uint8_t *B2, const float *sc2,
                          const int8_t *zero2, float *C2, int64_t ldc);
 
@@ -224,6 +230,9 @@ void int8_block_grouped(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, 
  * q = rne(x * 127 / amax) in [-127, 127], Kq entries (zero padded), and each group's scale
  * amax / 127 (0 for a zero group) into scale[g] */
 void quantize_row_s8(float *x, int64_t K, int8_t *q, int64_t Kq, float *scale, int rotate, int64_t group);
+/* the sums of an int8 row's K inputs per group of `group` (the last group the rest) into
+ * sums[g]: what 4-bit weights' zero points take off (rows_t gsum) */
+void s8_group_sums(const int8_t *q, int64_t K, int64_t group, int32_t *sums);
 /* wblock_gemm (wmat.c) for 8-bit and int4 weights (int8, fp8, int4; int4 with K a multiple
  * of 8, the rows' quantized form read up to it): C[m][0..16) = rows [m0, m0 + rows) of a
  * times block j of w, scaled; pad: pad_bytes(K) of scratch (wmat.c, its layout there) */

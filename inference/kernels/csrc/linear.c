@@ -35,10 +35,13 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
     const size_t a_bytes = wide ? round64((size_t)batch * M * Kp * sizeof(float)) : 0;
     const size_t c_bytes = copy ? round64((size_t)batch * M * Kp * sizeof(bf16)) : 0;
     const size_t q_bytes = need8 ? round64((size_t)batch * M * Kq) + round64((size_t)batch * M * lds * sizeof(float)) : 0;
+    /* 4-bit weights: each int8 row's group sums, taken once here rather than per block */
+    const int64_t gs = four_bit(w) ? (K + w->group - 1) / w->group : 0;
+    const size_t g_bytes = round64((size_t)batch * M * gs * sizeof(int32_t));
     const size_t pad = round64(pad_bytes(K));
     const int64_t step = need8 ? 2 : 1, steps = (blocks + step - 1) / step; /* int8 blocks go in pairs */
     region_enter();
-    char *scratch = region_alloc(a_bytes + c_bytes + q_bytes + (size_t)nthreads * pad);
+    char *scratch = region_alloc(a_bytes + c_bytes + q_bytes + g_bytes + (size_t)nthreads * pad);
     if (!scratch) {
         region_leave();
         return -1;
@@ -47,9 +50,10 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
     bf16 *X16 = copy ? (bf16 *)(scratch + a_bytes) : NULL;
     int8_t *Q = need8 ? (int8_t *)(scratch + a_bytes + c_bytes) : NULL;
     float *S = need8 ? (float *)(scratch + a_bytes + c_bytes + round64((size_t)batch * M * Kq)) : NULL;
+    int32_t *Gs = gs ? (int32_t *)(scratch + a_bytes + c_bytes + q_bytes) : NULL;
 #pragma omp parallel num_threads(nthreads) if (batch * M * N * K > 65536)
     {
-        void *tpad = scratch + a_bytes + c_bytes + q_bytes + (size_t)omp_get_thread_num() * pad;
+        void *tpad = scratch + a_bytes + c_bytes + q_bytes + g_bytes + (size_t)omp_get_thread_num() * pad;
         float C[TILE_ROWS * BLOCK], C2[TILE_ROWS * BLOCK];
         /* a row widened (and rotated) for quantizing: the pad is free here */
         float *row32 = need8 ? (float *)tpad : NULL;
@@ -65,6 +69,7 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
                 if (Q) {
                     widen_row_for(w, row, K, row32); /* (act-order: gathered) */
                     quantize_row_s8(row32, K, Q + (i * M + m) * Kq, Kq, S + (i * M + m) * lds, rows_rotate(w), group8);
+                    if (Gs) s8_group_sums(Q + (i * M + m) * Kq, K, w->group, Gs + (i * M + m) * gs);
                 }
             }
 #pragma omp for collapse(3) schedule(static)
@@ -77,6 +82,7 @@ int ms_linear(const bf16 *x, int64_t x_bs, int64_t ldx, int64_t M, int64_t K, co
                         A ? A + i * M * Kp : NULL, Kp,
                         X16 ? X16 + i * M * Kp : narrow ? x + i * x_bs : NULL, X16 ? Kp : ldx,
                         Q ? Q + i * M * Kq : NULL, Kq, S ? S + i * M * lds : NULL, lds,
+                        Gs ? Gs + i * M * gs : NULL, gs ? w->group : 0,
                     };
                     const int64_t j0 = jj * step, j1 = j0 + step < blocks ? j0 + step : blocks;
                     const int64_t end = (ch + 1) * rows < M ? (ch + 1) * rows : M;

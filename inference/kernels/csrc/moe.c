@@ -124,6 +124,9 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
     const int x8 = rows_need_s8(w13), h8 = rows_need_s8(w2);
     const int64_t xg = rows_s8_group(w13), hg = rows_s8_group(w2); /* inputs per activation scale */
     const int64_t xls = s8_scales(xg, D), hls = s8_scales(hg, I);    /* scales a row */
+    /* 4-bit weights: each int8 row's group sums, taken once here rather than per block */
+    const int64_t xgs = four_bit(w13) ? (D + w13->group - 1) / w13->group : 0;
+    const int64_t hgs = four_bit(w2) ? (I + w2->group - 1) / w2->group : 0;
     const int x32 = !x8 && (w13->kind != W_BF16 || !tiles_read_bf16());
     const int x16 = rows_need_b16(w13, D) && (w13->kind != W_BF16 || tiles_read_bf16() || (Dp % 32 == 0 && Ip % 32 == 0));
     const int h16 = rows_need_b16(w2, I) && (w2->kind != W_BF16 || tiles_read_bf16() || (Dp % 32 == 0 && Ip % 32 == 0));
@@ -143,6 +146,8 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
         h16 ? round64((size_t)pairs * Ip * sizeof(bf16)) : 0, /* silu(gate) * up as bf16 */
         x8 ? round64((size_t)pairs * Dq) + round64(pairs * xls * sizeof(float)) : 0, /* the tokens */
         h8 ? round64((size_t)pairs * Iq) + round64(pairs * hls * sizeof(float)) : 0, /* and h, int8 */
+        round64((size_t)pairs * xgs * sizeof(int32_t)), /* their group sums */
+        round64((size_t)pairs * hgs * sizeof(int32_t)),
     };
     size_t total = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) total += sizes[i];
@@ -162,8 +167,9 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
     int8_t *xs8 = x8 ? parts[11] : NULL, *hidden8 = h8 ? parts[12] : NULL;
     float *xs8_scale = x8 ? (float *)((char *)parts[11] + round64((size_t)pairs * Dq)) : NULL;
     float *hidden8_scale = h8 ? (float *)((char *)parts[12] + round64((size_t)pairs * Iq)) : NULL;
-    const rows_t xr = {xs, Dp, xs16, Dp, xs8, Dq, xs8_scale, xls};
-    const rows_t hr = {hidden, Ip, hidden16, Ip, hidden8, Iq, hidden8_scale, hls};
+    int32_t *xsum = xgs ? parts[13] : NULL, *hsum = hgs ? parts[14] : NULL;
+    const rows_t xr = {xs, Dp, xs16, Dp, xs8, Dq, xs8_scale, xls, xsum, xgs ? w13->group : 0};
+    const rows_t hr = {hidden, Ip, hidden16, Ip, hidden8, Iq, hidden8_scale, hls, hsum, hgs ? w2->group : 0};
 
     for (int64_t e = 0; e < E; e++) counts[e] = 0;
     for (int64_t p = 0; p < pairs; p++) counts[ids[p]]++;
@@ -210,9 +216,11 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
                 const int64_t r = pair_row[t * A];
                 widen_row(x + t * ldx, D, row32, D);
                 quantize_row_s8(row32, D, xs8 + r * Dq, Dq, xs8_scale + r * xls, rows_rotate(w13), xg);
+                if (xsum) s8_group_sums(xs8 + r * Dq, D, w13->group, xsum + r * xgs);
                 for (int64_t a = 1; a < A; a++) {
                     memcpy(xs8 + pair_row[t * A + a] * Dq, xs8 + r * Dq, Dq);
                     memcpy(xs8_scale + pair_row[t * A + a] * xls, xs8_scale + r * xls, xls * sizeof(float));
+                    if (xsum) memcpy(xsum + pair_row[t * A + a] * xgs, xsum + r * xgs, xgs * sizeof(int32_t));
                 }
             }
         }
@@ -242,8 +250,10 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
         }
         if (hidden8) { /* rotated in place (where w2's rows are): the int8 product reads only the quantized rows */
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < pairs; r++)
+            for (int64_t r = 0; r < pairs; r++) {
                 quantize_row_s8(hidden + r * Ip, I, hidden8 + r * Iq, Iq, hidden8_scale + r * hls, rows_rotate(w2), hg);
+                if (hsum) s8_group_sums(hidden8 + r * Iq, I, w2->group, hsum + r * hgs);
+            }
         }
 #pragma omp for schedule(dynamic, 4)
         for (int64_t it = 0; it < chunks * blocks2; it++) {

@@ -45,6 +45,11 @@ int64_t rows_s8_group(const wmat *w) { return w->kind == W_INT8 && int8_act_grou
 
 int rows_rotate(const wmat *w) { return !(four_bit(w) && w->plain); }
 
+/* rows m0.. of a's group sums where they are w's groups' (rows_t gsum), else NULL */
+static const int32_t *group_sums_for(const rows_t *a, int64_t m0, const wmat *w, int64_t K) {
+    return a->gsum && a->gsum_group == w->group ? a->gsum + m0 * ((K + w->group - 1) / w->group) : NULL;
+}
+
 /* block j of a 4-bit weight (int4, mxfp4; K a multiple of 8) times rows [m0, m0 + rows) of
  * a's int8 rows, scaled (4-bit weights' rows carry one scale each: rows_s8_group 0), on
  * int4.c's products, which read the weight's scales and zero points in place; the narrow
@@ -59,7 +64,8 @@ static void wblock4_gemm(const rows_t *a, int64_t m0, int64_t rows, const wmat *
         for (int64_t o = 0; o < octets; o++) memcpy(pad + o * 64, B + o * *cols * 4, (size_t)(*cols * 4));
         B = pad;
     }
-    int4_wblock(a->s8 + m0 * a->ld8, a->ld8, a->s8_scale + m0, rows, octets, w->group / 8, N, w->kind == W_MXFP4, B,
+    int4_wblock(a->s8 + m0 * a->ld8, a->ld8, a->s8_scale + m0, group_sums_for(a, m0, w, K), rows, octets, w->group / 8, N,
+                w->kind == W_MXFP4, B,
                 w->scale + j * BLOCK, w->zero ? w->zero + j * BLOCK : NULL, *cols, C, NULL, NULL, NULL, NULL, ldc);
 }
 
@@ -74,8 +80,8 @@ static void wblock4_pair(const rows_t *a, int64_t m0, int64_t rows, const wmat *
     }
     const int64_t octets = K / 8;
     const uint8_t *data = w->data;
-    int4_wblock(a->s8 + m0 * a->ld8, a->ld8, a->s8_scale + m0, rows, octets, w->group / 8, N, w->kind == W_MXFP4,
-                data + j1 * BLOCK * 4 * octets, w->scale + j1 * BLOCK, w->zero ? w->zero + j1 * BLOCK : NULL, BLOCK,
+    int4_wblock(a->s8 + m0 * a->ld8, a->ld8, a->s8_scale + m0, group_sums_for(a, m0, w, K), rows, octets,
+                w->group / 8, N, w->kind == W_MXFP4, data + j1 * BLOCK * 4 * octets, w->scale + j1 * BLOCK, w->zero ? w->zero + j1 * BLOCK : NULL, BLOCK,
                 C1, data + j2 * BLOCK * 4 * octets, w->scale + j2 * BLOCK, w->zero ? w->zero + j2 * BLOCK : NULL, C2,
                 ldc);
 }
