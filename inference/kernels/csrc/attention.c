@@ -357,11 +357,110 @@ static inline __attribute__((always_inline)) void values_bf16(const int hb, floa
             for (int u = 0; u < 2; u++) vf_store(acc[hh] + c + u * VL, r[hh][u]);
     }
 }
+
+/* ---- int4 rows on vdpbf16ps (the avx512bf16 build) --------------------------------------
+ * A group's 16 bytes (values i and i + 16 in byte i's nibbles, each q + 8) become one vector
+ * of bf16 pairs (value i, value i + 16): byte i zero-extended into dword i, its high nibble
+ * shifted into the upper word, and each word's code looked up in a table of code - 8 (exact in
+ * bf16; vpermw reads the low 5 bits, so the table holds the 16 values twice and the low word's
+ * high nibble, bit 4, picks the same one). The query's pairs are arranged alike; the group's
+ * scale multiplies its float32 partial score, and for the values it is folded into the
+ * weights before they round to bf16 (the reference rounds probabilities, here probability
+ * times scale: one rounding as well). A value row's 32 columns come out in the same order
+ * (word k of a group: column k / 2 + 16 * (k % 2)), put back in place after the merge. */
+static const uint16_t int4_codes[32] = {
+    0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0,
+    0x40e0, 0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0,
+    0x40c0, 0x40e0};
+
+/* a group's 16 bytes -> its codes as word pairs (code i, code i + 16) (not yet looked up) */
+static inline vi int4_code_pairs(const uint8_t *p) {
+#if defined(MS_SIMDE) /* SIMDe has no _mm512_cvtepu8_epi32 */
+    const vi b = _mm512_cvtepu16_epi32(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)));
+#else
+    const vi b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#endif
+    return _mm512_or_si512(b, _mm512_slli_epi32(b, 12));
+}
+
+/* a row's scale of group g (its width / 2 bytes of values first) */
+static inline float int4_scale(const uint8_t *row, int64_t width, int64_t g) {
+    bf16 s;
+    memcpy(&s, row + width / 2 + 2 * g, 2);
+    return bf16_to_f32(s);
+}
+
+/* scores_bf16 over int4 key rows (width d): qa the heads' scaled, rotated queries as bf16
+ * pairs (value i, value i + 16) of each group, arranged */
+static inline __attribute__((always_inline)) void scores_int4(const int hb, const uint8_t *const *rows, int64_t n,
+                                                              const uint32_t *qa, int64_t d, float *part, float *s,
+                                                              const ahead_rows *ahead) {
+    const int64_t groups = (n + 3) / 4;
+    const vi codes = vi_load(int4_codes);
+    for (int64_t j = 0; j < groups; j++) {
+        if (ahead) prefetch_ahead(ahead, 4 * j, j == groups - 1 ? ATT_CHUNK : 4 * j + 4);
+        const uint8_t *const *r4 = rows + 4 * j;
+        vf acc[HB];
+        for (int hh = 0; hh < hb; hh++) acc[hh] = vf_zero();
+        for (int64_t v = 0; v < d; v += 2 * VL) { /* one group of KV_INT4_GROUP (2 * VL) values */
+            const int64_t g = v / KV_INT4_GROUP;
+            vi x[4], t[4];
+            for (int r = 0; r < 4; r++) x[r] = _mm512_permutexvar_epi16(int4_code_pairs(r4[r] + v / 2), codes);
+            transpose4(x, t);
+            /* lane 4m + i: row i's scale */
+            const vf sg = _mm512_broadcast_f32x4(_mm_setr_ps(int4_scale(r4[0], d, g), int4_scale(r4[1], d, g),
+                                                             int4_scale(r4[2], d, g), int4_scale(r4[3], d, g)));
+            for (int hh = 0; hh < hb; hh++) {
+                vf pg = vf_zero();
+                for (int k = 0; k < 4; k++)
+                    pg = _mm512_dpbf16_ps(pg, as_bh(t[k]), as_bh(vi_load(qa + hh * 2 * d + v * 2 + k * VL)));
+                acc[hh] = vf_fma(pg, sg, acc[hh]);
+            }
+        }
+        for (int hh = 0; hh < hb; hh++) vf_store(part + (hh * GROUPS + j) * VL, acc[hh]);
+    }
+    finish_scores(hb, groups, n, part, 1.0f, s);
+}
+
+/* values_bf16 over int4 value rows (width: where their scales are): per group of columns,
+ * two positions a product, the weights times each row's group scale as bf16 pairs */
+static inline __attribute__((always_inline)) void values_int4(const int hb, float *const *acc, const float *rescale,
+                                                              const float *w, const uint8_t *const *rows, int64_t n,
+                                                              int64_t d, int64_t width) {
+    const vi lo = vi_load(pair_lo), hi = vi_load(pair_hi), high = vi_load(high_words), codes = vi_load(int4_codes);
+    const int64_t pairs = (n + 1) / 2;
+    for (int hh = 0; hh < hb; hh++)
+        for (int64_t c = 0; c < d; c += VL) vf_store(acc[hh] + c, vf_mul(vf_load(acc[hh] + c), vf_set1(rescale[hh])));
+    for (int64_t c = 0; c < d; c += 2 * VL) { /* one group: 2 * VL columns */
+        const int64_t g = c / KV_INT4_GROUP;
+        float sg[ATT_CHUNK];
+        for (int64_t i = 0; i < ATT_CHUNK; i++) sg[i] = int4_scale(rows[i], width, g);
+        uint32_t wp[HB][ATT_CHUNK / 2]; /* weight times scale, as bf16 pairs of positions 2p, 2p + 1 */
+        for (int hh = 0; hh < hb; hh++) {
+            const vi a = vf_as_vi(vf_round_bf16(vf_mul(vf_load(w + hh * ATT_CHUNK), vf_load(sg))));
+            const vi b = vf_as_vi(vf_round_bf16(vf_mul(vf_load(w + hh * ATT_CHUNK + VL), vf_load(sg + VL))));
+            vi_store(wp[hh], _mm512_permutex2var_epi16(a, high, b));
+        }
+        vf r[HB][2];
+        for (int hh = 0; hh < hb; hh++) r[hh][0] = vf_load(acc[hh] + c), r[hh][1] = vf_load(acc[hh] + c + VL);
+        for (int64_t p = 0; p < pairs; p++) {
+            const vi a = int4_code_pairs(rows[2 * p] + c / 2), b = int4_code_pairs(rows[2 * p + 1] + c / 2);
+            const __m512bh x0 = as_bh(_mm512_permutexvar_epi16(_mm512_permutex2var_epi16(a, lo, b), codes));
+            const __m512bh x1 = as_bh(_mm512_permutexvar_epi16(_mm512_permutex2var_epi16(a, hi, b), codes));
+            for (int hh = 0; hh < hb; hh++) {
+                const __m512bh wv = as_bh(_mm512_set1_epi32((int32_t)wp[hh][p]));
+                r[hh][0] = _mm512_dpbf16_ps(r[hh][0], x0, wv), r[hh][1] = _mm512_dpbf16_ps(r[hh][1], x1, wv);
+            }
+        }
+        for (int hh = 0; hh < hb; hh++) vf_store(acc[hh] + c, r[hh][0]), vf_store(acc[hh] + c + VL, r[hh][1]);
+    }
+}
 #endif
 
-/* How a chunk's rows are read: bf16 cache rows on vdpbf16ps (the avx512bf16 build), bf16
- * cache rows widened as they are read, or float32 rows a quantized cache was widened into. */
-enum { ROWS_BF16_DOTS, ROWS_BF16, ROWS_F32, ROWS_PER_HEAD };
+/* How a chunk's rows are read: bf16 or int4 cache rows on vdpbf16ps (the avx512bf16 build),
+ * bf16 cache rows widened as they are read, or float32 rows a quantized cache was widened
+ * into. */
+enum { ROWS_BF16_DOTS, ROWS_INT4_DOTS, ROWS_BF16, ROWS_F32, ROWS_PER_HEAD };
 
 /* One chunk of n positions for hb (<= HB) query heads of one kv head: scores, softmax and
  * the weighted values into each head's partial result (res: [max, sum, dv values] per head,
@@ -370,17 +469,19 @@ enum { ROWS_BF16_DOTS, ROWS_BF16, ROWS_F32, ROWS_PER_HEAD };
  * float32, scaled, rotated for a quantized cache). */
 static inline __attribute__((always_inline)) void heads_chunk(const int hb, const int rows, const void *const *krows,
                                                               const void *const *vrows, int64_t n, const uint32_t *qa,
-                                                              int64_t dk, int64_t dv, float scale, float *res,
-                                                              int64_t part, float *parts, float *s,
+                                                              int64_t dk, int64_t dv, int64_t v_width, float scale,
+                                                              float *res, int64_t part, float *parts, float *s,
                                                               const ahead_rows *ahead) {
     float rescale[HB], *acc[HB];
 #if defined(MS_AVX512_BF16)
     if (rows == ROWS_BF16_DOTS)
         scores_bf16(hb, (const bf16 *const *)krows, n, qa, dk, scale, parts, s, ahead);
+    else if (rows == ROWS_INT4_DOTS)
+        scores_int4(hb, (const uint8_t *const *)krows, n, qa, dk, parts, s, ahead);
     else
 #endif
         scores_f32(hb, rows == ROWS_BF16, krows, n, (const float *)qa, dk, parts, s, ahead);
-    (void)scale;
+    (void)scale, (void)v_width;
     for (int hh = 0; hh < hb; hh++) {
         rescale[hh] = softmax_chunk(s + hh * ATT_CHUNK, n, res + hh * part);
         acc[hh] = res + hh * part + 2;
@@ -388,6 +489,10 @@ static inline __attribute__((always_inline)) void heads_chunk(const int hb, cons
 #if defined(MS_AVX512_BF16)
     if (rows == ROWS_BF16_DOTS) {
         values_bf16(hb, acc, rescale, s, (const bf16 *const *)vrows, n, dv);
+        return;
+    }
+    if (rows == ROWS_INT4_DOTS) {
+        values_int4(hb, acc, rescale, s, (const uint8_t *const *)vrows, n, dv, v_width);
         return;
     }
 #endif
@@ -466,7 +571,10 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
     int rows = dk % VL || dv % VL ? ROWS_PER_HEAD : kv_kind == KV_BF16 ? ROWS_BF16 : ROWS_F32;
 #if defined(MS_AVX512_BF16)
     if (kv_kind == KV_BF16 && dk % (2 * VL) == 0 && dv % (2 * VL) == 0) rows = ROWS_BF16_DOTS;
+    if (kv_kind == KV_INT4 && dk % KV_INT4_GROUP == 0 && dv % KV_INT4_GROUP == 0 && KV_INT4_GROUP == 2 * VL)
+        rows = ROWS_INT4_DOTS;
 #endif
+    const int pair_queries = rows == ROWS_BF16_DOTS || rows == ROWS_INT4_DOTS; /* bf16-pair queries */
     /* per thread: queries (float32, and arranged), scores, group sums, widened rows, a merge */
     const size_t local_bytes = round64(
         (size_t)(5 * H * dk + HB * ATT_CHUNK + HB * GROUPS * VL + G * ATT_CHUNK * (dk + dv) + dv) * sizeof(float));
@@ -490,7 +598,7 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
         uint32_t *qa = (uint32_t *)(qf + H * dk); /* per head: 4 dk floats, or 2 dk bf16 pairs */
         float *sh = qf + 5 * H * dk, *gsum = sh + HB * ATT_CHUNK, *kf = gsum + HB * GROUPS * VL;
         float *vfl = kf + G * ATT_CHUNK * dk, *merged = vfl + G * ATT_CHUNK * dv;
-        const int64_t q_units = rows == ROWS_BF16_DOTS ? 2 * dk : 4 * dk; /* a head's arranged query, in 32-bit units */
+        const int64_t q_units = pair_queries ? 2 * dk : 4 * dk; /* a head's arranged query, in 32-bit units */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < total; it++) {
             const int64_t b = owner[it], s = it - first[b], len = context_lens[b];
@@ -512,7 +620,17 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                 }
                 for (int64_t c = 0; c < dk; c++) qf[h * dk + c] = bf16_to_f32(qh[c]) * scale;
                 if (kv_kind != KV_BF16) hadamard_rotate(qf + h * dk, dk); /* q . k = Rq . Rk: the rows stored rotated */
-                if (rows != ROWS_PER_HEAD) arrange_q((const uint32_t *)(qf + h * dk), dk, qa + h * q_units);
+                if (rows == ROWS_INT4_DOTS) { /* bf16 pairs (value i, value i + 16) of each group */
+                    uint32_t *qp = (uint32_t *)(qf + h * dk);
+                    float rq[KV_INT4_GROUP];
+                    for (int64_t g0 = 0; g0 < dk; g0 += KV_INT4_GROUP) {
+                        memcpy(rq, qf + h * dk + g0, sizeof(rq));
+                        for (int64_t i = 0; i < KV_INT4_GROUP / 2; i++)
+                            qp[g0 / 2 + i] = (uint32_t)f32_to_bf16(rq[i]) | (uint32_t)f32_to_bf16(rq[i + KV_INT4_GROUP / 2]) << 16;
+                    }
+                    arrange_q(qp, dk / 2, qa + h * q_units);
+                } else if (rows != ROWS_PER_HEAD)
+                    arrange_q((const uint32_t *)(qf + h * dk), dk, qa + h * q_units);
             }
             const int32_t *table = block_tables + b * bt_stride;
             int64_t slots[2][ATT_CHUNK]; /* this chunk's slots and the next one's */
@@ -561,6 +679,9 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                                     kv_widen_row((const uint8_t *)v_cache + slot[i] * v_slot + g * v_head, kv_kind, dv,
                                                  v_scale_at, vfl + i * dv);
                                 }
+                            } else if (rows == ROWS_INT4_DOTS) {
+                                krows[i] = (const uint8_t *)k_cache + slot[i] * k_slot + g * k_head;
+                                vrows[i] = (const uint8_t *)v_cache + slot[i] * v_slot + g * v_head;
                             } else { /* slot[i] repeats the last slot past n */
                                 krows[i] = (const bf16 *)k_cache + slot[i] * k_slot + g * k_head;
                                 vrows[i] = (const bf16 *)v_cache + slot[i] * v_slot + g * v_head;
@@ -573,7 +694,7 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                             const int64_t left = (g + 1) * hpg - h0;
                             const uint32_t *qh = qa + h0 * q_units;
                             float *rh = res + h0 * part;
-#define HEADS(hb, how) heads_chunk(hb, how, krows, vrows, n, qh, dk, dv, scale, rh, part, gsum, sh, \
+#define HEADS(hb, how) heads_chunk(hb, how, krows, vrows, n, qh, dk, dv, v_scale_at, scale, rh, part, gsum, sh, \
                                   h0 == g * hpg && ahead.n > 0 ? &ahead : NULL)
 #define HEADS_ALL(how)                                                                                     \
     switch (left < HB ? left : HB) {                                                                       \
@@ -584,6 +705,8 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
     }
                             if (rows == ROWS_BF16_DOTS) {
                                 HEADS_ALL(ROWS_BF16_DOTS);
+                            } else if (rows == ROWS_INT4_DOTS) {
+                                HEADS_ALL(ROWS_INT4_DOTS);
                             } else if (rows == ROWS_BF16) {
                                 HEADS_ALL(ROWS_BF16);
                             } else {
@@ -638,6 +761,12 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                 sum += f * r[1];
                 weighted_rows(merged, 1.0f, &f, r + 2, 1, dv, dv);
             }
+            if (rows == ROWS_INT4_DOTS) /* a group's column k / 2 + 16 * (k % 2) came out at k */
+                for (int64_t g0 = 0; g0 < dv; g0 += KV_INT4_GROUP) {
+                    float col[KV_INT4_GROUP];
+                    for (int64_t k = 0; k < KV_INT4_GROUP; k++) col[k / 2 + KV_INT4_GROUP / 2 * (k % 2)] = merged[g0 + k];
+                    memcpy(merged + g0, col, sizeof(col));
+                }
             if (kv_kind != KV_BF16) hadamard_rotate(merged, dv); /* the values were rotated: R R = I */
             bf16 *o = out + b * ldo + h * dv;
             const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
