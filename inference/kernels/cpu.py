@@ -333,7 +333,7 @@ _SIGNATURES = {
     "ms_linear": "p i i i i w i i p p i i i n",
     "ms_moe": "p i i i w w i i p p i p p i p n",
     "ms_decode_attention": "p i i i i n p i i i p i i i i p i p i f p i p i n",
-    "ms_prefill_attention": "p i i i i i p i i p i i p i f p i p i n",
+    "ms_prefill_attention": "p i i i i i n p i i p i i p i f p i p i n",
     "ms_rmsnorm": "p i p i p f p i i i n",
     "ms_rope_cache": "p i i i i i i p p p n p p i n",
     "ms_greedy": "p i i i p n",
@@ -989,18 +989,20 @@ def decode_attention(
 
 def prefill_attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether ms_prefill_attention takes a chunk's queries q [C, H, d] over this cache: the
-    AVX512-BF16 build (vdpbf16ps), a bf16 cache, d a multiple of 32 up to 256, at most 96
-    query heads a kv head. Elsewhere ATen's flash kernel runs (models/attention_parts.py)."""
+    AVX512-BF16 build (vdpbf16ps), bf16 queries, a bf16 or quantized cache of rows of d
+    values, d a multiple of 32 up to 256, at most 96 query heads a kv head. Elsewhere ATen's
+    flash kernel runs (models/attention_parts.py)."""
     h, d = q.shape[1], q.shape[2]
     g = k_cache.shape[1]
     return (
         ISA == "avx512bf16"
-        and q.dtype == k_cache.dtype == torch.bfloat16
+        and q.dtype == torch.bfloat16
+        and (k_cache.dtype == torch.bfloat16 or kv_kind(k_cache) != 0)
         and d % 32 == 0
         and d <= 256
         and h % g == 0
         and h // g <= 96
-        and k_cache.shape[-1] == d
+        and kv_width(k_cache) == d
     )
 
 
@@ -1016,8 +1018,9 @@ def prefill_attention(
 ) -> torch.Tensor:
     """A prompt chunk's queries q [C, H, d] (positions context_len .. context_len + C - 1,
     their keys and values already in the caches) attending causally to their sequence's
-    context, read in place from the bf16 caches [S, G, d] by `slots` [context_len + C]
-    (each position's slot) -> [C, H, d] bf16 (prefill_attention_fits says where it runs).
+    context, read in place from the caches [S, G, row] (bf16, or a quantized format read
+    back as models/paged_cache.py's dequantize reads it) by `slots` [context_len + C] (each
+    position's slot) -> [C, H, d] bf16 (prefill_attention_fits says where it runs).
     `sinks` [H] float32: gpt-oss's per-head sink logits; `window` > 0: each query sees its
     last `window` positions."""
     c, h, d = q.shape
@@ -1033,6 +1036,7 @@ def prefill_attention(
             h,
             k_cache.shape[1],
             d,
+            kv_kind(k_cache),
             k_cache.data_ptr(),
             k_cache.stride(0),
             k_cache.stride(1),

@@ -1,6 +1,6 @@
 """The AVX512-BF16 prefill-attention kernel (csrc/prefill_attention.c): a prompt chunk's
-queries over its paged context, read in place by slot, with sliding windows and sinks,
-against the dense float64 reference,
+queries over its paged context, read in place by slot (bf16, 8-bit and int4 caches), with
+sliding windows and sinks, against the dense float64 reference,
 on the native and the emulated AVX512-BF16 builds; and the builds without it leave prompt
 chunks to ATen's flash kernel."""
 
@@ -11,6 +11,7 @@ import torch
 
 from inference.kernels import cpu as cpu_kernels
 from inference.kernels.modules import CpuPagedAttention
+from inference.models import paged_cache
 from inference.models.attention import AttentionMetadata, PagedAttention, PrefillChunk
 from tests.inference.kernel_paths import Path, forced
 from tests.inference.test_prefill_attention import paged_context, reference
@@ -72,6 +73,33 @@ def test_windows_and_sinks_match_the_dense_reference(bf16_path, context_len, len
     torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "int4"])
+@pytest.mark.parametrize("context_len,length,window", [(0, 40, 0), (150, 70, 0), (150, 70, 48)])
+def test_quantized_caches_read_as_dequantize_reads_them(
+    bf16_path, kv_cache_dtype, context_len, length, window
+):
+    """8-bit and int4 caches (rows stored rotated): the kernel dequantizes a block of keys at a
+    time, rotated back and rounded to bf16, as paged_cache.dequantize gives them to the parts."""
+    heads, kv_heads, dim, scale = 8, 2, 64, 0.125
+    total = context_len + length
+    _, _, slots, keys, values = paged_context(total, kv_heads, dim, torch.bfloat16)
+    storage = paged_cache.storage_dtype(kv_cache_dtype, torch.bfloat16)
+    width = paged_cache.row_width(dim, storage)
+    k_cache = torch.zeros(total + 40, kv_heads, width, dtype=storage)
+    v_cache = torch.zeros_like(k_cache)
+    paged_cache.write_kv(k_cache, slots, keys)
+    paged_cache.write_kv(v_cache, slots, values)
+    read_k = paged_cache.gather_slots(k_cache, slots, torch.bfloat16)
+    read_v = paged_cache.gather_slots(v_cache, slots, torch.bfloat16)
+    q = torch.randn(length, heads, dim, generator=torch.Generator().manual_seed(6)).bfloat16()
+    assert cpu_kernels.prefill_attention_fits(q, k_cache)
+    out = cpu_kernels.prefill_attention(
+        q, k_cache, v_cache, slots, context_len, scale, None, window
+    )
+    expected = reference(q, read_k, read_v, context_len, scale, window)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+
+
 def test_queries_at_any_row_stride(bf16_path):
     """q as the rope kernel leaves it: a view of qkv rows (stride H + 2G heads)."""
     heads, kv_heads, dim, context_len, length = 4, 2, 64, 20, 30
@@ -102,7 +130,10 @@ def test_shapes_it_does_not_take_are_not_offered(bf16_path):
     q = torch.zeros(3, 4, 48, dtype=torch.bfloat16)
     assert not cpu_kernels.prefill_attention_fits(q, torch.zeros(8, 2, 48, dtype=torch.bfloat16))
     q = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
-    assert not cpu_kernels.prefill_attention_fits(q, torch.zeros(8, 2, 64, dtype=torch.uint8))
+    assert not cpu_kernels.prefill_attention_fits(q, torch.zeros(8, 2, 64, dtype=torch.float32))
+    assert not cpu_kernels.prefill_attention_fits(
+        q.float(), torch.zeros(8, 2, 64, dtype=torch.bfloat16)
+    )
 
 
 @pytest.mark.parametrize("path", [Path("avx512"), Path("avx2")], ids=str)

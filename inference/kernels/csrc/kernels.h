@@ -15,7 +15,7 @@
  *   linear.c     ms_linear          -> region.c, gemm.c, gemm8.c, wmat.c
  *   moe.c        ms_moe, swiglu_row -> region.c, gemm.c, gemm8.c, wmat.c
  *   attention.c  ms_decode_attention -> region.c, hadamard.c, kv_rows.c
- *   prefill_attention.c  ms_prefill_attention -> region.c
+ *   prefill_attention.c  ms_prefill_attention -> region.c, hadamard.c, kv_rows.c
  *   norm_rope.c  ms_rmsnorm, ms_rope_cache -> kv_rows.c
  *   embed.c      ms_embed_int8      -> hadamard.c
  *   greedy.c     ms_greedy          (no calls out)
@@ -307,8 +307,8 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                         int64_t block_size, float scale, const float *sinks, int64_t window, bf16 *out,
                         int64_t ldo, int nthreads);
 /* prefill_attention.c */
-int ms_prefill_attention(const bf16 *q, int64_t ldq, int64_t C, int64_t H, int64_t G, int64_t d,
-                         const bf16 *k_cache, int64_t k_slot, int64_t k_head, const bf16 *v_cache, int64_t v_slot,
+int ms_prefill_attention(const bf16 *q, int64_t ldq, int64_t C, int64_t H, int64_t G, int64_t d, int kv_kind,
+                         const void *k_cache, int64_t k_slot, int64_t k_head, const void *v_cache, int64_t v_slot,
                          int64_t v_head, const int64_t *slots, int64_t ctx, float scale, const float *sinks,
                          int64_t window, bf16 *out, int64_t ldo, int nthreads);
 /* norm_rope.c */

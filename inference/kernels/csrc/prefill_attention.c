@@ -50,9 +50,8 @@ typedef struct {
  * key's bf16 pairs broadcast from its cache row against the queries' pairs, the online
  * softmax, the probabilities as bf16 pairs of keys (pp, [KEYS / 2][ROWS]) against the block's
  * value pairs (vp, [KEYS / 2][d], packed by the caller). */
-static void key_block(const rowset *rs, int64_t k0, int64_t window, const bf16 *k_cache, int64_t k_slot,
-                      int64_t k_off, const int64_t *slots, int64_t d, float scale, float *s, uint32_t *pp,
-                      const uint32_t *vp) {
+static void key_block(const rowset *rs, int64_t k0, int64_t window, const bf16 *const *krow, int64_t d,
+                      float scale, float *s, uint32_t *pp, const uint32_t *vp) {
     static const bf16 zeros[MAX_D];
     const int64_t nk = rs->last + 1 - k0 < KEYS ? rs->last + 1 - k0 : KEYS, half = d / 2;
     /* scores, scaled: s[j][r] */
@@ -60,7 +59,7 @@ static void key_block(const rowset *rs, int64_t k0, int64_t window, const bf16 *
         const uint32_t *kr[KT];
         for (int t = 0; t < KT; t++) {
             const int64_t p = k0 + j0 + t;
-            kr[t] = (const uint32_t *)(p <= rs->last ? k_cache + slots[p] * k_slot + k_off : zeros);
+            kr[t] = (const uint32_t *)(p <= rs->last ? krow[p - k0] : zeros);
         }
         __m512 acc[KT][ROWV];
         for (int t = 0; t < KT; t++)
@@ -145,29 +144,46 @@ static void key_block(const rowset *rs, int64_t k0, int64_t window, const bf16 *
     }
 }
 
-/* The value pairs of keys [k0, k0 + KEYS) up to key last (later ones zero): vp[jp][c] =
- * (v[k0 + 2jp][c], v[k0 + 2jp + 1][c]) as bf16 pairs; and the next block's key and value rows
- * asked for (their slots need not be adjacent). */
-static void value_pairs(int64_t k0, int64_t last, const bf16 *k_cache, int64_t k_slot, int64_t k_off,
-                        const bf16 *v_cache, int64_t v_slot, int64_t v_off, const int64_t *slots, int64_t d,
-                        uint32_t *vp) {
+/* The value pairs of the block's nk keys (later ones zero): vp[jp][c] = (v[2jp][c],
+ * v[2jp + 1][c]) as bf16 pairs, from the block's value rows vrow. */
+static void value_pairs(const bf16 *const *vrow, int64_t nk, int64_t d, uint32_t *vp) {
     static const bf16 zeros[MAX_D];
     const __m512i pairs = pair_index();
-    for (int64_t p = k0 + KEYS; p < k0 + 2 * KEYS && p <= last; p++) {
-        const char *kr = (const char *)(k_cache + slots[p] * k_slot + k_off);
-        const char *vr = (const char *)(v_cache + slots[p] * v_slot + v_off);
-        for (int64_t b = 0; b < 2 * d; b += 64) _mm_prefetch(kr + b, _MM_HINT_T0), _mm_prefetch(vr + b, _MM_HINT_T0);
-    }
-    const int64_t nk = last + 1 - k0 < KEYS ? last + 1 - k0 : KEYS;
     for (int64_t jp = 0; jp < (nk + 1) / 2; jp++) {
-        const int64_t p = k0 + 2 * jp;
-        const bf16 *va = v_cache + slots[p] * v_slot + v_off;
-        const bf16 *vb = p + 1 <= last ? v_cache + slots[p + 1] * v_slot + v_off : zeros;
+        const bf16 *va = vrow[2 * jp], *vb = 2 * jp + 1 < nk ? vrow[2 * jp + 1] : zeros;
         for (int64_t c = 0; c < d; c += 16) {
             const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(va + c))),
                                                   _mm256_loadu_si256((const __m256i *)(vb + c)), 1);
             _mm512_storeu_si512(vp + jp * d + c, _mm512_permutexvar_epi16(pairs, ab));
         }
+    }
+}
+
+/* The bf16 key and value rows of keys [k0, k0 + nk) into krow / vrow: a bf16 cache's rows in
+ * place; a quantized cache's dequantized into kbuf / vbuf ([KEYS][d]), rotated back and
+ * rounded to bf16, as models/paged_cache.py's dequantize reads them for the parts. And the
+ * next block's rows asked for (their slots need not be adjacent). `cache` rows of (slot, this
+ * kv head) at base + slot * stride bytes, `bytes` long. */
+static void block_rows(int64_t k0, int64_t nk, int64_t last, int kind, const int64_t *slots, int64_t d,
+                       const char *kbase, const char *vbase, int64_t stride_k, int64_t stride_v, int64_t bytes,
+                       float *row32, bf16 *kbuf, bf16 *vbuf, const bf16 **krow, const bf16 **vrow) {
+    for (int64_t p = k0 + KEYS; p < k0 + 2 * KEYS && p <= last; p++) {
+        const char *kr = kbase + slots[p] * stride_k, *vr = vbase + slots[p] * stride_v;
+        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(kr + b, _MM_HINT_T0), _mm_prefetch(vr + b, _MM_HINT_T0);
+    }
+    for (int64_t j = 0; j < nk; j++) {
+        const char *kr = kbase + slots[k0 + j] * stride_k, *vr = vbase + slots[k0 + j] * stride_v;
+        if (kind == KV_BF16) {
+            krow[j] = (const bf16 *)kr, vrow[j] = (const bf16 *)vr;
+            continue;
+        }
+        for (int side = 0; side < 2; side++) {
+            bf16 *dst = (side ? vbuf : kbuf) + j * d;
+            kv_widen_row(side ? vr : kr, kind, d, d, row32);
+            hadamard_rotate(row32, d); /* stored rotated: R R = I */
+            for (int64_t c = 0; c < d; c += VL) vf_store_bf16(dst + c, vf_load(row32 + c));
+        }
+        krow[j] = kbuf + j * d, vrow[j] = vbuf + j * d;
     }
 }
 #endif
@@ -178,20 +194,22 @@ static void value_pairs(int64_t k0, int64_t last, const bf16 *k_cache, int64_t k
  * parts to merge). Products on vdpbf16ps (q and the cached rows are bf16 already), scores
  * and softmax in float32, the probabilities rounded to bf16 for the values' products as
  * ATen's flash kernel rounds them for bf16 inputs.
- * q [C, H, d] (row stride ldq, heads d apart); caches bf16, key row of (slot, kv head g) at
- * k_cache + slot * k_slot + g * k_head, value rows likewise; slots [ctx + C]: each position's
+ * q [C, H, d] (row stride ldq, heads d apart); caches in format kv_kind (a quantized one's rows
+ * dequantized and rotated back a block of keys at a time, into bf16), key row of (slot, kv
+ * head g) at k_cache + slot * k_slot + g * k_head (in its elements: bf16 or bytes), value rows
+ * likewise; slots [ctx + C]: each position's
  * cache slot; out [C, H, d] (row stride ldo). Query heads [g * H / G, (g + 1) * H / G) share
  * kv head g. window > 0: each query sees its last `window` positions (itself included);
  * sinks (NULL: none) [H] float32: a logit per head joining each softmax's denominator with
  * no value (gpt-oss). Returns 2 where this build has no AVX512-BF16 (cpu.py calls it only where it
  * has), 1 for shapes it does not take (d a multiple of 32 up to 256, at most 96 query heads
  * a kv head), -1 when out of scratch memory. */
-int ms_prefill_attention(const bf16 *q, int64_t ldq, int64_t C, int64_t H, int64_t G, int64_t d,
-                         const bf16 *k_cache, int64_t k_slot, int64_t k_head, const bf16 *v_cache, int64_t v_slot,
+int ms_prefill_attention(const bf16 *q, int64_t ldq, int64_t C, int64_t H, int64_t G, int64_t d, int kv_kind,
+                         const void *k_cache, int64_t k_slot, int64_t k_head, const void *v_cache, int64_t v_slot,
                          int64_t v_head, const int64_t *slots, int64_t ctx, float scale, const float *sinks,
                          int64_t window, bf16 *out, int64_t ldo, int nthreads) {
 #if !defined(MS_AVX512_BF16)
-    (void)q, (void)ldq, (void)C, (void)H, (void)G, (void)d, (void)k_cache, (void)k_slot, (void)k_head;
+    (void)q, (void)ldq, (void)C, (void)H, (void)G, (void)d, (void)kv_kind, (void)k_cache, (void)k_slot, (void)k_head;
     (void)v_cache, (void)v_slot, (void)v_head, (void)slots, (void)ctx, (void)scale, (void)sinks, (void)window;
     (void)out, (void)ldo;
     (void)nthreads;
@@ -206,7 +224,11 @@ int ms_prefill_attention(const bf16 *q, int64_t ldq, int64_t C, int64_t H, int64
     const size_t qp_bytes = round64((size_t)d / 2 * ROWS * 4), o_bytes = round64((size_t)d * ROWS * 4);
     const size_t state_bytes = round64((size_t)3 * ROWS * 4), set_bytes = qp_bytes + o_bytes + state_bytes;
     const size_t s_bytes = round64((size_t)KEYS * ROWS * 4), pp_bytes = round64((size_t)KEYS / 2 * ROWS * 4);
-    const size_t local = SETS * set_bytes + s_bytes + pp_bytes + round64((size_t)KEYS / 2 * d * 4);
+    const size_t vp_bytes = round64((size_t)KEYS / 2 * d * 4), buf_bytes = round64((size_t)KEYS * d * 2);
+    const size_t local = SETS * set_bytes + s_bytes + pp_bytes + vp_bytes + 2 * buf_bytes + round64((size_t)d * 4);
+    /* bytes of a cache element (bf16 or a byte) and of a row (int8/fp8: its scale after it) */
+    const int64_t elem = kv_kind == KV_BF16 ? 2 : 1;
+    const int64_t row_bytes = kv_kind == KV_BF16 ? 2 * d : kv_kind == KV_INT4 ? d / 2 + 2 * (d / KV_INT4_GROUP) : d + 2;
     region_enter();
     char *scratch = region_alloc((size_t)nthreads * local);
     if (!scratch) {
@@ -219,6 +241,9 @@ int ms_prefill_attention(const bf16 *q, int64_t ldq, int64_t C, int64_t H, int64
         float *s = (float *)(mine + SETS * set_bytes);
         uint32_t *pp = (uint32_t *)(mine + SETS * set_bytes + s_bytes);
         uint32_t *vp = (uint32_t *)(mine + SETS * set_bytes + s_bytes + pp_bytes);
+        bf16 *kbuf = (bf16 *)(mine + SETS * set_bytes + s_bytes + pp_bytes + vp_bytes), *vbuf = kbuf + KEYS * d;
+        float *row32 = (float *)((char *)kbuf + 2 * buf_bytes);
+        const bf16 *krow[KEYS], *vrow[KEYS];
         rowset rs[SETS];
         /* the latest queries (the most keys) first, so the last items to finish are short */
 #pragma omp for schedule(dynamic, 1)
@@ -246,11 +271,15 @@ int ms_prefill_attention(const bf16 *q, int64_t ldq, int64_t C, int64_t H, int64
                 const int64_t lo = window > 0 && r->first_pos >= window ? r->first_pos - window + 1 : 0;
                 first = lo < first ? lo : first;
             }
+            const char *kbase = (const char *)k_cache + g * k_head * elem, *vbase = (const char *)v_cache + g * v_head * elem;
             for (int64_t k0 = first / KEYS * KEYS; k0 <= last; k0 += KEYS) {
-                value_pairs(k0, last, k_cache, k_slot, g * k_head, v_cache, v_slot, g * v_head, slots, d, vp);
+                const int64_t nk = last + 1 - k0 < KEYS ? last + 1 - k0 : KEYS;
+                block_rows(k0, nk, last, kv_kind, slots, d, kbase, vbase, k_slot * elem, v_slot * elem, row_bytes, row32,
+                           kbuf, vbuf, krow, vrow);
+                value_pairs(vrow, nk, d, vp);
                 for (int j = 0; j < n; j++) /* a set's keys: [its first row's window start, its last] */
                     if (k0 <= rs[j].last && (window <= 0 || k0 + KEYS > rs[j].first_pos - window + 1))
-                        key_block(&rs[j], k0, window, k_cache, k_slot, g * k_head, slots, d, scale, s, pp, vp);
+                        key_block(&rs[j], k0, window, krow, d, scale, s, pp, vp);
             }
             for (int j = 0; j < n; j++) {
                 const int64_t i0 = (b * SETS + j) * per;
