@@ -366,8 +366,7 @@ static inline __attribute__((always_inline)) void values_bf16(const int hb, floa
  * high nibble, bit 4, picks the same one). The query's pairs are arranged alike; the group's
  * scale multiplies its float32 partial score, and for the values it is folded into the
  * weights before they round to bf16 (the reference rounds probabilities, here probability
- * times scale: one rounding as well). A value row's 32 columns come out in the same order
- * (word k of a group: column k / 2 + 16 * (k % 2)), put back in place after the merge. */
+ * times scale: one rounding as well). */
 static const uint16_t int4_codes[32] = {
     0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0,
     0x40e0, 0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0,
@@ -423,11 +422,13 @@ static inline __attribute__((always_inline)) void scores_int4(const int hb, cons
 }
 
 /* values_bf16 over int4 value rows (width: where their scales are): per group of columns,
- * two positions a product, the weights times each row's group scale as bf16 pairs */
+ * two positions a product (the two rows' bytes interleaved before their nibbles are looked
+ * up: fewer shuffles than interleaving looked-up rows), the weights times each row's group
+ * scale as bf16 pairs */
 static inline __attribute__((always_inline)) void values_int4(const int hb, float *const *acc, const float *rescale,
                                                               const float *w, const uint8_t *const *rows, int64_t n,
                                                               int64_t d, int64_t width) {
-    const vi lo = vi_load(pair_lo), hi = vi_load(pair_hi), high = vi_load(high_words), codes = vi_load(int4_codes);
+    const vi high = vi_load(high_words), codes = vi_load(int4_codes);
     const int64_t pairs = (n + 1) / 2;
     for (int hh = 0; hh < hb; hh++)
         for (int64_t c = 0; c < d; c += VL) vf_store(acc[hh] + c, vf_mul(vf_load(acc[hh] + c), vf_set1(rescale[hh])));
@@ -444,9 +445,14 @@ static inline __attribute__((always_inline)) void values_int4(const int hb, floa
         vf r[HB][2];
         for (int hh = 0; hh < hb; hh++) r[hh][0] = vf_load(acc[hh] + c), r[hh][1] = vf_load(acc[hh] + c + VL);
         for (int64_t p = 0; p < pairs; p++) {
-            const vi a = int4_code_pairs(rows[2 * p] + c / 2), b = int4_code_pairs(rows[2 * p + 1] + c / 2);
-            const __m512bh x0 = as_bh(_mm512_permutexvar_epi16(_mm512_permutex2var_epi16(a, lo, b), codes));
-            const __m512bh x1 = as_bh(_mm512_permutexvar_epi16(_mm512_permutex2var_epi16(a, hi, b), codes));
+            /* the two rows' bytes interleaved, a word each (sign-extended: vpermw reads bits 0-4):
+             * word pair i = (byte i of row 2p, of row 2p + 1), its low nibbles column i, its
+             * high ones column i + 16 */
+            const __m128i a = _mm_loadu_si128((const __m128i *)(rows[2 * p] + c / 2));
+            const __m128i b = _mm_loadu_si128((const __m128i *)(rows[2 * p + 1] + c / 2));
+            const vi wab = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
+            const __m512bh x0 = as_bh(_mm512_permutexvar_epi16(wab, codes));
+            const __m512bh x1 = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(wab, 4), codes));
             for (int hh = 0; hh < hb; hh++) {
                 const __m512bh wv = as_bh(_mm512_set1_epi32((int32_t)wp[hh][p]));
                 r[hh][0] = _mm512_dpbf16_ps(r[hh][0], x0, wv), r[hh][1] = _mm512_dpbf16_ps(r[hh][1], x1, wv);
@@ -761,12 +767,6 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                 sum += f * r[1];
                 weighted_rows(merged, 1.0f, &f, r + 2, 1, dv, dv);
             }
-            if (rows == ROWS_INT4_DOTS) /* a group's column k / 2 + 16 * (k % 2) came out at k */
-                for (int64_t g0 = 0; g0 < dv; g0 += KV_INT4_GROUP) {
-                    float col[KV_INT4_GROUP];
-                    for (int64_t k = 0; k < KV_INT4_GROUP; k++) col[k / 2 + KV_INT4_GROUP / 2 * (k % 2)] = merged[g0 + k];
-                    memcpy(merged + g0, col, sizeof(col));
-                }
             if (kv_kind != KV_BF16) hadamard_rotate(merged, dv); /* the values were rotated: R R = I */
             bf16 *o = out + b * ldo + h * dv;
             const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
