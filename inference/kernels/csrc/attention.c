@@ -461,12 +461,105 @@ static inline __attribute__((always_inline)) void values_int4(const int hb, floa
         for (int hh = 0; hh < hb; hh++) vf_store(acc[hh] + c, r[hh][0]), vf_store(acc[hh] + c + VL, r[hh][1]);
     }
 }
+
+/* ---- int8 rows on vdpbf16ps (the avx512bf16 build) --------------------------------------
+ * The values (|x| <= 127: exact in bf16) widened to float32 in registers and their high
+ * words taken; the row's scale multiplies its float32 score, and for the values it is folded
+ * into the weights before they round to bf16, as int4's group scales are. */
+static inline vf int8_to_f32(__m128i x) {
+#if defined(MS_SIMDE) /* SIMDe has no _mm512_cvtepi8_epi32 */
+    return _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_cvtepi8_epi16(x)));
+#else
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
+#endif
+}
+
+/* a row's scale (after its width values) */
+static inline float int8_scale(const uint8_t *row, int64_t width) {
+    bf16 s;
+    memcpy(&s, row + width, 2);
+    return bf16_to_f32(s);
+}
+
+/* scores_bf16 over int8 key rows (width d): qa per head the scaled, rotated query as two
+ * arranged bf16-pair vectors, its rounding and what that rounding left (hi + lo: the scores
+ * as exact as float32 FMAs give them, within the int8 tests' one rounding) */
+static inline __attribute__((always_inline)) void scores_int8(const int hb, const uint8_t *const *rows, int64_t n,
+                                                              const uint32_t *qa, int64_t d, float *part, float *s,
+                                                              const ahead_rows *ahead) {
+    const int64_t groups = (n + 3) / 4;
+    const vi high = vi_load(high_words);
+    for (int64_t j = 0; j < groups; j++) {
+        if (ahead) prefetch_ahead(ahead, 4 * j, j == groups - 1 ? ATT_CHUNK : 4 * j + 4);
+        const uint8_t *const *r4 = rows + 4 * j;
+        vf acc[HB], acc_lo[HB];
+        for (int hh = 0; hh < hb; hh++) acc[hh] = vf_zero(), acc_lo[hh] = vf_zero();
+        for (int64_t v = 0; v < d; v += 2 * VL) {
+            vi x[4], t[4];
+            for (int r = 0; r < 4; r++) {
+                const vf a = int8_to_f32(_mm_loadu_si128((const __m128i *)(r4[r] + v)));
+                const vf b = int8_to_f32(_mm_loadu_si128((const __m128i *)(r4[r] + v + VL)));
+                x[r] = _mm512_permutex2var_epi16(vf_as_vi(a), high, vf_as_vi(b));
+            }
+            transpose4(x, t);
+            for (int hh = 0; hh < hb; hh++)
+                for (int k = 0; k < 4; k++) {
+                    const uint32_t *qk = qa + hh * 4 * d + v * 2 + k * VL;
+                    acc[hh] = _mm512_dpbf16_ps(acc[hh], as_bh(t[k]), as_bh(vi_load(qk)));
+                    acc_lo[hh] = _mm512_dpbf16_ps(acc_lo[hh], as_bh(t[k]), as_bh(vi_load(qk + 2 * d)));
+                }
+        }
+        for (int hh = 0; hh < hb; hh++) acc[hh] = vf_add(acc[hh], acc_lo[hh]);
+        /* lane 4m + i: row i's scale */
+        const vf sr = _mm512_broadcast_f32x4(
+            _mm_setr_ps(int8_scale(r4[0], d), int8_scale(r4[1], d), int8_scale(r4[2], d), int8_scale(r4[3], d)));
+        for (int hh = 0; hh < hb; hh++) vf_store(part + (hh * GROUPS + j) * VL, vf_mul(acc[hh], sr));
+    }
+    finish_scores(hb, groups, n, part, 1.0f, s);
+}
+
+/* values_bf16 over int8 value rows (their scales width bytes in): two positions a product,
+ * the rows' bytes interleaved before they widen, the weights times the rows' scales */
+static inline __attribute__((always_inline)) void values_int8(const int hb, float *const *acc, const float *rescale,
+                                                              const float *w, const uint8_t *const *rows, int64_t n,
+                                                              int64_t d, int64_t width) {
+    const vi high = vi_load(high_words);
+    const int64_t pairs = (n + 1) / 2;
+    float sr[ATT_CHUNK];
+    for (int64_t i = 0; i < ATT_CHUNK; i++) sr[i] = int8_scale(rows[i], width);
+    uint32_t wp[HB][ATT_CHUNK / 2]; /* weight times scale, as bf16 pairs of positions 2p, 2p + 1 */
+    for (int hh = 0; hh < hb; hh++) {
+        const vi a = vf_as_vi(vf_round_bf16(vf_mul(vf_load(w + hh * ATT_CHUNK), vf_load(sr))));
+        const vi b = vf_as_vi(vf_round_bf16(vf_mul(vf_load(w + hh * ATT_CHUNK + VL), vf_load(sr + VL))));
+        vi_store(wp[hh], _mm512_permutex2var_epi16(a, high, b));
+    }
+    for (int64_t c = 0; c < d; c += 2 * VL) { /* d % (2 * VL) == 0 */
+        vf r[HB][2];
+        for (int hh = 0; hh < hb; hh++)
+            for (int u = 0; u < 2; u++) r[hh][u] = vf_mul(vf_load(acc[hh] + c + u * VL), vf_set1(rescale[hh]));
+        for (int64_t p = 0; p < pairs; p++) {
+            __m512bh x[2];
+            for (int u = 0; u < 2; u++) { /* word pair i = (row 2p, row 2p + 1) of column c + u * VL + i */
+                const __m128i a = _mm_loadu_si128((const __m128i *)(rows[2 * p] + c + u * VL));
+                const __m128i b = _mm_loadu_si128((const __m128i *)(rows[2 * p + 1] + c + u * VL));
+                x[u] = as_bh(_mm512_permutex2var_epi16(vf_as_vi(int8_to_f32(_mm_unpacklo_epi8(a, b))), high,
+                                                       vf_as_vi(int8_to_f32(_mm_unpackhi_epi8(a, b)))));
+            }
+            for (int hh = 0; hh < hb; hh++) {
+                const __m512bh wv = as_bh(_mm512_set1_epi32((int32_t)wp[hh][p]));
+                for (int u = 0; u < 2; u++) r[hh][u] = _mm512_dpbf16_ps(r[hh][u], x[u], wv);
+            }
+        }
+        for (int hh = 0; hh < hb; hh++)
+            for (int u = 0; u < 2; u++) vf_store(acc[hh] + c + u * VL, r[hh][u]);
+    }
+}
 #endif
 
-/* How a chunk's rows are read: bf16 or int4 cache rows on vdpbf16ps (the avx512bf16 build),
+/* How a chunk's rows are read: bf16, int4 or int8 cache rows on vdpbf16ps (the avx512bf16 build),
  * bf16 cache rows widened as they are read, or float32 rows a quantized cache was widened
  * into. */
-enum { ROWS_BF16_DOTS, ROWS_INT4_DOTS, ROWS_BF16, ROWS_F32, ROWS_PER_HEAD };
+enum { ROWS_BF16_DOTS, ROWS_INT4_DOTS, ROWS_INT8_DOTS, ROWS_BF16, ROWS_F32, ROWS_PER_HEAD };
 
 /* One chunk of n positions for hb (<= HB) query heads of one kv head: scores, softmax and
  * the weighted values into each head's partial result (res: [max, sum, dv values] per head,
@@ -484,6 +577,8 @@ static inline __attribute__((always_inline)) void heads_chunk(const int hb, cons
         scores_bf16(hb, (const bf16 *const *)krows, n, qa, dk, scale, parts, s, ahead);
     else if (rows == ROWS_INT4_DOTS)
         scores_int4(hb, (const uint8_t *const *)krows, n, qa, dk, parts, s, ahead);
+    else if (rows == ROWS_INT8_DOTS)
+        scores_int8(hb, (const uint8_t *const *)krows, n, qa, dk, parts, s, ahead);
     else
 #endif
         scores_f32(hb, rows == ROWS_BF16, krows, n, (const float *)qa, dk, parts, s, ahead);
@@ -499,6 +594,10 @@ static inline __attribute__((always_inline)) void heads_chunk(const int hb, cons
     }
     if (rows == ROWS_INT4_DOTS) {
         values_int4(hb, acc, rescale, s, (const uint8_t *const *)vrows, n, dv, v_width);
+        return;
+    }
+    if (rows == ROWS_INT8_DOTS) {
+        values_int8(hb, acc, rescale, s, (const uint8_t *const *)vrows, n, dv, v_width);
         return;
     }
 #endif
@@ -529,8 +628,9 @@ static void prefetch_rows(const int32_t *table, int64_t block_size, int64_t p0, 
  * sharing its block table, at consecutive positions, each row's context its own length
  * (causal: speculative verification's k + 1 positions). Work items are (row, context
  * split); each walks its positions in chunks whose key and value rows (all kv heads of a
- * slot: adjacent in the cache, so the chunk is read in whole lines) are widened to float32
- * once for every query head, with an online softmax (flash-decoding), and the
+ * slot: adjacent in the cache, so the chunk is read in whole lines) are read once for all
+ * the query heads of their kv head (bf16, int8 and int4 rows on vdpbf16ps where the build has
+ * it, else widened to float32), with an online softmax (flash-decoding), and the
  * splits, which keep every core busy when there are fewer sequences than threads, are
  * merged by their softmax statistics at the end; a row's splits follow from its own length
  * only, so its result does not depend on the other rows.
@@ -579,8 +679,8 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
     if (kv_kind == KV_BF16 && dk % (2 * VL) == 0 && dv % (2 * VL) == 0) rows = ROWS_BF16_DOTS;
     if (kv_kind == KV_INT4 && dk % KV_INT4_GROUP == 0 && dv % KV_INT4_GROUP == 0 && KV_INT4_GROUP == 2 * VL)
         rows = ROWS_INT4_DOTS;
+    if (kv_kind == KV_INT8 && dk % (2 * VL) == 0 && dv % (2 * VL) == 0) rows = ROWS_INT8_DOTS;
 #endif
-    const int pair_queries = rows == ROWS_BF16_DOTS || rows == ROWS_INT4_DOTS; /* bf16-pair queries */
     /* per thread: queries (float32, and arranged), scores, group sums, widened rows, a merge */
     const size_t local_bytes = round64(
         (size_t)(5 * H * dk + HB * ATT_CHUNK + HB * GROUPS * VL + G * ATT_CHUNK * (dk + dv) + dv) * sizeof(float));
@@ -604,7 +704,7 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
         uint32_t *qa = (uint32_t *)(qf + H * dk); /* per head: 4 dk floats, or 2 dk bf16 pairs */
         float *sh = qf + 5 * H * dk, *gsum = sh + HB * ATT_CHUNK, *kf = gsum + HB * GROUPS * VL;
         float *vfl = kf + G * ATT_CHUNK * dk, *merged = vfl + G * ATT_CHUNK * dv;
-        const int64_t q_units = pair_queries ? 2 * dk : 4 * dk; /* a head's arranged query, in 32-bit units */
+        const int64_t q_units = rows == ROWS_INT4_DOTS || rows == ROWS_BF16_DOTS ? 2 * dk : 4 * dk; /* a head's arranged query, in 32-bit units */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < total; it++) {
             const int64_t b = owner[it], s = it - first[b], len = context_lens[b];
@@ -635,6 +735,16 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                             qp[g0 / 2 + i] = (uint32_t)f32_to_bf16(rq[i]) | (uint32_t)f32_to_bf16(rq[i + KV_INT4_GROUP / 2]) << 16;
                     }
                     arrange_q(qp, dk / 2, qa + h * q_units);
+                } else if (rows == ROWS_INT8_DOTS) { /* bf16 pairs in order: q's rounding, then the rest */
+                    float qr[dk];
+                    memcpy(qr, qf + h * dk, sizeof(qr));
+                    uint32_t *qp = (uint32_t *)(qf + h * dk);
+                    for (int64_t i = 0; i < dk; i++) {
+                        const bf16 hi = f32_to_bf16(qr[i]), lo = f32_to_bf16(qr[i] - bf16_to_f32(hi));
+                        ((bf16 *)qp)[i] = hi, ((bf16 *)qp)[dk + i] = lo;
+                    }
+                    arrange_q(qp, dk / 2, qa + h * q_units);
+                    arrange_q(qp + dk / 2, dk / 2, qa + h * q_units + 2 * dk);
                 } else if (rows != ROWS_PER_HEAD)
                     arrange_q((const uint32_t *)(qf + h * dk), dk, qa + h * q_units);
             }
@@ -685,7 +795,7 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                                     kv_widen_row((const uint8_t *)v_cache + slot[i] * v_slot + g * v_head, kv_kind, dv,
                                                  v_scale_at, vfl + i * dv);
                                 }
-                            } else if (rows == ROWS_INT4_DOTS) {
+                            } else if (rows == ROWS_INT4_DOTS || rows == ROWS_INT8_DOTS) {
                                 krows[i] = (const uint8_t *)k_cache + slot[i] * k_slot + g * k_head;
                                 vrows[i] = (const uint8_t *)v_cache + slot[i] * v_slot + g * v_head;
                             } else { /* slot[i] repeats the last slot past n */
@@ -713,6 +823,8 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                                 HEADS_ALL(ROWS_BF16_DOTS);
                             } else if (rows == ROWS_INT4_DOTS) {
                                 HEADS_ALL(ROWS_INT4_DOTS);
+                            } else if (rows == ROWS_INT8_DOTS) {
+                                HEADS_ALL(ROWS_INT8_DOTS);
                             } else if (rows == ROWS_BF16) {
                                 HEADS_ALL(ROWS_BF16);
                             } else {
