@@ -14,6 +14,8 @@
 #define MAX_D 256
 #define SETS 2           /* sets of rows a work item takes over the same keys */
 
+static const bf16 zeros[MAX_D]; /* the key and value row of a position past the last key */
+
 static inline __m512bh as_pairs(__m512i x) {
     __m512bh r;
     memcpy(&r, &x, 64);
@@ -52,7 +54,6 @@ typedef struct {
  * value pairs (vp, [KEYS / 2][d], packed by the caller). */
 static void key_block(const rowset *rs, int64_t k0, int64_t window, const bf16 *const *krow, int64_t d,
                       float scale, float *s, uint32_t *pp, const uint32_t *vp) {
-    static const bf16 zeros[MAX_D];
     const int64_t nk = rs->last + 1 - k0 < KEYS ? rs->last + 1 - k0 : KEYS, half = d / 2;
     /* scores, scaled: s[j][r] */
     for (int64_t j0 = 0; j0 < nk; j0 += KT) {
@@ -147,7 +148,6 @@ static void key_block(const rowset *rs, int64_t k0, int64_t window, const bf16 *
 /* The value pairs of the block's nk keys (later ones zero): vp[jp][c] = (v[2jp][c],
  * v[2jp + 1][c]) as bf16 pairs, from the block's value rows vrow. */
 static void value_pairs(const bf16 *const *vrow, int64_t nk, int64_t d, uint32_t *vp) {
-    static const bf16 zeros[MAX_D];
     const __m512i pairs = pair_index();
     for (int64_t jp = 0; jp < (nk + 1) / 2; jp++) {
         const bf16 *va = vrow[2 * jp], *vb = 2 * jp + 1 < nk ? vrow[2 * jp + 1] : zeros;
