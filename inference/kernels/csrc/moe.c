@@ -208,6 +208,7 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
                 const wmat we = wmat_expert(w13, ids[p], N1, D);
                 widen_row_for(&we, x + (p / A) * ldx, D, tpad);
                 quantize_row_s8(tpad, D, xs8 + r * Dq, Dq, xs8_scale + r * xls, rows_rotate(w13), xg);
+                if (xsum) s8_group_sums(xs8 + r * Dq, D, w13->group, xsum + r * xgs); /* in its order */
             }
         } else if (xs8) { /* each token rotated and quantized once, copied to its other rows */
 #pragma omp for schedule(static)
