@@ -26,10 +26,12 @@ layout VNNI and AMX's int8 tiles read. int8 products (W8A8) run on AMX int8 tile
 vpmaddubsw (every build), all exact integer sums; fp8 runs weight-only. int4 weights (W4A8)
 and mxfp4 ones pack two values a byte ([Kp/8, N, 4], `pack_qweight`: int4's levels with
 their zero points, mxfp4's e2m1 codes) for csrc/int4.c, a library per path (AVX512-VNNI,
-AVX-VNNI, or AVX2's vpmaddubsw), chosen as int8's is (INT4); the linear layer calls it
-directly and the MoE kernel and the one-call decode step through the products of a block it
-hands to the main library (ms_set_int4), where the inputs are whole octets; their activation
-rows are rotated where the weights' are (unrotated: published checkpoints).
+AVX-VNNI, or AVX2's vpmaddubsw), chosen as int8's is (INT4); where int8 takes AMX, the AMX
+object's csrc/amx_int4.c runs the products of many rows on int8 tiles and hands the rest to
+that path (INT4 "amx"). The linear layer calls them directly and the MoE kernel and the
+one-call decode step through the products of a block handed to the main library
+(ms_set_int4), where the inputs are whole octets; their activation rows are rotated where
+the weights' are (unrotated: published checkpoints).
 
 The paged KV cache may hold 8-bit or int4 rows (KV_KINDS): the rope kernel quantizes as it writes
 and decode attention dequantizes as it reads.
@@ -390,13 +392,16 @@ def load_build(isa: str, emulated: bool = False) -> ctypes.CDLL:
 def _amx_library(emulated: bool = False) -> ctypes.CDLL | None:
     """The AMX tile kernels, where the CPU reports AMX and Linux grants its register state.
     `emulated` (tests only): the same source on amx_emulation.h's plain-C tile instructions."""
+    # amx_int4.c: int4.c's products on the int8 tiles, its float sums uncontracted as int4.c's
+    sources, flags = [_CSRC / "amx.c", _CSRC / "amx_int4.c"], ["-ffp-contract=off"]
     if emulated:
-        lib = ctypes.CDLL(str(_build([_CSRC / "amx.c"], ["-DMS_AMX_EMULATED"], "amx-emulated")))
+        lib = ctypes.CDLL(str(_build(sources, [*flags, "-DMS_AMX_EMULATED"], "amx-emulated")))
     elif not _AMX_CPU <= cpu_flags():
         return None
     else:
-        lib = ctypes.CDLL(str(_build([_CSRC / "amx.c"], _AMX_FLAGS, "amx")))
+        lib = ctypes.CDLL(str(_build(sources, [*flags, *_AMX_FLAGS], "amx")))
     lib.ms_amx_init.restype = _INT
+    lib.ms_amx_int4_linear.argtypes = _types("p i p i i p p p i i n p i n")
     if not lib.ms_amx_init():
         log.info("AMX off: Linux refused the AMX register state (arch_prctl)")
         return None
@@ -467,8 +472,11 @@ def _int4_path(isa: str, vnni: bool | None, emulated: bool) -> str | None:
 ISA: str | None = None
 AMX = False
 INT8: str | None = None
-# INT4: what runs int4 weights' products (csrc/int4.c): "vnni", "avxvnni", "avx2"; None: torch's
+# INT4: what runs int4 weights' products (csrc/int4.c): "vnni", "avxvnni", "avx2"; "amx"
+# ("amx-emulated" in tests; csrc/amx_int4.c, many rows, fewer on the int4.c path it was
+# given); None: torch's
 INT4: str | None = None
+_int4_linear = None  # the chosen path's linear layer (ms_int4_linear or ms_amx_int4_linear)
 _lib: ctypes.CDLL | None = None
 _selected = False  # enable() has run: engines keep what it chose (tests force paths this way)
 
@@ -488,8 +496,8 @@ def enable(
     (None: wherever the CPU has it).
     emulated (tests only): the AVX-512 build on SIMDe and AMX on amx_emulation.h, which any
     CPU with AVX2 runs."""
-    global ISA, AMX, INT8, INT4, _lib, _selected
-    ISA, AMX, INT8, INT4, _lib, _selected = None, False, None, None, None, True
+    global ISA, AMX, INT8, INT4, _lib, _selected, _int4_linear
+    ISA, AMX, INT8, INT4, _lib, _selected, _int4_linear = None, False, None, None, None, True, None
     if isa is None or (isa == "auto" and os.environ.get("MOESERVE_BF16_KERNELS", "1") == "0"):
         return None
     if isa == "auto":
@@ -547,7 +555,14 @@ def enable(
     INT8 = {2: "amx", 1: "vnni", 0: isa}[lib.ms_int8_path()]
     INT4 = _int4_path(isa, vnni, emulated)
     int4_lib = _int4_library(INT4) if INT4 else None
-    lib.ms_set_int4(ctypes.cast(int4_lib.ms_int4_wblock, _P) if int4_lib else None)
+    int4_wblock, _int4_linear = (
+        (int4_lib.ms_int4_wblock, int4_lib.ms_int4_linear) if INT4 else (None, None)
+    )
+    if INT4 and amx_int8:  # many rows on the int8 tiles, fewer on the path chosen above
+        amx_lib.ms_amx_int4_fallback(ctypes.cast(int4_wblock, _P), ctypes.cast(_int4_linear, _P))
+        int4_wblock, _int4_linear = amx_lib.ms_amx_int4_wblock, amx_lib.ms_amx_int4_linear
+        INT4 = "amx-emulated" if emulated else "amx"
+    lib.ms_set_int4(ctypes.cast(int4_wblock, _P) if INT4 else None)
     return ISA
 
 
@@ -812,7 +827,7 @@ def int4_products(rows: torch.Tensor, weight: QWeight) -> torch.Tensor:
     q = F.pad(q, (0, kp - k)).contiguous()
     y = torch.empty(q.shape[0], n, dtype=torch.float32)
     _check(
-        _int4_library(INT4).ms_int4_linear(
+        _int4_linear(
             q.data_ptr(),
             kp,
             sx.contiguous().data_ptr(),

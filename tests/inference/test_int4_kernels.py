@@ -19,16 +19,20 @@ from inference.quantization import qweight as quant
 from tests.inference.parity_checks import prompts
 from tests.inference.test_int4 import engine, prompt_logprobs
 
-# (build, vnni switch, emulated, the int4 path enable() must pick): AVX512-VNNI, AVX-VNNI
-# (natively where the CPU has it; on SIMDe's vpdpbusd on any AVX2 CPU), vpmaddubsw
+# (build, vnni switch, emulated, the int4 path enable() must pick): AMX int8 tiles (natively
+# where the CPU has them; on amx_emulation.h's plain-C tiles over SIMDe's AVX-VNNI on any AVX2
+# CPU), AVX512-VNNI, AVX-VNNI (natively where the CPU has it; on SIMDe's vpdpbusd on any AVX2
+# CPU), vpmaddubsw
 INT4_PATHS = [
+    ("avx512", None, False, "amx"),
+    ("avx2", None, True, "amx-emulated"),
     ("avx512bf16", None, False, "vnni"),
     ("avx2", None, False, "avxvnni"),
     ("avx2", None, True, "avxvnni-emulated"),
     ("avx512", False, False, "avx2"),
     ("avx2", False, False, "avx2"),
 ]
-CPU_FLAG = {"vnni": "avx512_vnni", "avxvnni": "avx_vnni"}
+CPU_FLAG = {"amx": "amx_int8", "vnni": "avx512_vnni", "avxvnni": "avx_vnni"}
 
 
 def path_id(path) -> str:
@@ -48,8 +52,10 @@ def forced_int4_path(path):
         pytest.skip(f"this CPU cannot run the {isa} kernels")
     if CPU_FLAG.get(expected, "avx2") not in cpu_kernels.cpu_flags():
         pytest.skip(f"this CPU lacks {CPU_FLAG[expected]}")
-    cpu_kernels.enable(isa, amx=False, emulated=emulated, vnni=vnni)
+    cpu_kernels.enable(isa, amx=expected.startswith("amx"), emulated=emulated, vnni=vnni)
     try:
+        if expected == "amx" and not cpu_kernels.AMX:
+            pytest.skip("Linux refused the AMX register state")
         assert cpu_kernels.INT4 == expected and cpu_kernels.paths()["int4"] == expected
         yield expected
     finally:

@@ -20,13 +20,13 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#if defined(MS_AMX_EMULATED)
-#include "amx_emulation.h"
-#else
-#include <immintrin.h>
-#endif
+#include "amx_tiles.h"
 
 typedef uint16_t bf16;
+
+#if defined(MS_AMX_EMULATED)
+__thread amx_emu_state amx_emu; /* the emulated registers, one set a thread for the library */
+#endif
 
 /* Linux hands out the AMX register state only after this request (once per process). */
 int ms_amx_init(void) {
@@ -43,24 +43,22 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) tile_config;
 
-/* Tiles: 0 C (16 rows), 1 A (16 rows), 2 B, 3 C (`tail` rows), 4 A (`tail` rows); the int8
- * products' second block: 5 C (16 rows), 6 B, 7 C (`tail` rows).
- *
- * A thread keeps its configuration from block to block within one call of the kernel library
- * (loading and releasing it for every block of 16 columns cost 4-5% of a batched decode step,
- * bench/NOTES.md), and loads it again for a new tail or a new call: between calls, other
- * libraries in the process (oneDNN) use the same threads' tiles and release them. The
- * library's outermost calls bump call_epoch (ms_amx_new_call, from region_enter) before their
- * parallel regions start. */
+/* The tiles amx_tiles.h lists. A thread keeps its configuration from block to block within
+ * one call of the kernel library (loading and releasing it for every block of 16 columns cost
+ * 4-5% of a batched decode step, bench/NOTES.md), and loads it again for a new tail or a new
+ * call: between calls, other libraries in the process (oneDNN) use the same threads' tiles
+ * and release them. The library's outermost calls bump call_epoch (ms_amx_new_call, from
+ * region_enter; amx_int4.c's own linear) before their parallel regions start. */
 static uint64_t call_epoch = 1;
 static __thread uint64_t configured_epoch;
 static __thread int configured_tail, configured_grouped;
 
 void ms_amx_new_call(void) { __atomic_add_fetch(&call_epoch, 1, __ATOMIC_RELAXED); }
 
-/* grouped: the int8 products with an activation scale per 32 inputs (ms_amx_int8_grouped):
- * A tiles of 32 bytes a row and B tiles of 8 quad rows, one group a multiply */
-static void configure_tiles(int tail, int grouped) {
+/* grouped: the int8 products with an activation scale per 32 inputs (ms_amx_int8_grouped),
+ * 4-bit weights' groups of 32: A tiles of 32 bytes a row and B tiles of 8 quad rows, one
+ * group a multiply */
+void amx_configure(int tail, int grouped) {
     const uint64_t epoch = __atomic_load_n(&call_epoch, __ATOMIC_RELAXED);
     if (configured_epoch == epoch && configured_tail == tail && configured_grouped == grouped) return;
     tile_config cfg;
@@ -83,7 +81,7 @@ static void configure_tiles(int tail, int grouped) {
     configured_epoch = epoch, configured_tail = tail, configured_grouped = grouped;
 }
 
-static void configure(int tail) { configure_tiles(tail, 0); }
+static void configure(int tail) { amx_configure(tail, 0); }
 
 /* bytes a tile load looks ahead along its block's stream (2-4 KB measured best; 8 KB and
  * more, slower) */
@@ -211,7 +209,7 @@ static inline void add_group(float *acc, const int32_t *sums, float s) {
 void ms_amx_int8_grouped(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const float *sa, int64_t lds,
                          const int8_job *jobs, int64_t count, int64_t ldc) {
     const int64_t full = rows / 16, tail = rows % 16;
-    configure_tiles((int)tail, 1);
+    amx_configure((int)tail, 1);
     int32_t sums[16][16] __attribute__((aligned(64)));
     float acc[16][16] __attribute__((aligned(64)));
     for (int64_t b = 0; b < count; b++) {

@@ -3,17 +3,20 @@
  * Eight tile registers of up to 16 rows x 64 bytes per thread, shaped by the last
  * configuration; TDPBF16PS: C[m][n] += sum over pairs k of A[m][2k] B[k][2n] +
  * A[m][2k+1] B[k][2n+1], in float32; TDPBSSD: C[m][n] += sum over quads k of the four
- * products of signed bytes A[m][4k + i] B[k][4n + i], in int32. */
+ * products of signed bytes A[m][4k + i] B[k][4n + i], in int32; TDPBSUD: the same with B's
+ * bytes unsigned. The registers are one state per thread for every file of the library
+ * (amx.c defines it, amx_int4.c shares its configuration). */
 #ifndef MS_AMX_EMULATION_H
 #define MS_AMX_EMULATION_H
 
 #include <stdint.h>
 #include <string.h>
 
-static __thread struct {
+typedef struct {
     uint8_t data[8][16][64];
     int rows[8], colsb[8];
-} amx_emu;
+} amx_emu_state;
+extern __thread amx_emu_state amx_emu __attribute__((visibility("hidden")));
 
 static inline float amx_emu_bf16(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -65,6 +68,18 @@ static inline void _tile_dpbssd(int c, int a, int b) {
             for (int k = 0; k < amx_emu.colsb[a] / 4; k++)
                 for (int i = 0; i < 4; i++)
                     acc += (int32_t)(int8_t)amx_emu.data[a][m][4 * k + i] * (int8_t)amx_emu.data[b][k][4 * n + i];
+            memcpy(&amx_emu.data[c][m][4 * n], &acc, 4);
+        }
+}
+
+static inline void _tile_dpbsud(int c, int a, int b) {
+    for (int m = 0; m < amx_emu.rows[c]; m++)
+        for (int n = 0; n < amx_emu.colsb[c] / 4; n++) {
+            int32_t acc;
+            memcpy(&acc, &amx_emu.data[c][m][4 * n], 4);
+            for (int k = 0; k < amx_emu.colsb[a] / 4; k++)
+                for (int i = 0; i < 4; i++)
+                    acc += (int32_t)(int8_t)amx_emu.data[a][m][4 * k + i] * (int32_t)amx_emu.data[b][k][4 * n + i];
             memcpy(&amx_emu.data[c][m][4 * n], &acc, 4);
         }
 }

@@ -6,7 +6,9 @@
  * vpdpbusd on 16 columns; AVX2's with -mavxvnni -DMS_INT4_VNNI, AVX-VNNI's vpdpbusd on 8 (on
  * SIMDe's with -DMS_SIMDE: the tests' emulation); or the AVX2 build, vpmaddubsw + vpmaddwd on
  * 8 (every AVX2 CPU). With -ffp-contract=off: the float sums are the torch reference's,
- * rounding for rounding. No AMX int8 path (no CPU we run on has AMX to check it).
+ * rounding for rounding. Where the CPU has AMX, amx_int4.c runs the products of many rows on
+ * int8 tiles (the same layout and floats) and hands this library the rest (one row, groups
+ * that fill no whole tile step).
  *
  * Packed layout (cpu_kernels.pack_qweight): unsigned nibbles in [0, 15]; blocks of 16 output
  * columns, each a run of 64-byte rows, one per octet of inputs: byte 4c + j of row o holds

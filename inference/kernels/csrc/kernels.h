@@ -118,7 +118,8 @@ typedef void (*int8_fn)(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, 
 typedef void (*int8g_fn)(const int8_t *A, int64_t lda, int64_t rows, int64_t Kq, const float *sa, int64_t lds,
                          const int8_job *jobs, int64_t count, int64_t ldc);
 
-/* 4-bit blocks (int4.c's ms_int4_wblock, a library of its own; wmat.c calls it): C[m][0..16) =
+/* 4-bit blocks (int4.c's ms_int4_wblock, a library of its own, or on AMX amx_int4.c's
+ * ms_amx_int4_wblock; wmat.c calls it): C[m][0..16) =
  * sum over groups g, in order, of float(exact sum of row m of A times the block's group g, less
  * the zero point times the row's group sum) * the group's scale, times the row's activation
  * scale sx[m], for `rows` rows of signed bytes (stride lda, 8 * octets columns); B one packed
