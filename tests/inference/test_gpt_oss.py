@@ -20,6 +20,7 @@ from inference.models.moe import ClampedSwiGLU, select_experts
 from tests.inference.family_checks import check_variant_refused
 from tests.inference.test_cpu_kernels import (  # noqa: F401 (the fixture: every kernel path)
     close_to_bf16,
+    close_to_int4_attention,
     path,
     randn,
 )
@@ -39,7 +40,7 @@ def sink_attention_reference(q, k_cache, v_cache, table, length, block_size, sca
     return torch.einsum("hn,hnd->hd", probs, v)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("window", [0, 16, 100])
 def test_decode_attention_honours_sinks_and_windows(path, fmt, window):  # noqa: F811
     bs, nblocks, heads, kv_heads, dim = 16, 80, 8, 2, 64
@@ -51,8 +52,8 @@ def test_decode_attention_honours_sinks_and_windows(path, fmt, window):  # noqa:
         kf, vf = kc, vc
     else:
         kc, vc = (
-            caches("int8", nblocks * bs, kv_heads, dim),
-            caches("int8", nblocks * bs, kv_heads, dim),
+            caches(fmt, nblocks * bs, kv_heads, dim),
+            caches(fmt, nblocks * bs, kv_heads, dim),
         )
         every = torch.arange(nblocks * bs)
         kv_cache.write_kv(kc, every, randn(nblocks * bs, kv_heads, dim, seed=7))
@@ -67,7 +68,7 @@ def test_decode_attention_honours_sinks_and_windows(path, fmt, window):  # noqa:
     )
     for b, n in enumerate(lengths):
         expected = sink_attention_reference(q[b], kf, vf, tables[b], n, bs, 0.125, sinks, window)
-        close_to_bf16(out[b], expected)
+        (close_to_int4_attention if fmt == "int4" else close_to_bf16)(out[b], expected)
 
 
 def clamped_expert_reference(x, w13, w2, b13, b2, ids, weights, glu):

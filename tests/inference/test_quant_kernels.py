@@ -225,8 +225,9 @@ def test_moe_on_8bit_experts_matches_the_torch_path(int8_scales, int8_path, fmt,
 
 
 def caches(fmt: str, slots: int, heads: int, width: int) -> torch.Tensor:
-    storage = kv_cache.storage_dtype(fmt, torch.bfloat16)
-    return torch.zeros(slots, heads, kv_cache.row_width(width, storage), dtype=storage)
+    storage = kv_cache.storage_dtype(fmt, torch.bfloat16)  # a byte each (int4: two values)
+    width = kv_cache.row_width(width, storage)
+    return torch.zeros(slots, heads, width, dtype=torch.uint8).view(storage)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])

@@ -76,24 +76,32 @@ static inline void prefetch_line(const void *p) {
 #endif
 }
 
-/* The next chunk's key and value rows of a kv head (n of them), asked for a group at a time
- * while this chunk's scores are computed (measured faster than all at the chunk's start). */
+/* The next chunk's key and value rows (all kv heads of a slot: they are adjacent), asked for
+ * a few at a time while this chunk's scores are computed (measured faster than all at the
+ * chunk's start), kv head g's pass asking for positions [lo, hi) of them, so the requests
+ * spread over the whole chunk (bf16 rows asked for in one head's pass were 1.3x slower);
+ * last_k / last_v: the line asked for last (consecutive slots share lines) */
 typedef struct {
     const char *k[ATT_CHUNK], *v[ATT_CHUNK];
-    int64_t n, k_bytes, v_bytes;
+    int64_t n, k_bytes, v_bytes, lo, hi;
+    uintptr_t last_k, last_v;
 } ahead_rows;
 
-/* the lines of bytes [p, p + n) */
-static inline void prefetch_span(const char *p, int64_t n) {
-    const uintptr_t last = ((uintptr_t)p + (uintptr_t)n - 1) & ~(uintptr_t)63;
-    for (uintptr_t line = (uintptr_t)p & ~(uintptr_t)63; line <= last; line += 64) prefetch_line((const void *)line);
+/* the lines of bytes [p, p + n) not yet asked for */
+static inline void prefetch_span(const char *p, int64_t n, uintptr_t *last) {
+    const uintptr_t end = ((uintptr_t)p + (uintptr_t)n - 1) & ~(uintptr_t)63;
+    uintptr_t line = (uintptr_t)p & ~(uintptr_t)63;
+    if (line == *last) line += 64;
+    for (; line <= end; line += 64) prefetch_line((const void *)line);
+    *last = end;
 }
 
-static inline void prefetch_ahead(const ahead_rows *a, int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1 && i < a->n; i++) {
-        prefetch_span(a->k[i], a->k_bytes);
-        if (a->v_bytes) prefetch_span(a->v[i], a->v_bytes);
-    }
+/* the share [i0, i1) of ATT_CHUNK of this pass's positions [lo, hi) */
+static inline void prefetch_ahead(ahead_rows *a, int64_t i0, int64_t i1) {
+    const int64_t j0 = a->lo + i0 * (a->hi - a->lo) / ATT_CHUNK, j1 = a->lo + i1 * (a->hi - a->lo) / ATT_CHUNK;
+    for (int64_t i = j0; i < j1 && i < a->n; i++) prefetch_span(a->k[i], a->k_bytes, &a->last_k);
+    if (a->v_bytes)
+        for (int64_t i = j0; i < j1 && i < a->n; i++) prefetch_span(a->v[i], a->v_bytes, &a->last_v);
 }
 
 /* slots of positions [p0, min(p0 + ATT_CHUNK, end)) into out, those past end repeating the
@@ -116,18 +124,23 @@ static inline int64_t kv_row_bytes(int kind, int64_t scale_at) {
                              : scale_at + 2;
 }
 
-/* kv head g's rows at the n positions of slots (the next chunk's: n may be 0); MLA's values
- * are its keys' rows, asked for once */
-static void head_rows_ahead(ahead_rows *a, const int64_t *slots, int64_t n, const void *k_cache, int64_t k_slot,
-                            int64_t k_head, int64_t k_row, const void *v_cache, int64_t v_slot, int64_t v_head,
-                            int64_t v_row, int64_t elem, int64_t g) {
-    const int same = k_cache == v_cache && k_slot == v_slot && k_head == v_head;
-    a->n = n < ATT_CHUNK ? n : ATT_CHUNK, a->k_bytes = k_row > v_row || !same ? k_row : v_row;
-    a->v_bytes = same ? 0 : v_row;
-    for (int64_t i = 0; i < a->n; i++) {
-        a->k[i] = (const char *)k_cache + (slots[i] * k_slot + g * k_head) * elem;
-        a->v[i] = (const char *)v_cache + (slots[i] * v_slot + g * v_head) * elem;
+/* the first bytes of the slots' key and value rows (all kv heads) */
+static void slot_rows(const int64_t *slots, int64_t n, const void *k_cache, int64_t k_slot, const void *v_cache,
+                      int64_t v_slot, int64_t elem, const char **k, const char **v) {
+    for (int64_t i = 0; i < n; i++) {
+        k[i] = (const char *)k_cache + slots[i] * k_slot * elem;
+        v[i] = (const char *)v_cache + slots[i] * v_slot * elem;
     }
+}
+
+/* the rows at the n positions of slots (the next chunk's: n may be 0), k_bytes / v_bytes of
+ * them each (all kv heads); MLA's values are its keys' rows, asked for once */
+static void rows_ahead(ahead_rows *a, const int64_t *slots, int64_t n, const void *k_cache, int64_t k_slot,
+                       int64_t k_bytes, const void *v_cache, int64_t v_slot, int64_t v_bytes, int64_t elem) {
+    const int same = k_cache == v_cache && k_slot == v_slot;
+    a->n = n < ATT_CHUNK ? n : ATT_CHUNK, a->last_k = a->last_v = 0, a->lo = 0, a->hi = ATT_CHUNK;
+    a->k_bytes = k_bytes > v_bytes || !same ? k_bytes : v_bytes, a->v_bytes = same ? 0 : v_bytes;
+    slot_rows(slots, a->n, k_cache, k_slot, v_cache, v_slot, elem, a->k, a->v);
 }
 
 /* ---- all query heads of a kv head at once ----------------------------------------------
@@ -197,7 +210,7 @@ static inline vf row_vector(const void *row, int64_t off, const int is_bf16) {
  * the n key rows rows[i] (ATT_CHUNK pointers, those past n repeating a row; bf16 or float32) */
 static inline __attribute__((always_inline)) void scores_f32(const int hb, const int is_bf16, const void *const *rows,
                                                              int64_t n, const float *qa, int64_t d, float *part,
-                                                             float *s, const ahead_rows *ahead) {
+                                                             float *s, ahead_rows *ahead) {
     const int64_t groups = (n + 3) / 4;
     for (int64_t j = 0; j < groups; j++) {
         if (ahead) prefetch_ahead(ahead, 4 * j, j == groups - 1 ? ATT_CHUNK : 4 * j + 4);
@@ -279,7 +292,7 @@ static inline __m512bh as_bh(vi x) {
 
 static inline __attribute__((always_inline)) void scores_bf16(const int hb, const bf16 *const *rows, int64_t n,
                                                               const uint32_t *qa, int64_t d, float scale, float *part,
-                                                              float *s, const ahead_rows *ahead) {
+                                                              float *s, ahead_rows *ahead) {
     const int64_t groups = (n + 3) / 4;
     for (int64_t j = 0; j < groups; j++) {
         if (ahead) prefetch_ahead(ahead, 4 * j, j == groups - 1 ? ATT_CHUNK : 4 * j + 4);
@@ -358,107 +371,217 @@ static inline __attribute__((always_inline)) void values_bf16(const int hb, floa
     }
 }
 
-/* ---- int4 rows on vdpbf16ps (the avx512bf16 build) --------------------------------------
- * A group's 16 bytes (values i and i + 16 in byte i's nibbles, each q + 8) become one vector
- * of bf16 pairs (value i, value i + 16): byte i zero-extended into dword i, its high nibble
- * shifted into the upper word, and each word's code looked up in a table of code - 8 (exact in
- * bf16; vpermw reads the low 5 bits, so the table holds the 16 values twice and the low word's
- * high nibble, bit 4, picks the same one). The query's pairs are arranged alike; the group's
- * scale multiplies its float32 partial score, and for the values it is folded into the
- * weights before they round to bf16 (the reference rounds probabilities, here probability
- * times scale: one rounding as well). */
-static const uint16_t int4_codes[32] = {
-    0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0,
-    0x40e0, 0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0,
-    0x40c0, 0x40e0};
+/* ---- int4 rows on vpdpbusd (the avx512bf16 build, which has AVX512-VNNI) -----------------
+ * Rows of d values (d a multiple of 64) in steps of 64: 32 bytes, byte i of group g holding
+ * value 32g + i (low nibble) and 32g + i + 16 (high), each level + 8; the two groups' bf16
+ * scales a dword at d / 2 + 4 * step. Products are integer, as llama.cpp's Q4 x Q8:
+ * - keys: a head's query quantized to int8 per group of 32 (one float scale each, as Q8_0),
+ *   its levels times the rows' nibbles (vpdpbusd, unsigned times signed) in int32 with
+ *   8 * sum(q) taken off, each group's sum then times its two scales in float32. Sixteen
+ *   positions lie across a vector's lanes (a transpose of their rows' dwords), so each
+ *   query dword is broadcast and no horizontal sums remain;
+ * - values: the softmax weights times each row's group scale, quantized to unsigned bytes
+ *   per head and group of the chunk (scale: the chunk's largest weight times its largest row
+ *   scale / 255), times the values' nibbles less 8 (signed): four positions' bytes of a
+ *   column interleaved into each dword, so vpdpbusd sums over positions. A step's 64 columns
+ *   come out in the lane order int4_column gives; the results are put back in order once,
+ *   when the splits merge. */
+#define INT4_STEP 64 /* values a step reads: 32 bytes, two scale groups */
 
-/* a group's 16 bytes -> its codes as word pairs (code i, code i + 16) (not yet looked up) */
-static inline vi int4_code_pairs(const uint8_t *p) {
-#if defined(MS_SIMDE) /* SIMDe has no _mm512_cvtepu8_epi32 */
-    const vi b = _mm512_cvtepu16_epi32(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)));
-#else
-    const vi b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-#endif
-    return _mm512_or_si512(b, _mm512_slli_epi32(b, 12));
+/* the column that value accumulator lane `lane` (of a step's 64) holds: vector a (0-3) of a
+ * step, lane 4L + i: group L & 1, byte 8 * (a >> 1) + 4 * (L >> 1) + i, high nibble if a odd */
+static inline int64_t int4_column(int64_t lane) {
+    const int64_t a = lane / VL, L = (lane % VL) / 4, i = lane % 4;
+    return 32 * (L & 1) + 8 * (a >> 1) + 4 * (L >> 1) + i + 16 * (a & 1);
 }
 
-/* a row's scale of group g (its width / 2 bytes of values first) */
-static inline float int4_scale(const uint8_t *row, int64_t width, int64_t g) {
-    bf16 s;
-    memcpy(&s, row + width / 2 + 2 * g, 2);
-    return bf16_to_f32(s);
+/* a query head for int4 rows: per group of 32 values its int8 levels (in order), its scale,
+ * and -8 times the levels' sum (the nibbles' offset, taken off as the accumulator's start) */
+typedef struct {
+    int8_t *q;
+    float *scale;
+    int32_t *offset;
+} int4_query;
+
+static inline int4_query int4_query_at(uint32_t *units, int64_t d) {
+    int8_t *q = (int8_t *)units;
+    float *scale = (float *)(q + d);
+    return (int4_query){q, scale, (int32_t *)(scale + d / KV_INT4_GROUP)};
 }
 
-/* scores_bf16 over int4 key rows (width d): qa the heads' scaled, rotated queries as bf16
- * pairs (value i, value i + 16) of each group, arranged */
+/* q (d floats: scaled, rotated) -> its int4_query at units */
+static void int4_query_quantize(const float *q, int64_t d, uint32_t *units) {
+    const int4_query iq = int4_query_at(units, d);
+    for (int64_t g = 0; g < d / KV_INT4_GROUP; g++) {
+        const float *x = q + g * KV_INT4_GROUP;
+        float amax = 0.0f;
+        for (int i = 0; i < KV_INT4_GROUP; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        const float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < KV_INT4_GROUP; i++) {
+            const int8_t l = (int8_t)lrintf(x[i] * inv);
+            iq.q[g * KV_INT4_GROUP + i] = l;
+            sum += l;
+        }
+        iq.scale[g] = s, iq.offset[g] = -8 * sum;
+    }
+}
+
+/* the scale dwords (groups 2 * step and 2 * step + 1, bf16 each) of 16 rows at byte at */
+static inline vi int4_scale_pairs(const uint8_t *const *rows, int64_t at) {
+    int32_t w[VL] __attribute__((aligned(64)));
+    for (int i = 0; i < VL; i++) memcpy(w + i, rows[i] + at, 4);
+    return vi_load(w);
+}
+static inline vf low_bf16(vi pairs) { return vi_as_vf(_mm512_slli_epi32(pairs, 16)); }
+static inline vf high_bf16(vi pairs) { return vi_as_vf(_mm512_and_si512(pairs, _mm512_set1_epi32((int32_t)0xffff0000u))); }
+
+static inline vi two_rows(const uint8_t *a, const uint8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+/* 16 rows' 8 dwords at byte off -> t[k]: dword k of rows 0..15 across the lanes, in order */
+static inline void transpose_rows16(const uint8_t *const *r, int64_t off, vi t[8]) {
+    vi z[8], a[8], b[8];
+    for (int i = 0; i < 4; i++) z[i] = two_rows(r[i] + off, r[i + 4] + off), z[4 + i] = two_rows(r[8 + i] + off, r[12 + i] + off);
+    for (int h = 0; h < 8; h += 4) { /* per 128-bit lane: dword k of z[h..h+3] */
+        a[h] = _mm512_unpacklo_epi32(z[h], z[h + 1]), a[h + 1] = _mm512_unpackhi_epi32(z[h], z[h + 1]);
+        a[h + 2] = _mm512_unpacklo_epi32(z[h + 2], z[h + 3]), a[h + 3] = _mm512_unpackhi_epi32(z[h + 2], z[h + 3]);
+        b[h] = _mm512_unpacklo_epi64(a[h], a[h + 2]), b[h + 1] = _mm512_unpackhi_epi64(a[h], a[h + 2]);
+        b[h + 2] = _mm512_unpacklo_epi64(a[h + 1], a[h + 3]), b[h + 3] = _mm512_unpackhi_epi64(a[h + 1], a[h + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        t[k] = _mm512_shuffle_i32x4(b[k], b[4 + k], _MM_SHUFFLE(2, 0, 2, 0));
+        t[4 + k] = _mm512_shuffle_i32x4(b[k], b[4 + k], _MM_SHUFFLE(3, 1, 3, 1));
+    }
+}
+
+static inline vi bcast4(const int8_t *p) {
+    int32_t x;
+    memcpy(&x, p, 4);
+    return _mm512_set1_epi32(x);
+}
+
+/* s [hb][ATT_CHUNK] = hb query heads' scores (qs: their int4_query units, q_units apart)
+ * against the n key rows rows[i] (ATT_CHUNK pointers, those past n repeating a row); -inf
+ * past n */
 static inline __attribute__((always_inline)) void scores_int4(const int hb, const uint8_t *const *rows, int64_t n,
-                                                              const uint32_t *qa, int64_t d, float *part, float *s,
-                                                              const ahead_rows *ahead) {
-    const int64_t groups = (n + 3) / 4;
-    const vi codes = vi_load(int4_codes);
-    for (int64_t j = 0; j < groups; j++) {
-        if (ahead) prefetch_ahead(ahead, 4 * j, j == groups - 1 ? ATT_CHUNK : 4 * j + 4);
-        const uint8_t *const *r4 = rows + 4 * j;
-        vf acc[HB];
-        for (int hh = 0; hh < hb; hh++) acc[hh] = vf_zero();
-        for (int64_t v = 0; v < d; v += 2 * VL) { /* one group of KV_INT4_GROUP (2 * VL) values */
-            const int64_t g = v / KV_INT4_GROUP;
-            vi x[4], t[4];
-            for (int r = 0; r < 4; r++) x[r] = _mm512_permutexvar_epi16(int4_code_pairs(r4[r] + v / 2), codes);
-            transpose4(x, t);
-            /* lane 4m + i: row i's scale */
-            const vf sg = _mm512_broadcast_f32x4(_mm_setr_ps(int4_scale(r4[0], d, g), int4_scale(r4[1], d, g),
-                                                             int4_scale(r4[2], d, g), int4_scale(r4[3], d, g)));
+                                                              const uint32_t *qs, int64_t q_units, int64_t d,
+                                                              float *s, ahead_rows *ahead) {
+    const vi low = _mm512_set1_epi8(0x0f);
+    int4_query iq[HB];
+    for (int hh = 0; hh < hb; hh++) iq[hh] = int4_query_at((uint32_t *)qs + hh * q_units, d);
+    for (int64_t p0 = 0; p0 < n; p0 += VL) {
+        if (ahead) prefetch_ahead(ahead, p0, p0 + VL < n ? p0 + VL : ATT_CHUNK);
+        const uint8_t *const *r = rows + p0;
+        vf sc[HB];
+        for (int hh = 0; hh < hb; hh++) sc[hh] = vf_zero();
+        for (int64_t step = 0; step < d / INT4_STEP; step++) {
+            vi t[8];
+            transpose_rows16(r, 32 * step, t);
+            const vi pairs = int4_scale_pairs(r, d / 2 + 4 * step);
+            const vf sa = low_bf16(pairs), sb = high_bf16(pairs);
+            vi acc[HB][2];
             for (int hh = 0; hh < hb; hh++) {
-                vf pg = vf_zero();
-                for (int k = 0; k < 4; k++)
-                    pg = _mm512_dpbf16_ps(pg, as_bh(t[k]), as_bh(vi_load(qa + hh * 2 * d + v * 2 + k * VL)));
-                acc[hh] = vf_fma(pg, sg, acc[hh]);
+                const int64_t g = 2 * step;
+                acc[hh][0] = _mm512_set1_epi32(iq[hh].offset[g]), acc[hh][1] = _mm512_set1_epi32(iq[hh].offset[g + 1]);
+            }
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) { /* dword k: group 2 step + k / 4, bytes 4 (k % 4).. */
+                const vi lo = _mm512_and_si512(t[k], low), hi = _mm512_and_si512(_mm512_srli_epi32(t[k], 4), low);
+                const int64_t at = INT4_STEP * step + 32 * (k / 4) + 4 * (k % 4);
+                for (int hh = 0; hh < hb; hh++) {
+                    acc[hh][k / 4] = _mm512_dpbusd_epi32(acc[hh][k / 4], lo, bcast4(iq[hh].q + at));
+                    acc[hh][k / 4] = _mm512_dpbusd_epi32(acc[hh][k / 4], hi, bcast4(iq[hh].q + at + 16));
+                }
+            }
+            for (int hh = 0; hh < hb; hh++) {
+                const float *qsc = iq[hh].scale + 2 * step;
+                sc[hh] = vf_fma(vi_to_vf(acc[hh][0]), vf_mul(sa, vf_set1(qsc[0])), sc[hh]);
+                sc[hh] = vf_fma(vi_to_vf(acc[hh][1]), vf_mul(sb, vf_set1(qsc[1])), sc[hh]);
             }
         }
-        for (int hh = 0; hh < hb; hh++) vf_store(part + (hh * GROUPS + j) * VL, acc[hh]);
+        for (int hh = 0; hh < hb; hh++) vf_store(s + hh * ATT_CHUNK + p0, sc[hh]);
     }
-    finish_scores(hb, groups, n, part, 1.0f, s);
+    for (int hh = 0; hh < hb; hh++)
+        for (int64_t t = n; t < ATT_CHUNK; t++) s[hh * ATT_CHUNK + t] = -INFINITY;
 }
 
-/* values_bf16 over int4 value rows (width: where their scales are): per group of columns,
- * two positions a product (the two rows' bytes interleaved before their nibbles are looked
- * up: fewer shuffles than interleaving looked-up rows), the weights times each row's group
- * scale as bf16 pairs */
+/* 32 int32 in [0, 255] (positions 0-15, 16-31) -> 32 bytes in order: packed within 128-bit
+ * lanes (lane L: positions 4L.., then 16 + 4L..), their dwords then put in order */
+static inline __m256i weight_bytes(vi a, vi b) {
+    const vi packed = _mm512_packus_epi16(_mm512_packus_epi32(a, b), _mm512_setzero_si512());
+    const vi order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, packed));
+}
+
+/* acc[hh] (a step's 64 columns in int4_column's order) = acc * rescale + sum_i w[hh][i] *
+ * rows[i] for hb heads over the n value rows (width: where their scales are), as the section
+ * says */
 static inline __attribute__((always_inline)) void values_int4(const int hb, float *const *acc, const float *rescale,
                                                               const float *w, const uint8_t *const *rows, int64_t n,
                                                               int64_t d, int64_t width) {
-    const vi high = vi_load(high_words), codes = vi_load(int4_codes);
-    const int64_t pairs = (n + 1) / 2;
-    for (int hh = 0; hh < hb; hh++)
+    const vi low = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
+    /* lanes 4L..4L+3 take dword (L odd: 8 +) of the weights: group a's 8, then group b's */
+    const vi pick = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 0, 0, 0, 0, 8, 8, 8, 8);
+    const __mmask16 odd_lanes = 0xf0f0;
+    float inv_top[HB];
+    for (int hh = 0; hh < hb; hh++) {
+        const float top = vf_hmax(vf_max(vf_load(w + hh * ATT_CHUNK), vf_load(w + hh * ATT_CHUNK + VL)));
+        inv_top[hh] = top > 0.0f ? 1.0f / top : 0.0f;
         for (int64_t c = 0; c < d; c += VL) vf_store(acc[hh] + c, vf_mul(vf_load(acc[hh] + c), vf_set1(rescale[hh])));
-    for (int64_t c = 0; c < d; c += 2 * VL) { /* one group: 2 * VL columns */
-        const int64_t g = c / KV_INT4_GROUP;
-        float sg[ATT_CHUNK];
-        for (int64_t i = 0; i < ATT_CHUNK; i++) sg[i] = int4_scale(rows[i], width, g);
-        uint32_t wp[HB][ATT_CHUNK / 2]; /* weight times scale, as bf16 pairs of positions 2p, 2p + 1 */
-        for (int hh = 0; hh < hb; hh++) {
-            const vi a = vf_as_vi(vf_round_bf16(vf_mul(vf_load(w + hh * ATT_CHUNK), vf_load(sg))));
-            const vi b = vf_as_vi(vf_round_bf16(vf_mul(vf_load(w + hh * ATT_CHUNK + VL), vf_load(sg + VL))));
-            vi_store(wp[hh], _mm512_permutex2var_epi16(a, high, b));
+    }
+    for (int64_t step = 0; step < d / INT4_STEP; step++) {
+        /* weights as unsigned bytes [hh][group a, b][ATT_CHUNK], and their scales */
+        uint8_t wq[HB][2][ATT_CHUNK] __attribute__((aligned(64)));
+        float wscale[HB][2];
+        vf sv[2][2]; /* the rows' scales: [group][positions 0-15, 16-31] */
+        float svmax[2];
+        for (int half = 0; half < 2; half++) {
+            const vi pairs = int4_scale_pairs(rows + half * VL, width / 2 + 4 * step);
+            sv[0][half] = low_bf16(pairs), sv[1][half] = high_bf16(pairs);
         }
-        vf r[HB][2];
-        for (int hh = 0; hh < hb; hh++) r[hh][0] = vf_load(acc[hh] + c), r[hh][1] = vf_load(acc[hh] + c + VL);
-        for (int64_t p = 0; p < pairs; p++) {
-            /* the two rows' bytes interleaved, a word each (sign-extended: vpermw reads bits 0-4):
-             * word pair i = (byte i of row 2p, of row 2p + 1), its low nibbles column i, its
-             * high ones column i + 16 */
-            const __m128i a = _mm_loadu_si128((const __m128i *)(rows[2 * p] + c / 2));
-            const __m128i b = _mm_loadu_si128((const __m128i *)(rows[2 * p + 1] + c / 2));
-            const vi wab = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
-            const __m512bh x0 = as_bh(_mm512_permutexvar_epi16(wab, codes));
-            const __m512bh x1 = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(wab, 4), codes));
+        for (int g = 0; g < 2; g++) svmax[g] = vf_hmax(vf_max(sv[g][0], sv[g][1]));
+        for (int g = 0; g < 2; g++) {
+            const float inv_s = svmax[g] > 0.0f ? 255.0f / svmax[g] : 0.0f;
             for (int hh = 0; hh < hb; hh++) {
-                const __m512bh wv = as_bh(_mm512_set1_epi32((int32_t)wp[hh][p]));
-                r[hh][0] = _mm512_dpbf16_ps(r[hh][0], x0, wv), r[hh][1] = _mm512_dpbf16_ps(r[hh][1], x1, wv);
+                const vf f = vf_set1(inv_top[hh] * inv_s);
+                const vf x0 = vf_mul(vf_mul(vf_load(w + hh * ATT_CHUNK), sv[g][0]), f);
+                const vf x1 = vf_mul(vf_mul(vf_load(w + hh * ATT_CHUNK + VL), sv[g][1]), f);
+                _mm256_store_si256((__m256i *)wq[hh][g], weight_bytes(_mm512_cvtps_epi32(x0), _mm512_cvtps_epi32(x1)));
+                wscale[hh][g] = inv_top[hh] > 0.0f && inv_s > 0.0f ? 1.0f / (inv_top[hh] * inv_s) : 0.0f;
             }
         }
-        for (int hh = 0; hh < hb; hh++) vf_store(acc[hh] + c, r[hh][0]), vf_store(acc[hh] + c + VL, r[hh][1]);
+        vi sum[HB][4];
+        for (int hh = 0; hh < hb; hh++)
+            for (int a = 0; a < 4; a++) sum[hh][a] = _mm512_setzero_si512();
+        vi wv[HB];
+        for (int hh = 0; hh < hb; hh++) wv[hh] = _mm512_loadu_si512(wq[hh][0]); /* dwords: a's 8, b's 8 */
+        for (int64_t p = 0; p < n; p += 4) {
+            const uint8_t *r0 = rows[p] + 32 * step, *r1 = rows[p + 1] + 32 * step, *r2 = rows[p + 2] + 32 * step,
+                          *r3 = rows[p + 3] + 32 * step;
+            const __m256i y0 = _mm256_loadu_si256((const __m256i *)r0), y1 = _mm256_loadu_si256((const __m256i *)r1);
+            const __m256i y2 = _mm256_loadu_si256((const __m256i *)r2), y3 = _mm256_loadu_si256((const __m256i *)r3);
+            const __m256i A = _mm256_unpacklo_epi8(y0, y1), B = _mm256_unpackhi_epi8(y0, y1);
+            const __m256i C = _mm256_unpacklo_epi8(y2, y3), D = _mm256_unpackhi_epi8(y2, y3);
+            const vi x01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(A, C)), _mm256_unpackhi_epi16(A, C), 1);
+            const vi x23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(B, D)), _mm256_unpackhi_epi16(B, D), 1);
+            const vi x[4] = {_mm512_sub_epi8(_mm512_and_si512(x01, low), eight),
+                             _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(x01, 4), low), eight),
+                             _mm512_sub_epi8(_mm512_and_si512(x23, low), eight),
+                             _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(x23, 4), low), eight)};
+            const vi idx = _mm512_add_epi32(pick, _mm512_set1_epi32((int32_t)(p / 4)));
+            for (int hh = 0; hh < hb; hh++) {
+                const vi wp = _mm512_permutexvar_epi32(idx, wv[hh]);
+                for (int a = 0; a < 4; a++) sum[hh][a] = _mm512_dpbusd_epi32(sum[hh][a], wp, x[a]);
+            }
+        }
+        for (int hh = 0; hh < hb; hh++) {
+            const vf scale = _mm512_mask_mov_ps(vf_set1(wscale[hh][0]), odd_lanes, vf_set1(wscale[hh][1]));
+            float *o = acc[hh] + INT4_STEP * step;
+            for (int a = 0; a < 4; a++) vf_store(o + a * VL, vf_fma(vi_to_vf(sum[hh][a]), scale, vf_load(o + a * VL)));
+        }
     }
 }
 
@@ -474,19 +597,12 @@ static inline vf int8_to_f32(__m128i x) {
 #endif
 }
 
-/* a row's scale (after its width values) */
-static inline float int8_scale(const uint8_t *row, int64_t width) {
-    bf16 s;
-    memcpy(&s, row + width, 2);
-    return bf16_to_f32(s);
-}
-
 /* scores_bf16 over int8 key rows (width d): qa per head the scaled, rotated query as two
  * arranged bf16-pair vectors, its rounding and what that rounding left (hi + lo: the scores
  * as exact as float32 FMAs give them, within the int8 tests' one rounding) */
 static inline __attribute__((always_inline)) void scores_int8(const int hb, const uint8_t *const *rows, int64_t n,
                                                               const uint32_t *qa, int64_t d, float *part, float *s,
-                                                              const ahead_rows *ahead) {
+                                                              ahead_rows *ahead) {
     const int64_t groups = (n + 3) / 4;
     const vi high = vi_load(high_words);
     for (int64_t j = 0; j < groups; j++) {
@@ -512,7 +628,7 @@ static inline __attribute__((always_inline)) void scores_int8(const int hb, cons
         for (int hh = 0; hh < hb; hh++) acc[hh] = vf_add(acc[hh], acc_lo[hh]);
         /* lane 4m + i: row i's scale */
         const vf sr = _mm512_broadcast_f32x4(
-            _mm_setr_ps(int8_scale(r4[0], d), int8_scale(r4[1], d), int8_scale(r4[2], d), int8_scale(r4[3], d)));
+            _mm_setr_ps(row_scale(r4[0], d), row_scale(r4[1], d), row_scale(r4[2], d), row_scale(r4[3], d)));
         for (int hh = 0; hh < hb; hh++) vf_store(part + (hh * GROUPS + j) * VL, vf_mul(acc[hh], sr));
     }
     finish_scores(hb, groups, n, part, 1.0f, s);
@@ -526,7 +642,7 @@ static inline __attribute__((always_inline)) void values_int8(const int hb, floa
     const vi high = vi_load(high_words);
     const int64_t pairs = (n + 1) / 2;
     float sr[ATT_CHUNK];
-    for (int64_t i = 0; i < ATT_CHUNK; i++) sr[i] = int8_scale(rows[i], width);
+    for (int64_t i = 0; i < ATT_CHUNK; i++) sr[i] = row_scale(rows[i], width);
     uint32_t wp[HB][ATT_CHUNK / 2]; /* weight times scale, as bf16 pairs of positions 2p, 2p + 1 */
     for (int hh = 0; hh < hb; hh++) {
         const vi a = vf_as_vi(vf_round_bf16(vf_mul(vf_load(w + hh * ATT_CHUNK), vf_load(sr))));
@@ -556,27 +672,28 @@ static inline __attribute__((always_inline)) void values_int8(const int hb, floa
 }
 #endif
 
-/* How a chunk's rows are read: bf16, int4 or int8 cache rows on vdpbf16ps (the avx512bf16 build),
- * bf16 cache rows widened as they are read, or float32 rows a quantized cache was widened
- * into. */
+/* How a chunk's rows are read: bf16 or int8 cache rows on vdpbf16ps and int4 ones on vpdpbusd
+ * (the avx512bf16 build), bf16 cache rows widened as they are read, or float32 rows a quantized
+ * cache was widened into. */
 enum { ROWS_BF16_DOTS, ROWS_INT4_DOTS, ROWS_INT8_DOTS, ROWS_BF16, ROWS_F32, ROWS_PER_HEAD };
 
 /* One chunk of n positions for hb (<= HB) query heads of one kv head: scores, softmax and
  * the weighted values into each head's partial result (res: [max, sum, dv values] per head,
  * stride part); krows / vrows: ATT_CHUNK row pointers (those past n repeat a row), read as
- * `rows` says; qa: the heads' queries arranged (ROWS_BF16_DOTS: bf16 pairs, unscaled; else
- * float32, scaled, rotated for a quantized cache). */
+ * `rows` says; qa: the heads' queries arranged, q_units 32-bit units apart (ROWS_BF16_DOTS: bf16
+ * pairs, unscaled; ROWS_INT4_DOTS: int4_query; else float32, scaled, rotated for a quantized
+ * cache). */
 static inline __attribute__((always_inline)) void heads_chunk(const int hb, const int rows, const void *const *krows,
                                                               const void *const *vrows, int64_t n, const uint32_t *qa,
-                                                              int64_t dk, int64_t dv, int64_t v_width, float scale,
+                                                              int64_t q_units, int64_t dk, int64_t dv, int64_t v_width, float scale,
                                                               float *res, int64_t part, float *parts, float *s,
-                                                              const ahead_rows *ahead) {
+                                                              ahead_rows *ahead) {
     float rescale[HB], *acc[HB];
 #if defined(MS_AVX512_BF16)
     if (rows == ROWS_BF16_DOTS)
         scores_bf16(hb, (const bf16 *const *)krows, n, qa, dk, scale, parts, s, ahead);
     else if (rows == ROWS_INT4_DOTS)
-        scores_int4(hb, (const uint8_t *const *)krows, n, qa, dk, parts, s, ahead);
+        scores_int4(hb, (const uint8_t *const *)krows, n, qa, q_units, dk, s, ahead);
     else if (rows == ROWS_INT8_DOTS)
         scores_int8(hb, (const uint8_t *const *)krows, n, qa, dk, parts, s, ahead);
     else
@@ -629,8 +746,8 @@ static void prefetch_rows(const int32_t *table, int64_t block_size, int64_t p0, 
  * (causal: speculative verification's k + 1 positions). Work items are (row, context
  * split); each walks its positions in chunks whose key and value rows (all kv heads of a
  * slot: adjacent in the cache, so the chunk is read in whole lines) are read once for all
- * the query heads of their kv head (bf16, int8 and int4 rows on vdpbf16ps where the build has
- * it, else widened to float32), with an online softmax (flash-decoding), and the
+ * the query heads of their kv head (bf16 and int8 rows on vdpbf16ps, int4 ones on vpdpbusd,
+ * where the build has them, else widened to float32), with an online softmax (flash-decoding), and the
  * splits, which keep every core busy when there are fewer sequences than threads, are
  * merged by their softmax statistics at the end; a row's splits follow from its own length
  * only, so its result does not depend on the other rows.
@@ -658,6 +775,7 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
     const int64_t k_bytes = ((G - 1) * k_head + dk) * elem + tail, v_bytes = ((G - 1) * v_head + dv) * elem + tail;
     /* bytes of one kv head's key and value rows (int4: half a byte a value, a bf16 scale a group) */
     const int64_t k_row = kv_row_bytes(kv_kind, dk), v_row = kv_row_bytes(kv_kind, v_scale_at);
+    const int64_t k_all = (G - 1) * k_head * elem + k_row, v_all = (G - 1) * v_head * elem + v_row; /* a slot's */
     const int64_t part = dv + 2; /* per head: max score, sum of exponentials, dv weighted values */
     /* Each row's context splits by its own length alone (at least 64 positions a split, at
      * most 4 per thread), never by the rest of the batch: a row rounds alike in any batch, so
@@ -677,8 +795,7 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
     int rows = dk % VL || dv % VL ? ROWS_PER_HEAD : kv_kind == KV_BF16 ? ROWS_BF16 : ROWS_F32;
 #if defined(MS_AVX512_BF16)
     if (kv_kind == KV_BF16 && dk % (2 * VL) == 0 && dv % (2 * VL) == 0) rows = ROWS_BF16_DOTS;
-    if (kv_kind == KV_INT4 && dk % KV_INT4_GROUP == 0 && dv % KV_INT4_GROUP == 0 && KV_INT4_GROUP == 2 * VL)
-        rows = ROWS_INT4_DOTS;
+    if (kv_kind == KV_INT4 && dk % INT4_STEP == 0 && dv % INT4_STEP == 0) rows = ROWS_INT4_DOTS;
     if (kv_kind == KV_INT8 && dk % (2 * VL) == 0 && dv % (2 * VL) == 0) rows = ROWS_INT8_DOTS;
 #endif
     /* per thread: queries (float32, and arranged), scores, group sums, widened rows, a merge */
@@ -704,7 +821,7 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
         uint32_t *qa = (uint32_t *)(qf + H * dk); /* per head: 4 dk floats, or 2 dk bf16 pairs */
         float *sh = qf + 5 * H * dk, *gsum = sh + HB * ATT_CHUNK, *kf = gsum + HB * GROUPS * VL;
         float *vfl = kf + G * ATT_CHUNK * dk, *merged = vfl + G * ATT_CHUNK * dv;
-        const int64_t q_units = rows == ROWS_INT4_DOTS || rows == ROWS_BF16_DOTS ? 2 * dk : 4 * dk; /* a head's arranged query, in 32-bit units */
+        const int64_t q_units = rows == ROWS_INT4_DOTS || rows == ROWS_BF16_DOTS ? 2 * dk : 4 * dk; /* a head's arranged query, in 32-bit units (int4_query: fewer) */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < total; it++) {
             const int64_t b = owner[it], s = it - first[b], len = context_lens[b];
@@ -726,15 +843,10 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                 }
                 for (int64_t c = 0; c < dk; c++) qf[h * dk + c] = bf16_to_f32(qh[c]) * scale;
                 if (kv_kind != KV_BF16) hadamard_rotate(qf + h * dk, dk); /* q . k = Rq . Rk: the rows stored rotated */
-                if (rows == ROWS_INT4_DOTS) { /* bf16 pairs (value i, value i + 16) of each group */
-                    uint32_t *qp = (uint32_t *)(qf + h * dk);
-                    float rq[KV_INT4_GROUP];
-                    for (int64_t g0 = 0; g0 < dk; g0 += KV_INT4_GROUP) {
-                        memcpy(rq, qf + h * dk + g0, sizeof(rq));
-                        for (int64_t i = 0; i < KV_INT4_GROUP / 2; i++)
-                            qp[g0 / 2 + i] = (uint32_t)f32_to_bf16(rq[i]) | (uint32_t)f32_to_bf16(rq[i + KV_INT4_GROUP / 2]) << 16;
-                    }
-                    arrange_q(qp, dk / 2, qa + h * q_units);
+                if (rows == ROWS_INT4_DOTS) {
+#if defined(MS_AVX512_BF16)
+                    int4_query_quantize(qf + h * dk, dk, qa + h * q_units);
+#endif
                 } else if (rows == ROWS_INT8_DOTS) { /* bf16 pairs in order: q's rounding, then the rest */
                     float qr[dk];
                     memcpy(qr, qf + h * dk, sizeof(qr));
@@ -753,10 +865,9 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
             int cur = 0;
             chunk_slots(table, block_size, c0, c1, slots[cur]);
             if (rows != ROWS_PER_HEAD) /* the first chunk's rows; each chunk asks for the next one's as it goes */
-                for (int64_t g = 0; g < G; g++) {
+                {
                     ahead_rows first_rows;
-                    head_rows_ahead(&first_rows, slots[cur], c1 - c0, k_cache, k_slot, k_head, k_row, v_cache, v_slot,
-                                    v_head, v_row, elem, g);
+                    rows_ahead(&first_rows, slots[cur], c1 - c0, k_cache, k_slot, k_all, v_cache, v_slot, v_all, elem);
                     prefetch_ahead(&first_rows, 0, ATT_CHUNK);
                 }
             else
@@ -783,35 +894,31 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                             }
                         }
                 if (rows != ROWS_PER_HEAD) {
+                    const char *kslot[ATT_CHUNK], *vslot[ATT_CHUNK]; /* the slots' rows (repeating past n) */
+                    slot_rows(slot, ATT_CHUNK, k_cache, k_slot, v_cache, v_slot, elem, kslot, vslot);
+                    ahead_rows ahead;
+                    rows_ahead(&ahead, slots[cur ^ 1], n_next, k_cache, k_slot, k_all, v_cache, v_slot, v_all, elem);
                     for (int64_t g = 0; g < G; g++) {
                         const void *krows[ATT_CHUNK], *vrows[ATT_CHUNK];
-                        for (int64_t i = 0; i < ATT_CHUNK; i++) {
-                            const int64_t r = i < n ? i : n - 1;
-                            if (rows == ROWS_F32) { /* a quantized cache: kv head g's rows widened for its heads */
+                        ahead.lo = g * ATT_CHUNK / G, ahead.hi = (g + 1) * ATT_CHUNK / G;
+                        if (rows == ROWS_F32) /* a quantized cache: kv head g's rows widened for its heads */
+                            for (int64_t i = 0; i < ATT_CHUNK; i++) {
+                                const int64_t r = i < n ? i : n - 1;
                                 krows[i] = kf + r * dk, vrows[i] = vfl + r * dv;
                                 if (i == r) {
-                                    const uint8_t *kq = (const uint8_t *)k_cache + slot[i] * k_slot + g * k_head;
-                                    kv_widen_row(kq, kv_kind, dk, dk, kf + i * dk);
-                                    kv_widen_row((const uint8_t *)v_cache + slot[i] * v_slot + g * v_head, kv_kind, dv,
-                                                 v_scale_at, vfl + i * dv);
+                                    kv_widen_row(kslot[i] + g * k_head, kv_kind, dk, dk, kf + i * dk);
+                                    kv_widen_row(vslot[i] + g * v_head, kv_kind, dv, v_scale_at, vfl + i * dv);
                                 }
-                            } else if (rows == ROWS_INT4_DOTS || rows == ROWS_INT8_DOTS) {
-                                krows[i] = (const uint8_t *)k_cache + slot[i] * k_slot + g * k_head;
-                                vrows[i] = (const uint8_t *)v_cache + slot[i] * v_slot + g * v_head;
-                            } else { /* slot[i] repeats the last slot past n */
-                                krows[i] = (const bf16 *)k_cache + slot[i] * k_slot + g * k_head;
-                                vrows[i] = (const bf16 *)v_cache + slot[i] * v_slot + g * v_head;
                             }
-                        }
-                        ahead_rows ahead;
-                        head_rows_ahead(&ahead, slots[cur ^ 1], n_next, k_cache, k_slot, k_head, k_row, v_cache, v_slot,
-                                        v_head, v_row, elem, g);
+                        else
+                            for (int64_t i = 0; i < ATT_CHUNK; i++)
+                                krows[i] = kslot[i] + g * k_head * elem, vrows[i] = vslot[i] + g * v_head * elem;
                         for (int64_t h0 = g * hpg; h0 < (g + 1) * hpg; h0 += HB) {
                             const int64_t left = (g + 1) * hpg - h0;
                             const uint32_t *qh = qa + h0 * q_units;
                             float *rh = res + h0 * part;
-#define HEADS(hb, how) heads_chunk(hb, how, krows, vrows, n, qh, dk, dv, v_scale_at, scale, rh, part, gsum, sh, \
-                                  h0 == g * hpg && ahead.n > 0 ? &ahead : NULL)
+#define HEADS(hb, how) heads_chunk(hb, how, krows, vrows, n, qh, q_units, dk, dv, v_scale_at, scale, rh, part, gsum, sh, \
+                                  h0 == g * hpg && ahead.n > ahead.lo ? &ahead : NULL)
 #define HEADS_ALL(how)                                                                                     \
     switch (left < HB ? left : HB) {                                                                       \
     case 1: HEADS(1, how); break;                                                                          \
@@ -879,6 +986,12 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                 sum += f * r[1];
                 weighted_rows(merged, 1.0f, &f, r + 2, 1, dv, dv);
             }
+#if defined(MS_AVX512_BF16)
+            if (rows == ROWS_INT4_DOTS) { /* each step's columns back in order (int4_column) */
+                for (int64_t c = 0; c < dv; c++) kf[c - c % INT4_STEP + int4_column(c % INT4_STEP)] = merged[c];
+                memcpy(merged, kf, dv * sizeof(float));
+            }
+#endif
             if (kv_kind != KV_BF16) hadamard_rotate(merged, dv); /* the values were rotated: R R = I */
             bf16 *o = out + b * ldo + h * dv;
             const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;

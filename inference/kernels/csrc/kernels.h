@@ -281,6 +281,14 @@ enum { KV_BF16 = 0, KV_INT8 = 1, KV_E4M3 = 2, KV_E5M2 = 3, KV_INT4 = 4 };
  * the whole row): a quantized row's values come back rotated (hadamard_rotate), as they were
  * stored */
 void kv_widen_row(const void *row, int kind, int64_t d, int64_t scale_at, float *out);
+
+/* the bf16 scale at byte scale_at of a quantized cache row (an 8-bit row's after its values,
+ * an int4 row's groups' after its bytes) */
+static inline float row_scale(const uint8_t *row, int64_t scale_at) {
+    bf16 s;
+    memcpy(&s, row + scale_at, 2);
+    return bf16_to_f32(s);
+}
 /* d float32 values -> one cache row (quantized formats: rotated first, in x, then quantized
  * with the scales written after the values) */
 void kv_store_row(float *x, int kind, int64_t d, void *row);

@@ -40,13 +40,6 @@ static inline uint8_t f32_to_fp8(float x, int mbits, int bias, float max) {
     return sign | (uint8_t)((u >> shift) - ((uint32_t)(127 - bias) << mbits));
 }
 
-/* the scale written after an 8-bit row's d values */
-static inline float row_scale(const uint8_t *b, int64_t scale_at) {
-    bf16 s16;
-    memcpy(&s16, b + scale_at, 2);
-    return bf16_to_f32(s16);
-}
-
 /* An int4 row (models/paged_cache.py's layout): the values of a group of n at row + first / 2,
  * value i and i + n / 2 in the low and high nibble of byte i, each as q + 8; the groups' bf16
  * scales after the width / 2 bytes of values. */
