@@ -21,7 +21,7 @@
 
 Results in bench/results/long_context.json {date, cpu, threads, rows: [{model, context,
 prompt, kv_cache_dtype, ttft_s, tpot_ms, tpot_vs_shortest, bytes_floor_vs_shortest}],
-decode_attention: [{shape, context, layers_read, ns_per_position, vs_shortest}]}; a table on
+decode_attention: [{shape, context, kv_cache_dtype, layers_read, ns_per_position, vs_shortest}]}; a table on
 stdout.
 
     python -m bench.long_context_bench                                  # the timed run
@@ -45,6 +45,7 @@ from inference import LLMEngine, SamplingParams
 from inference.checkpoints.demo_model import ensure_demo_model
 from inference.checkpoints.model_zoo import resolve_model
 from inference.kernels import cpu
+from inference.models import paged_cache
 
 RESULTS = Path(__file__).parent / "results"
 CONTEXTS = (1024, 4096, 8192, 32768)
@@ -59,7 +60,7 @@ SMOLLM2_YARN = {
 }
 # query heads, kv heads, head dim and layers of each model's attention (decode-attention rows)
 SHAPES = {"demo": (8, 2, 64, 6), "smollm2": (9, 3, 64, 30)}
-CACHE_BUDGET = 256 << 20  # bytes of bf16 caches the kernel rows cycle through, at most
+CACHE_BUDGET = 256 << 20  # bytes of caches the kernel rows cycle through, at most
 
 
 def greedy(tokens: int) -> SamplingParams:
@@ -148,23 +149,36 @@ def model_rows(
     return rows
 
 
-def decode_attention_rows(contexts: list[int], calls: int = 50) -> list[dict]:
-    """ns per position of the decode-attention kernel, one query token over a paged bf16
-    context scattered over the cache's blocks (a shuffled block table), median of `calls`,
-    each call on the next of the model's layers' caches (as many as CACHE_BUDGET holds)."""
+def cache_of(slots: int, kv_heads: int, dim: int, storage: torch.dtype) -> torch.Tensor:
+    """A cache of random rows in the storage format (quantized as the engine writes them)."""
+    rows = torch.randn(slots, kv_heads, dim).bfloat16()
+    if storage == torch.bfloat16:
+        return rows
+    width = paged_cache.row_width(dim, storage)
+    cache = torch.zeros(slots, kv_heads, width, dtype=torch.uint8).view(storage)
+    paged_cache.write_kv(cache, torch.arange(slots), rows)
+    return cache
+
+
+def decode_attention_rows(
+    contexts: list[int], kv_cache_dtype: str = "auto", calls: int = 50
+) -> list[dict]:
+    """ns per position of the decode-attention kernel, one query token over a paged context
+    in the cache format `kv_cache_dtype` (auto: bf16) scattered over the cache's blocks (a
+    shuffled block table), median of `calls`, each call on the next of the model's layers'
+    caches (as many as CACHE_BUDGET holds)."""
     if cpu.enable_once() is None:
         print("  decode attention: no CPU kernels on this machine (ATen's path); skipped")
         return []
+    storage = paged_cache.storage_dtype(kv_cache_dtype, torch.bfloat16)
     rows, block = [], 16
     for shape, (heads, kv_heads, dim, layers) in SHAPES.items():
         longest = max(contexts)
         blocks = longest // block + 1
-        layer_bytes = 2 * blocks * block * kv_heads * dim * 2  # keys and values, bf16
+        width = paged_cache.row_width(dim, storage)
+        layer_bytes = 2 * blocks * block * kv_heads * width * storage.itemsize
         caches = [
-            (
-                torch.randn(blocks * block, kv_heads, dim).bfloat16(),
-                torch.randn(blocks * block, kv_heads, dim).bfloat16(),
-            )
+            tuple(cache_of(blocks * block, kv_heads, dim, storage) for _ in "kv")
             for _ in range(max(1, min(layers, CACHE_BUDGET // layer_bytes)))
         ]
         table = torch.randperm(blocks, dtype=torch.int32)[None]
@@ -184,6 +198,7 @@ def decode_attention_rows(contexts: list[int], calls: int = 50) -> list[dict]:
                 {
                     "shape": shape,
                     "context": context,
+                    "kv_cache_dtype": kv_cache_dtype,
                     "layers_read": len(caches),
                     "ns_per_position": ns,
                     "vs_shortest": ns / base,
@@ -208,8 +223,8 @@ def main() -> None:
     rows = []
     for model in args.models.split(","):
         rows += model_rows(model, contexts, args.output, args.rounds, args.kv_cache_dtype)
-    print("  decode attention alone, one query token:")
-    attention = decode_attention_rows(contexts)
+    print(f"  decode attention alone, one query token, {args.kv_cache_dtype} cache:")
+    attention = decode_attention_rows(contexts, args.kv_cache_dtype)
     record = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "cpu": cpu_name(),
