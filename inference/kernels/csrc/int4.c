@@ -80,6 +80,15 @@ static inline vi quad(const int8_t *a) {
     return vi_set1(x4);
 }
 
+/* Asks for the weight bytes PREFETCH_OCTETS octets (64-byte lines) past octet o, into L2: a
+ * block's octets, and the next block's after them, lie back to back. With the hardware's
+ * prefetch alone the MoE kernel read its experts at 14-17 GB/s of this VM's 27 at 32 tokens
+ * (AMD EPYC Zen 4; ~4 rows an expert, the many-row tile), 19-22 GB/s so (16 octets into L1:
+ * 15-18; 96: no better). Past the weight's end the address is only a hint: prefetches do not
+ * fault. */
+#define PREFETCH_OCTETS 48
+static inline void prefetch_octet(const uint8_t *B, int64_t o) { __builtin_prefetch(B + (o + PREFETCH_OCTETS) * 64, 0, 2); }
+
 /* a block's scales and zero points, read in place from the weight's [G][N] arrays: sc and
  * zero (NULL: every zero zdef) at stride ld between groups, their first `cols` columns (a
  * narrow last block's other columns take scale 0 and zero 0: its outputs there are dropped) */
@@ -125,6 +134,7 @@ static inline __attribute__((always_inline)) void octet_tile(int rows, const int
                                                              int64_t o, vi table, const int mx, vi lo[MR][VPB],
                                                              vi hi[MR][VPB]) {
     vi wl[VPB], wh[VPB];
+    prefetch_octet(B, o);
     for (int v = 0; v < VPB; v++) {
         const vi w = vi_load(B + o * 64 + v * 4 * VL);
         wl[v] = vi_and(w, nibble_mask());
@@ -205,6 +215,7 @@ static inline __attribute__((always_inline)) void block_tile(int rows, const int
 static inline __attribute__((always_inline)) void octet_row(const int8_t *q, const uint8_t *B, int64_t o,
                                                             vi table, const int mx, vi *lo, vi *hi) {
     const vi xl = quad(q + 8 * o), xh = quad(q + 8 * o + 4);
+    prefetch_octet(B, o);
     for (int v = 0; v < VPB; v++) {
         const vi w = vi_load(B + o * 64 + v * 4 * VL);
         vi l = vi_and(w, nibble_mask()), h = high_nibbles(w);
@@ -261,6 +272,8 @@ static inline __attribute__((always_inline)) void octet_pair(const int8_t *q, co
                                                              int64_t o, vi table, const int mx, vi *lo, vi *hi, vi *lo2,
                                                              vi *hi2) {
     const vi xl = quad(q + 8 * o), xh = quad(q + 8 * o + 4);
+    prefetch_octet(B, o);
+    prefetch_octet(B2, o);
     for (int v = 0; v < VPB; v++) {
         const vi w = vi_load(B + o * 64 + v * 4 * VL), w2 = vi_load(B2 + o * 64 + v * 4 * VL);
         vi l = vi_and(w, nibble_mask()), h = high_nibbles(w);
