@@ -31,6 +31,7 @@ bench: setup
 	$(BIN)/python -m bench.engine_bench --arch all
 	$(BIN)/python -m bench.family_bench
 	$(BIN)/python -m bench.long_context_bench
+	$(BIN)/python -m bench.moe_kernel_bench
 	$(BIN)/python -m bench.engine_bench --smollm2
 	$(BIN)/python -m bench.serving_bench
 	$(BIN)/python -m bench.telemetry_bench
