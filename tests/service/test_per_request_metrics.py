@@ -4,6 +4,8 @@ a response carries are the observations the request made in the latency histogra
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import httpx
 import openai
@@ -40,19 +42,31 @@ def client(srv):
         yield c
 
 
-def _sums(srv, api: str) -> dict[str, float]:
-    """Each latency histogram's sum for `api` (queue time has no api label)."""
+def _samples(srv, api: str, suffix: str) -> dict[str, float]:
+    """Each latency histogram's _sum or _count for `api` (queue time has no api label)."""
     registry, model = srv.state.observability.metrics.registry, srv.state.model_name
     out = {}
     for name in HISTOGRAMS:
         labels = {"model": model} if "queue" in name else {"model": model, "api": api}
-        out[name] = registry.get_sample_value(name + "_sum", labels) or 0.0
+        out[name] = registry.get_sample_value(name + suffix, labels) or 0.0
     return out
 
 
-def _observed(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """What this one request observed, in the response's milliseconds."""
-    return {HISTOGRAMS[n]: (after[n] - before[n]) * 1e3 for n in HISTOGRAMS}
+def _sums(srv, api: str) -> dict[str, float]:
+    """Each histogram's sum and count, before a request."""
+    return {"sum": _samples(srv, api, "_sum"), "count": _samples(srv, api, "_count")}
+
+
+def _observed(srv, api: str, before: dict) -> dict[str, float]:
+    """What one request observed, in the response's milliseconds. The server records a
+    request when it has answered: a streamed response's last chunk can reach the client
+    first, so this waits (bounded) until every histogram has counted it."""
+    deadline = time.monotonic() + 10
+    while _samples(srv, api, "_count") != {n: c + 1 for n, c in before["count"].items()}:
+        assert time.monotonic() < deadline, "the request's observations never landed"
+        time.sleep(0.01)
+    after = _samples(srv, api, "_sum")
+    return {HISTOGRAMS[n]: (after[n] - before["sum"][n]) * 1e3 for n in HISTOGRAMS}
 
 
 def _check(metrics: dict, observed: dict, completion_tokens: int) -> None:
@@ -81,7 +95,7 @@ def test_whole_completion_carries_its_histogram_observations(srv, client):
         extra_body={"include_metrics": True},
     )
     metrics = resp.model_extra["metrics"]
-    _check(metrics, _observed(before, _sums(srv, "rest")), resp.usage.completion_tokens)
+    _check(metrics, _observed(srv, "rest", before), resp.usage.completion_tokens)
     assert resp.usage.completion_tokens >= 2  # mean_itl_ms is a number, not None
     assert _inspected(srv, resp.id) == pytest.approx(metrics)
 
@@ -101,7 +115,7 @@ def test_streamed_chat_carries_them_on_its_last_chunk(srv, client):
     assert all("metrics" not in (c.model_extra or {}) for c in body)
     assert last.choices == [] and last.usage is not None
     metrics = last.model_extra["metrics"]
-    _check(metrics, _observed(before, _sums(srv, "rest")), last.usage.completion_tokens)
+    _check(metrics, _observed(srv, "rest", before), last.usage.completion_tokens)
     assert _inspected(srv, last.id) == pytest.approx(metrics)
 
 
@@ -126,15 +140,13 @@ def test_grpc_generate_and_stream_carry_them(srv):
         whole = stub.Generate(request, timeout=30)
         _check(
             _grpc_metrics(whole),
-            _observed(before, _sums(srv, "grpc")),
+            _observed(srv, "grpc", before),
             whole.usage.completion_tokens,
         )
         before = _sums(srv, "grpc")
         *body, last = list(stub.GenerateStream(request, timeout=30))
         assert not any(m.HasField("metrics") for m in body)
-        _check(
-            _grpc_metrics(last), _observed(before, _sums(srv, "grpc")), last.usage.completion_tokens
-        )
+        _check(_grpc_metrics(last), _observed(srv, "grpc", before), last.usage.completion_tokens)
 
 
 def test_include_metrics_without_the_flag_is_a_400_naming_it(server):
