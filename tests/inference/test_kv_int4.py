@@ -116,6 +116,28 @@ def test_the_rope_kernel_writes_int4_rows_as_torch_does(path, d):  # noqa: F811
     assert torch.equal(vc.view(torch.uint8), rv.view(torch.uint8))
 
 
+def source_rows(slots: int, kv_heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 keys and values decoded_over_int4_rows writes into its int4 caches."""
+    return randn(slots, kv_heads, dim, seed=7), randn(slots, kv_heads, dim, seed=8)
+
+
+def decoded_over_int4_rows(heads, kv_heads, dim, lengths, bs, nblocks, table_width):
+    """Decode attention of random queries over int4 caches of source_rows, each sequence's
+    block table `table_width` shuffled blocks: (q, k cache, v cache, tables, output)."""
+    kc, vc = int4_cache(nblocks * bs, kv_heads, dim), int4_cache(nblocks * bs, kv_heads, dim)
+    k0, v0 = source_rows(nblocks * bs, kv_heads, dim)
+    kv_cache.write_kv(kc, torch.arange(nblocks * bs), k0)
+    kv_cache.write_kv(vc, torch.arange(nblocks * bs), v0)
+    g = torch.Generator().manual_seed(2)
+    perms = [torch.randperm(nblocks, generator=g)[:table_width] for _ in lengths]
+    tables = torch.stack(perms).int()
+    q = randn(len(lengths), heads, dim, seed=3)
+    out = cpu_kernels.decode_attention(
+        q, kc, vc, tables, torch.tensor(lengths, dtype=torch.int32), bs, dim**-0.5
+    )
+    return q, kc, vc, tables, out
+
+
 @pytest.mark.parametrize(
     "heads,kv_heads,dim,lengths",
     [
@@ -127,15 +149,8 @@ def test_the_rope_kernel_writes_int4_rows_as_torch_does(path, d):  # noqa: F811
 )
 def test_decode_attention_reads_int4_rows_in_place(path, heads, kv_heads, dim, lengths):  # noqa: F811
     bs, nblocks = 16, 20
-    kc, vc = int4_cache(nblocks * bs, kv_heads, dim), int4_cache(nblocks * bs, kv_heads, dim)
-    every = torch.arange(nblocks * bs)
-    kv_cache.write_kv(kc, every, randn(nblocks * bs, kv_heads, dim, seed=7))
-    kv_cache.write_kv(vc, every, randn(nblocks * bs, kv_heads, dim, seed=8))
-    g = torch.Generator().manual_seed(2)
-    tables = torch.stack([torch.randperm(nblocks, generator=g)[:19] for _ in lengths]).int()
-    q = randn(len(lengths), heads, dim, seed=3)
-    out = cpu_kernels.decode_attention(
-        q, kc, vc, tables, torch.tensor(lengths, dtype=torch.int32), bs, dim**-0.5
+    q, kc, vc, tables, out = decoded_over_int4_rows(
+        heads, kv_heads, dim, lengths, bs, nblocks, table_width=19
     )
     # against float32 attention over the rows as the reference reads them
     kf, vf = kv_cache.dequantize(kc, torch.float32), kv_cache.dequantize(vc, torch.float32)
@@ -157,16 +172,10 @@ def test_the_kernel_s_rounding_is_a_small_share_of_the_int4_rows_own_error(
     those values' distance from attention over the bf16 keys and values they were made from
     (measured 2-11% on these shapes)."""
     bs, nblocks, lengths = 16, 80, [5, 70, 200, 1000]
-    kc, vc = int4_cache(nblocks * bs, kv_heads, dim), int4_cache(nblocks * bs, kv_heads, dim)
-    k0, v0 = randn(nblocks * bs, kv_heads, dim, seed=7), randn(nblocks * bs, kv_heads, dim, seed=8)
-    kv_cache.write_kv(kc, torch.arange(nblocks * bs), k0)
-    kv_cache.write_kv(vc, torch.arange(nblocks * bs), v0)
-    g = torch.Generator().manual_seed(2)
-    tables = torch.stack([torch.randperm(nblocks, generator=g)[:64] for _ in lengths]).int()
-    q = randn(len(lengths), heads, dim, seed=3)
-    out = cpu_kernels.decode_attention(
-        q, kc, vc, tables, torch.tensor(lengths, dtype=torch.int32), bs, dim**-0.5
+    q, kc, vc, tables, out = decoded_over_int4_rows(
+        heads, kv_heads, dim, lengths, bs, nblocks, table_width=64
     )
+    k0, v0 = source_rows(nblocks * bs, kv_heads, dim)
     kf, vf = kv_cache.dequantize(kc, torch.float32), kv_cache.dequantize(vc, torch.float32)
     for b, n in enumerate(lengths):
         rows = attention_reference(q[b], kf, vf, tables[b], n, bs, dim**-0.5)

@@ -60,28 +60,22 @@ static inline void _tile_dpbf16ps(int c, int a, int b) {
         }
 }
 
-static inline void _tile_dpbssd(int c, int a, int b) {
+/* TDPBSSD / TDPBSUD: signed bytes of A times B's, signed or (b_unsigned) unsigned */
+static inline void amx_emu_dpbs(int c, int a, int b, int b_unsigned) {
     for (int m = 0; m < amx_emu.rows[c]; m++)
         for (int n = 0; n < amx_emu.colsb[c] / 4; n++) {
             int32_t acc;
             memcpy(&acc, &amx_emu.data[c][m][4 * n], 4);
             for (int k = 0; k < amx_emu.colsb[a] / 4; k++)
-                for (int i = 0; i < 4; i++)
-                    acc += (int32_t)(int8_t)amx_emu.data[a][m][4 * k + i] * (int8_t)amx_emu.data[b][k][4 * n + i];
+                for (int i = 0; i < 4; i++) {
+                    const uint8_t wb = amx_emu.data[b][k][4 * n + i];
+                    acc += (int32_t)(int8_t)amx_emu.data[a][m][4 * k + i] * (b_unsigned ? (int32_t)wb : (int8_t)wb);
+                }
             memcpy(&amx_emu.data[c][m][4 * n], &acc, 4);
         }
 }
 
-static inline void _tile_dpbsud(int c, int a, int b) {
-    for (int m = 0; m < amx_emu.rows[c]; m++)
-        for (int n = 0; n < amx_emu.colsb[c] / 4; n++) {
-            int32_t acc;
-            memcpy(&acc, &amx_emu.data[c][m][4 * n], 4);
-            for (int k = 0; k < amx_emu.colsb[a] / 4; k++)
-                for (int i = 0; i < 4; i++)
-                    acc += (int32_t)(int8_t)amx_emu.data[a][m][4 * k + i] * (int32_t)amx_emu.data[b][k][4 * n + i];
-            memcpy(&amx_emu.data[c][m][4 * n], &acc, 4);
-        }
-}
+static inline void _tile_dpbssd(int c, int a, int b) { amx_emu_dpbs(c, a, b, 0); }
+static inline void _tile_dpbsud(int c, int a, int b) { amx_emu_dpbs(c, a, b, 1); }
 
 #endif
