@@ -71,6 +71,14 @@ def drive_load(url: str) -> None:
     assert httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=120).status_code == 200
 
 
+def wait_for_scrape_after(prometheus: Prometheus, moment: float) -> None:
+    def scraped() -> bool:
+        last = prometheus.api("query", query="timestamp(up)")["result"]
+        return len(last) == 3 and min(float(s["value"][1]) for s in last) > moment
+
+    wait_until(scraped, 30, "a scrape of every target after the load", 0.2, NOT_YET)
+
+
 @pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router (a dev dependency) is missing")
 def test_every_replicas_panel_query_returns_data(tiny_model_dir, tmp_path):
     binary = shutil.which("prometheus")
@@ -99,14 +107,12 @@ def test_every_replicas_panel_query_returns_data(tiny_model_dir, tmp_path):
                 0.2,
                 NOT_YET,
             )
-            drive_load(cluster.url)
-            load_end = time.time()
-
-            def scraped() -> bool:
-                last = prometheus.api("query", query="timestamp(up)")["result"]
-                return len(last) == 3 and min(float(s["value"][1]) for s in last) > load_end
-
-            wait_until(scraped, 30, "a scrape of every target after the load", 0.2, NOT_YET)
+            # Two rounds of load with a scrape between: the router creates its series at
+            # their first request, and rate() needs two samples that differ. One short round
+            # can fall between two scrapes, leaving a single sample of each (a CI failure).
+            for _ in range(2):
+                drive_load(cluster.url)
+                wait_for_scrape_after(prometheus, time.time())
             check_dashboard(prometheus, hosts, [r.server.url for r in cluster.replicas])
         finally:
             prometheus.stop()
