@@ -72,22 +72,65 @@ static void widen_int4(const uint8_t *b, int64_t d, int64_t width, float *out) {
     }
 }
 
-/* d values (even) -> an int4 row: per group, a bf16 scale amax / 7 (as stored: quantizing
- * divides by what reading multiplies by), values rounded to nearest even */
+/* A group's candidate scales, amax * f / 7 (paged_cache.INT4_SCALE_FACTORS, the same floats) */
+static const float INT4_SCALE_FACTORS[] = {1.0f, 0.95f, 0.9f, 0.85f, 0.8f, 0.75f};
+
+/* x[0..n) at scale s -> levels q (+ 8) in [0, 15], rounded to nearest even; returns their
+ * squared error: each value's error in float32 (level times scale is exact there, so no
+ * contraction into an fma changes it), squared and summed in double (each square exact
+ * there), as paged_cache._int4_group computes it */
+static double int4_levels(const float *x, int64_t n, float s, uint8_t *q) {
+    double lanes[VL] = {0};
+    float e[VL];
+    int32_t level[VL];
+    int64_t i = 0;
+    if (s > 0.0f) {
+        const vf vs = vf_set1(s), lo = vf_set1(-8.0f), hi = vf_set1(7.0f);
+        for (; i + VL <= n; i += VL) {
+            const vf v = vf_load(x + i), l = vf_round(vf_min(vf_max(vf_div(v, vs), lo), hi));
+            vf_store(e, vf_sub(vf_mul(l, vs), v));
+            vi_store(level, vf_to_vi(l));
+            for (int j = 0; j < VL; j++) {
+                lanes[j] += (double)e[j] * (double)e[j];
+                q[i + j] = (uint8_t)(level[j] + 8);
+            }
+        }
+    }
+    double err = 0.0;
+    for (int j = 0; j < VL; j++) err += lanes[j];
+    for (; i < n; i++) {
+        float r = s > 0.0f ? x[i] / s : 0.0f;
+        r = r > 7.0f ? 7.0f : r < -8.0f ? -8.0f : r;
+        const float l = nearbyintf(r), d = l * s - x[i];
+        err += (double)d * (double)d;
+        q[i] = (uint8_t)((int)l + 8);
+    }
+    return err;
+}
+
+/* d values (even) -> an int4 row: per group, of the candidate bf16 scales the first whose
+ * levels hold the group with the least squared error (as stored: quantizing divides by what
+ * reading multiplies by) */
 static void store_int4(const float *x, int64_t d, uint8_t *b) {
     uint8_t *scales = b + d / 2;
+    const int candidates = (int)(sizeof INT4_SCALE_FACTORS / sizeof INT4_SCALE_FACTORS[0]);
     for (int64_t g0 = 0; g0 < d; g0 += KV_INT4_GROUP) {
         const int64_t left = d - g0, n = left < KV_INT4_GROUP ? left : KV_INT4_GROUP, half = n / 2;
-        const bf16 s16 = f32_to_bf16(row_amax(x + g0, n) / 7.0f);
-        const float s = bf16_to_f32(s16);
-        uint8_t q[KV_INT4_GROUP];
-        for (int64_t i = 0; i < n; i++) {
-            float r = s > 0.0f ? x[g0 + i] / s : 0.0f;
-            r = r > 7.0f ? 7.0f : r < -7.0f ? -7.0f : r;
-            q[i] = (uint8_t)((int)nearbyintf(r) + 8);
+        const float amax = row_amax(x + g0, n);
+        uint8_t q[KV_INT4_GROUP], best[KV_INT4_GROUP];
+        bf16 best_s16 = 0;
+        double best_err = 0.0;
+        for (int c = 0; c < candidates; c++) {
+            const bf16 s16 = f32_to_bf16(amax * INT4_SCALE_FACTORS[c] / 7.0f);
+            const double err = int4_levels(x + g0, n, bf16_to_f32(s16), q);
+            if (c == 0 || err < best_err) {
+                best_err = err;
+                best_s16 = s16;
+                memcpy(best, q, (size_t)n);
+            }
         }
-        for (int64_t i = 0; i < half; i++) b[g0 / 2 + i] = (uint8_t)(q[i] | q[half + i] << 4);
-        memcpy(scales + 2 * (g0 / KV_INT4_GROUP), &s16, 2);
+        for (int64_t i = 0; i < half; i++) b[g0 / 2 + i] = (uint8_t)(best[i] | best[half + i] << 4);
+        memcpy(scales + 2 * (g0 / KV_INT4_GROUP), &best_s16, 2);
     }
 }
 
