@@ -153,10 +153,11 @@ KERNEL_SOURCES = (
 
 def _build(sources: list[Path], flags: list[str], name: str) -> Path:
     """Compiles `sources` (with the headers beside them) into the kernel cache, once per content
-    of the C folder and flag set; a temporary file renamed into place, so processes building at
-    the same time never load a half-written library."""
+    of the C folder and set of flags (the common ones too); a temporary file renamed into
+    place, so processes building at the same time never load a half-written library."""
     text = b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.suffix in (".c", ".h"))
-    key = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
+    every_flag = [*_COMMON_FLAGS, *flags]  # a changed common flag builds anew too
+    key = hashlib.sha256(text + " ".join(every_flag).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"{name}-{key}.so"
     if target.exists():
         return target
@@ -167,8 +168,7 @@ def _build(sources: list[Path], flags: list[str], name: str) -> Path:
         done = subprocess.run(
             [
                 _compiler(),
-                *_COMMON_FLAGS,
-                *flags,
+                *every_flag,
                 f"-I{_CSRC}",
                 *map(str, sources),
                 "-o",

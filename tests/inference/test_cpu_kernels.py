@@ -208,6 +208,20 @@ def test_kernels_off_by_environment_and_when_the_build_fails(monkeypatch, tmp_pa
         cpu_kernels.enable()
 
 
+def test_the_kernel_cache_builds_anew_when_a_common_flag_changes(monkeypatch, tmp_path):
+    """The cache key holds every flag: a library built with other common flags (a -g build,
+    a changed -O level) is never taken for this one."""
+    monkeypatch.setenv("MOESERVE_CACHE_DIR", str(tmp_path))
+    source, flags = [cpu_kernels._CSRC / "hadamard.c"], cpu_kernels.BUILDS["avx2"][0]
+    first = cpu_kernels._build(source, flags, "probe")
+    monkeypatch.setattr(cpu_kernels, "_COMMON_FLAGS", [*cpu_kernels._COMMON_FLAGS, "-g"])
+    second = cpu_kernels._build(source, flags, "probe")
+    assert second != first and first.exists() and second.exists()
+    monkeypatch.undo()
+    monkeypatch.setenv("MOESERVE_CACHE_DIR", str(tmp_path))
+    assert cpu_kernels._build(source, flags, "probe") == first  # found, not built again
+
+
 # ---- packing ---------------------------------------------------------------------------
 
 
