@@ -52,7 +52,7 @@ def _samples(srv, api: str, suffix: str) -> dict[str, float]:
     return out
 
 
-def _sums(srv, api: str) -> dict[str, float]:
+def _histograms_now(srv, api: str) -> dict[str, dict[str, float]]:
     """Each histogram's sum and count, before a request."""
     return {"sum": _samples(srv, api, "_sum"), "count": _samples(srv, api, "_count")}
 
@@ -86,7 +86,7 @@ def _inspected(srv, response_id: str) -> dict:
 
 
 def test_whole_completion_carries_its_histogram_observations(srv, client):
-    before = _sums(srv, "rest")
+    before = _histograms_now(srv, "rest")
     resp = client.completions.create(
         model=srv.state.model_name,
         prompt="def fibonacci(n):",
@@ -101,7 +101,7 @@ def test_whole_completion_carries_its_histogram_observations(srv, client):
 
 
 def test_streamed_chat_carries_them_on_its_last_chunk(srv, client):
-    before = _sums(srv, "rest")
+    before = _histograms_now(srv, "rest")
     stream = client.chat.completions.create(
         model=srv.state.model_name,
         messages=[{"role": "user", "content": "Count to five."}],
@@ -136,14 +136,14 @@ def test_grpc_generate_and_stream_carry_them(srv):
         stub = inference_pb2_grpc.InferenceStub(channel)
         params = pb.SamplingParams(max_tokens=5, temperature=0)
         request = pb.GenerateRequest(prompt="def f(x):", params=params, include_metrics=True)
-        before = _sums(srv, "grpc")
+        before = _histograms_now(srv, "grpc")
         whole = stub.Generate(request, timeout=30)
         _check(
             _grpc_metrics(whole),
             _observed(srv, "grpc", before),
             whole.usage.completion_tokens,
         )
-        before = _sums(srv, "grpc")
+        before = _histograms_now(srv, "grpc")
         *body, last = list(stub.GenerateStream(request, timeout=30))
         assert not any(m.HasField("metrics") for m in body)
         _check(_grpc_metrics(last), _observed(srv, "grpc", before), last.usage.completion_tokens)
