@@ -78,6 +78,7 @@ static inline vi vi_and(vi a, vi b) { return _mm512_and_si512(a, b); }
 static inline vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
 static inline void vi_store(void *p, vi v) { _mm512_storeu_si512(p, v); }
 static inline vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
+static inline vi vi_xor(vi a, vi b) { return _mm512_xor_si512(a, b); }
 static inline vi vi_sub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
 static inline vf vi_to_vf(vi a) { return _mm512_cvtepi32_ps(a); }
 #define vi_slli(a, n) _mm512_slli_epi32((a), (n))
@@ -169,6 +170,7 @@ static inline vi vi_and(vi a, vi b) { return _mm256_and_si256(a, b); }
 static inline vi vi_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline void vi_store(void *p, vi v) { _mm256_storeu_si256((__m256i *)p, v); }
 static inline vi vi_or(vi a, vi b) { return _mm256_or_si256(a, b); }
+static inline vi vi_xor(vi a, vi b) { return _mm256_xor_si256(a, b); }
 static inline vi vi_sub(vi a, vi b) { return _mm256_sub_epi32(a, b); }
 static inline vf vi_to_vf(vi a) { return _mm256_cvtepi32_ps(a); }
 #define vi_slli(a, n) _mm256_slli_epi32((a), (n))
