@@ -83,7 +83,11 @@ static void rows_times_block(const rows_t *a, int64_t r0, int64_t r1, const wmat
 static void rows_swiglu_block(const rows_t *a, int64_t r0, int64_t r1, const wmat *w13, int64_t I, int64_t K,
                               int64_t j, const float *bias13, const moe_glu *glu, void *pad, float *hidden,
                               bf16 *hidden16, int64_t ldh) {
-    float G[TILE_ROWS * BLOCK], U[TILE_ROWS * BLOCK];
+    /* U a line past G's 16 KB: 4 KB apart, g[i]'s rounding stored in place and u[i]'s load
+     * alias (same low 12 address bits) and the load waits (Zen 4: the load of u was half of
+     * this function's samples in batched decoding) */
+    float GU[2 * TILE_ROWS * BLOCK + 16] __attribute__((aligned(64)));
+    float *G = GU, *U = GU + TILE_ROWS * BLOCK + 16;
     for (int64_t m0 = r0; m0 < r1; m0 += TILE_ROWS) {
         const int64_t m1 = m0 + TILE_ROWS < r1 ? m0 + TILE_ROWS : r1;
         wblock_gemm_pair(a, m0, m1 - m0, w13, 2 * I, K, j, I / BLOCK + j, pad, G, U, BLOCK);
