@@ -71,13 +71,15 @@ ACCURACY_CONFIGS = {
     "bf16": {},
     "int8_weights": {"quantization": "int8"},
     "fp8_weights": {"quantization": "fp8"},
-    # int4 as served: groups of 128, the Q4_K search, rotated, the sensitive projections int8
-    # (inference/executor/quantize.py's Int4Choices); then one choice changed a row, by its switch
+    # int4 as served: groups of 128, the Q4_K search, rotated, every layer's sensitive
+    # projections int8 (inference/executor/quantize.py's Int4Choices); then one choice changed a
+    # row, by its switch
     "int4_weights": {"quantization": "int4"},
     "int4_unrotated_weights": {"quantization": "int4", "env": {"MOESERVE_INT4_ROTATE": "0"}},
     "int4_all_4bit_weights": {"quantization": "int4", "env": {"MOESERVE_INT4_WIDE": "0"}},
     "int4_group32_weights": {"quantization": "int4", "env": {"MOESERVE_INT4_GROUP": "32"}},
-    "int4_wide_all_weights": {"quantization": "int4", "env": {"MOESERVE_INT4_WIDE": "all"}},
+    # only Q4_K_M's use_more_bits layers' (the default before 2026-12-06)
+    "int4_wide_layers_weights": {"quantization": "int4", "env": {"MOESERVE_INT4_WIDE": "1"}},
     # the first pass's Q4_0 levels (symmetric, every projection 4-bit), for comparison
     "int4_symmetric_weights": {
         "quantization": "int4",

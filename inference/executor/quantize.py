@@ -9,9 +9,12 @@ again with the same weights packed.
 int4's choices (Int4Choices, bench/NOTES.md measures each on SmolLM2): groups of 128 inputs,
 rotated rows, levels, scales and integer zero points by quantization/int4_search.py's search
 (llama.cpp's Q4_K fit); with `wide`, the projections llama.cpp's Q4_K_M keeps at 6 bits
-(attn_v, ffn_down of the layers its use_more_bits picks) kept int8 here: the fused q/k/v and
-the dense down projection of those layers (stacked experts stay 4-bit: one format a stack).
-The MOESERVE_INT4_* variables switch each choice, to measure it."""
+(attn_v, ffn_down) kept int8 here: the fused q/k/v and the dense down projection, of every
+layer by default, or only of the layers Q4_K_M's use_more_bits picks (stacked experts stay
+4-bit: one format a stack). Every layer's: SmolLM2's perplexity +11.1% where use_more_bits'
+gives +21.2%, for 8.7% more weight bytes on that dense model and about 0.8% on the medium MoE
+preset, whose bytes are nearly all experts. The MOESERVE_INT4_* variables switch each choice,
+to measure it."""
 
 from __future__ import annotations
 
@@ -84,9 +87,9 @@ class Int4Choices:
     group: int = quant.INT4_GROUP
     method: str = "search"  # int4_search.METHODS
     rotated: bool = True
-    # int8 for the sensitive projections (see the module docstring): "layers" (use_more_bits's),
-    # "all" (every layer's: +8.6% on SmolLM2 where "layers" gives +18.5%, bench/NOTES.md), "none"
-    wide: str = "layers"
+    # int8 for the sensitive projections (see the module docstring): "all" (every layer's),
+    # "layers" (use_more_bits's), "none"
+    wide: str = "all"
 
     @classmethod
     def from_environ(cls) -> Int4Choices:
@@ -96,9 +99,9 @@ class Int4Choices:
         method = env.get("MOESERVE_INT4_METHOD", base.method)
         if method not in METHODS:
             raise ValueError(f"MOESERVE_INT4_METHOD={method}: expected one of {', '.join(METHODS)}")
-        wide = env.get("MOESERVE_INT4_WIDE", "1")
+        wide = env.get("MOESERVE_INT4_WIDE", "all")
         if wide not in _WIDE_SWITCH:
-            raise ValueError(f"MOESERVE_INT4_WIDE={wide}: expected 0, 1 or all")
+            raise ValueError(f"MOESERVE_INT4_WIDE={wide}: expected all, 1 or 0")
         group = env.get("MOESERVE_INT4_GROUP", str(base.group))
         if not group.isdigit() or int(group) % 8:
             raise ValueError(f"MOESERVE_INT4_GROUP={group}: expected a multiple of 8")
@@ -110,7 +113,8 @@ class Int4Choices:
         )
 
 
-_WIDE_SWITCH = {"0": "none", "1": "layers", "all": "all"}  # MOESERVE_INT4_WIDE's values
+# MOESERVE_INT4_WIDE's values: every layer's (the default), use_more_bits' layers, none
+_WIDE_SWITCH = {"all": "all", "1": "layers", "0": "none"}
 
 
 def uses_more_bits(layer: int, layers: int) -> bool:
@@ -122,7 +126,7 @@ def uses_more_bits(layer: int, layers: int) -> bool:
 _SENSITIVE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:attn\.wqkv|mlp\.w2)$")
 
 
-def kept_wide(name: str, layers: int, wide: str = "layers") -> bool:
+def kept_wide(name: str, layers: int, wide: str = Int4Choices.wide) -> bool:
     """Whether int4 keeps this Linear in int8 (Int4Choices.wide)."""
     found = _SENSITIVE.search(name) if wide != "none" else None
     return found is not None and (wide == "all" or uses_more_bits(int(found.group(1)), layers))

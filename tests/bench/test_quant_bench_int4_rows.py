@@ -26,7 +26,8 @@ def test_each_int4_row_builds_the_engine_it_names(tiny_model_dir, row):
         engine = quant_bench.accuracy_engine(tiny_model_dir, options)
     # the tiny model's 2 layers: use_more_bits widens layer 1 (the last eighth)
     first, last = quantized(engine, "layers.0.attn.wqkv"), quantized(engine, "layers.1.attn.wqkv")
-    assert first.fmt == ("int8" if row == "int4_wide_all_weights" else "int4")
+    narrow = ("int4_all_4bit_weights", "int4_symmetric_weights", "int4_wide_layers_weights")
+    assert first.fmt == ("int4" if row in narrow else "int8")  # the default: every layer's
     if first.fmt == "int8":  # every layer's q/k/v int8: the output projection is the int4 one
         first = quantized(engine, "layers.0.attn.wo")
     group = 32 if "group32" in row else 128  # (the tiny model's 64 inputs: one group of 128)

@@ -87,8 +87,9 @@ def test_int4_layers_are_quantized_as_int8_ones_are(model_dirs):
     eng = engine(model_dirs("mixtral"), quantization="int4")
     model = eng.executor.model
     layer = model.layers[0]
-    attn_weight = layer.attn.wqkv.weight
+    attn_weight = layer.attn.wo.weight
     assert attn_weight.fmt == "int4" and attn_weight.group == quant.INT4_GROUP
+    assert layer.attn.wqkv.weight.fmt == "int8"  # every layer's q/k/v (Int4Choices.wide)
     experts = layer.mlp.experts  # QuantExperts, or the MoE kernel's CpuExperts
     assert experts.w13.fmt == experts.w2.fmt == "int4"
     assert not isinstance(layer.mlp.gate.weight, quant.QWeight)  # the router stays bf16
@@ -150,7 +151,7 @@ def test_the_rotation_can_be_switched_off_to_measure_it(model_dirs, monkeypatch)
     monkeypatch.setenv("MOESERVE_INT4_ROTATE", "0")
     eng = engine(model_dirs("mixtral"), quantization="int4")
     model = eng.executor.model
-    assert not model.layers[0].attn.wqkv.weight.rotated
+    assert not model.layers[0].attn.wo.weight.rotated  # an int4 projection (q/k/v: int8)
     assert not model.layers[0].mlp.experts.w13.rotated
     assert model.lm_head.weight.rotates
     outs = eng.generate(prompts(eng.args.vocab_size, [9]), SamplingParams(max_tokens=3))

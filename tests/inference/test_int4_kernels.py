@@ -109,12 +109,12 @@ def test_a_model_serves_its_int4_linear_layers_on_the_kernel(int4_path, model_di
     path = model_dirs("qwen2_moe")
     eng = engine(path, quantization="int4")
     model = eng.executor.model
-    wqkv = model.layers[0].attn.wqkv
-    assert isinstance(wqkv, CpuLinear) and wqkv.weight.fmt == "int4" and wqkv.weight.packed
-    n, k = wqkv.weight.out_features, wqkv.weight.in_features
+    wo = model.layers[0].attn.wo  # (q/k/v stay int8: Int4Choices.wide)
+    assert isinstance(wo, CpuLinear) and wo.weight.fmt == "int4" and wo.weight.packed
+    n, k = wo.weight.out_features, wo.weight.in_features
     groups = n * -(-k // 128)  # 4 bits a weight, a float32 scale (and an int8 zero) per 128
-    zeros = 0 if wqkv.weight.zero is None else groups
-    assert wqkv.weight.nbytes == n * k // 2 + 4 * groups + zeros
+    zeros = 0 if wo.weight.zero is None else groups
+    assert wo.weight.nbytes == n * k // 2 + 4 * groups + zeros
     assert isinstance(model.layers[0].mlp.moe.experts, CpuExperts)  # the MoE kernel
     assert eng.executor.fused_step is not None  # the one-call decode step too
     batch = prompts(eng.args.vocab_size, [30])
@@ -206,6 +206,6 @@ def test_unrotated_int4_runs_the_fused_step_on_unrotated_rows(int4_path, model_d
     monkeypatch.setenv("MOESERVE_INT4_ROTATE", "0")
     eng = engine(model_dirs("mixtral"), quantization="int4")
     layer = eng.executor.model.layers[0]
-    assert isinstance(layer.attn.wqkv, CpuLinear) and not layer.attn.wqkv.weight.rotated
+    assert isinstance(layer.attn.wo, CpuLinear) and not layer.attn.wo.weight.rotated
     assert isinstance(layer.mlp.experts, CpuExperts)
     fused_step_equals_the_composed_layers(eng)

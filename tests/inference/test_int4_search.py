@@ -124,15 +124,21 @@ def test_the_sensitive_projections_are_llama_cpps():
         28,
         29,
     ]
-    assert kept_wide("model.layers.0.attn.wqkv", 30) and kept_wide("layers.5.mlp.w2", 30)
-    assert not kept_wide("layers.5.attn.wo", 30) and not kept_wide("layers.4.mlp.w2", 30)
+    # MOESERVE_INT4_WIDE=1: q/k/v and the dense down projection of those layers only
+    assert kept_wide("model.layers.0.attn.wqkv", 30, "layers")
+    assert kept_wide("layers.5.mlp.w2", 30, "layers")
+    assert not kept_wide("layers.5.attn.wo", 30, "layers")
+    assert not kept_wide("layers.4.mlp.w2", 30, "layers")
+    # the default (MOESERVE_INT4_WIDE=all): every layer's; 0: none; experts never
+    assert kept_wide("layers.4.mlp.w2", 30) and kept_wide("layers.4.attn.wqkv", 30)
+    assert not kept_wide("layers.4.attn.wo", 30)
     assert not kept_wide("layers.0.mlp.experts", 30)
-    # MOESERVE_INT4_WIDE=all: every layer's; 0: none
-    assert kept_wide("layers.4.mlp.w2", 30, "all") and not kept_wide("layers.4.attn.wo", 30, "all")
     assert not kept_wide("layers.0.attn.wqkv", 30, "none")
 
 
 def test_the_wide_switch_reads_its_three_values(monkeypatch):
+    monkeypatch.delenv("MOESERVE_INT4_WIDE", raising=False)
+    assert Int4Choices.from_environ().wide == "all"  # the default
     for value, wide in (("0", "none"), ("1", "layers"), ("all", "all")):
         monkeypatch.setenv("MOESERVE_INT4_WIDE", value)
         assert Int4Choices.from_environ().wide == wide
