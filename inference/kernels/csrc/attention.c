@@ -410,7 +410,7 @@ static inline int4_query int4_query_at(uint32_t *units, int64_t d) {
 }
 
 /* q (d floats: scaled, rotated) -> its int4_query at units (a group is two vectors; levels
- * rounded to nearest even, as lrintf, which was 5% of the kernel at 4K positions) */
+ * rounded to nearest even, as the lrintf per value before, 1% of the kernel at 4K positions) */
 static void int4_query_quantize(const float *q, int64_t d, uint32_t *units) {
     const int4_query iq = int4_query_at(units, d);
     for (int64_t g = 0; g < d / KV_INT4_GROUP; g++) {
