@@ -409,19 +409,13 @@ static inline int4_query int4_query_at(uint32_t *units, int64_t d) {
     return (int4_query){q, scale, (int32_t *)(scale + d / KV_INT4_GROUP)};
 }
 
-/* q (d floats: scaled, rotated) -> its int4_query at units (a group is two vectors; levels
- * rounded to nearest even, as the lrintf per value before, 1% of the kernel at 4K positions) */
-static void int4_query_quantize(const float *q, int64_t d, uint32_t *units) {
+/* q (d floats: scaled, rotated) -> its int4_query at units: the int8 rows of the weights'
+ * products (quantize_row_s8, a scale per group, unrotated here) and their group sums */
+static void int4_query_quantize(float *q, int64_t d, uint32_t *units) {
     const int4_query iq = int4_query_at(units, d);
-    for (int64_t g = 0; g < d / KV_INT4_GROUP; g++) {
-        const vf a = vf_load(q + g * KV_INT4_GROUP), b = vf_load(q + g * KV_INT4_GROUP + VL);
-        const float amax = vf_hmax(vf_max(vf_max(a, vf_sub(vf_zero(), a)), vf_max(b, vf_sub(vf_zero(), b))));
-        const float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        const vi la = vf_to_vi(vf_mul(a, vf_set1(inv))), lb = vf_to_vi(vf_mul(b, vf_set1(inv)));
-        vi_store_s8(iq.q + g * KV_INT4_GROUP, la);
-        vi_store_s8(iq.q + g * KV_INT4_GROUP + VL, lb);
-        iq.scale[g] = s, iq.offset[g] = -8 * (int32_t)vf_sum(vi_to_vf(vi_add(la, lb))); /* exact: |sum| <= 32 * 127 */
-    }
+    quantize_row_s8(q, d, iq.q, d, iq.scale, 0, KV_INT4_GROUP);
+    s8_group_sums(iq.q, d, KV_INT4_GROUP, iq.offset);
+    for (int64_t g = 0; g < d / KV_INT4_GROUP; g++) iq.offset[g] *= -8;
 }
 
 /* the scale dwords (groups 2 * step and 2 * step + 1, bf16 each) of 16 rows at byte at */
