@@ -99,8 +99,8 @@ class Int4Choices:
         method = env.get("MOESERVE_INT4_METHOD", base.method)
         if method not in METHODS:
             raise ValueError(f"MOESERVE_INT4_METHOD={method}: expected one of {', '.join(METHODS)}")
-        wide = env.get("MOESERVE_INT4_WIDE", "all")
-        if wide not in _WIDE_SWITCH:
+        wide = env.get("MOESERVE_INT4_WIDE")
+        if wide is not None and wide not in _WIDE_SWITCH:
             raise ValueError(f"MOESERVE_INT4_WIDE={wide}: expected all, 1 or 0")
         group = env.get("MOESERVE_INT4_GROUP", str(base.group))
         if not group.isdigit() or int(group) % 8:
@@ -109,7 +109,7 @@ class Int4Choices:
             int(group),
             method,
             env.get("MOESERVE_INT4_ROTATE", "1" if base.rotated else "0") != "0",
-            _WIDE_SWITCH[wide],
+            base.wide if wide is None else _WIDE_SWITCH[wide],
         )
 
 
