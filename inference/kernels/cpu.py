@@ -47,6 +47,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import structlog
@@ -151,10 +152,19 @@ KERNEL_SOURCES = (
 )
 
 
+def _run_compiler(args: list[str]) -> None:
+    # the timeout only guards against a hung compiler: SIMDe's emulated builds take minutes on
+    # a busy 2-core machine
+    done = subprocess.run(args, check=False, capture_output=True, timeout=900)
+    if done.returncode:
+        raise RuntimeError(done.stderr.decode(errors="replace").strip()[-800:])
+
+
 def _build(sources: list[Path], flags: list[str], name: str) -> Path:
     """Compiles `sources` (with the headers beside them) into the kernel cache, once per content
     of the C folder and set of flags (the common ones too); a temporary file renamed into
-    place, so processes building at the same time never load a half-written library."""
+    place, so processes building at the same time never load a half-written library. Each
+    source is compiled on its own core, then linked."""
     text = b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.suffix in (".c", ".h"))
     every_flag = [*_COMMON_FLAGS, *flags]  # a changed common flag builds anew too
     key = hashlib.sha256(text + " ".join(every_flag).encode()).hexdigest()[:16]
@@ -162,29 +172,18 @@ def _build(sources: list[Path], flags: list[str], name: str) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [
-                _compiler(),
-                *every_flag,
-                f"-I{_CSRC}",
-                *map(str, sources),
-                "-o",
-                tmp,
-                "-lm",
-            ],
-            check=False,
-            capture_output=True,
-            timeout=180,
-        )
-        if done.returncode:
-            raise RuntimeError(done.stderr.decode(errors="replace").strip()[-800:])
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    compiler = _compiler()
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        objects = [f"{work}/{i}-{source.stem}.o" for i, source in enumerate(sources)]
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            compiles = [
+                [compiler, *every_flag, f"-I{_CSRC}", "-c", str(source), "-o", obj]
+                for source, obj in zip(sources, objects, strict=True)
+            ]
+            list(pool.map(_run_compiler, compiles))
+        library = f"{work}/{name}.so"
+        _run_compiler([compiler, *every_flag, *objects, "-o", library, "-lm"])
+        os.replace(library, target)
     return target
 
 
@@ -372,6 +371,15 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def _simde_flags() -> list[str]:
+    """Flags of the builds on SIMDe's portable intrinsics (tests only). -O2: at -O3 GCC takes
+    95 s over attention.c's emulated AVX512-BF16 alone (19 s at -O2), and these builds check
+    the code, not its speed."""
+    import simde_py
+
+    return ["-DMS_SIMDE", f"-I{simde_py.get_include()}", "-O2"]
+
+
 @functools.cache
 def load_build(isa: str, emulated: bool = False) -> ctypes.CDLL:
     """The kernel library for one instruction set (the caller checks the CPU runs it).
@@ -380,14 +388,7 @@ def load_build(isa: str, emulated: bool = False) -> ctypes.CDLL:
     flags = list(BUILDS[isa][0])
     name = f"kernels-{isa}"
     if emulated and isa.startswith("avx512"):
-        import simde_py
-
-        flags = [
-            *BUILDS["avx2"][0],
-            *(f for f in flags if f.startswith("-D")),
-            "-DMS_SIMDE",
-            f"-I{simde_py.get_include()}",
-        ]
+        flags = [*BUILDS["avx2"][0], *(f for f in flags if f.startswith("-D")), *_simde_flags()]
         name += "-simde"
     return _bind(ctypes.CDLL(str(_build([_CSRC / f for f in KERNEL_SOURCES], flags, name))))
 
@@ -421,10 +422,8 @@ def _vnni_library(isa: str, emulated: bool = False) -> ctypes.CDLL | None:
     base = BUILDS["avx512" if isa == "avx512bf16" else isa][0]
     name = f"vnni-{isa}"
     if emulated:
-        import simde_py
-
         wide = ["-DMS_AVX512"] if isa != "avx2" else []
-        base = [*BUILDS["avx2"][0], *wide, "-DMS_SIMDE", f"-I{simde_py.get_include()}"]
+        base = [*BUILDS["avx2"][0], *wide, *_simde_flags()]
         flags, name = [], f"vnni-{'avx512' if wide else 'avx2'}-simde"
     elif cpu_flag not in cpu_flags():
         return None
@@ -438,9 +437,7 @@ def _int4_library(path: str) -> ctypes.CDLL:
     "avxvnni-emulated" (tests only): the AVX-VNNI source on SIMDe's vpdpbusd, which any CPU
     with AVX2 runs."""
     if path == "avxvnni-emulated":
-        import simde_py
-
-        flags = [*BUILDS["avx2"][0], "-DMS_INT4_VNNI", "-DMS_SIMDE", f"-I{simde_py.get_include()}"]
+        flags = [*BUILDS["avx2"][0], "-DMS_INT4_VNNI", *_simde_flags()]
     else:
         flags = list(_INT4[path][0])
     flags.append("-ffp-contract=off")
