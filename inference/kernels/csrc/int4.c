@@ -79,8 +79,12 @@ static inline vi dot4(vi acc, vi u8, vi s8) {
  * where a shift and a mask were two: at 4 rows an expert the unpacking is a quarter of the
  * tile's instructions), and high_sum takes those sums down by 16 once a group, exactly (each a
  * multiple of 16, and within int32 for groups up to 139,000 inputs: an octet adds at most
- * 4 * 240 * 128 to a lane). AVX2's
- * vpmaddubsw would saturate: the nibble itself there. mxfp4's codes are looked up: the nibble. */
+ * 4 * 240 * 128 to a lane). AVX2's vpmaddubsw would saturate: the nibble itself there.
+ * mxfp4's codes are looked up from the nibbles, low and high alike. */
+static inline vi low_operand(vi w, vi table, const int mx) {
+    const vi l = vi_and(w, nibble_mask());
+    return mx ? lookup(table, l) : l;
+}
 #if defined(MS_AVX512)
 static inline vi high_operand(vi w, vi table, const int mx) {
     return mx ? lookup(table, high_nibbles(w)) : vi_and(w, vi_set1((int32_t)0xf0f0f0f0u));
@@ -157,9 +161,8 @@ static inline __attribute__((always_inline)) void octet_tile(int rows, const int
     prefetch_octet(B, o);
     for (int v = 0; v < VPB; v++) {
         const vi w = vi_load(B + o * 64 + v * 4 * VL);
-        wl[v] = vi_and(w, nibble_mask());
+        wl[v] = low_operand(w, table, mx);
         wh[v] = high_operand(w, table, mx);
-        if (mx) wl[v] = lookup(table, wl[v]);
     }
     for (int m = 0; m < rows; m++) {
         const vi xl = quad(q + m * ldq + 8 * o), xh = quad(q + m * ldq + 8 * o + 4);
@@ -235,9 +238,7 @@ static inline __attribute__((always_inline)) void octet_row(const int8_t *q, con
     prefetch_octet(B, o);
     for (int v = 0; v < VPB; v++) {
         const vi w = vi_load(B + o * 64 + v * 4 * VL);
-        vi l = vi_and(w, nibble_mask());
-        const vi h = high_operand(w, table, mx);
-        if (mx) l = lookup(table, l);
+        const vi l = low_operand(w, table, mx), h = high_operand(w, table, mx);
         lo[v] = dot4(lo[v], l, xl);
         hi[v] = dot4(hi[v], h, xh);
     }
@@ -295,12 +296,8 @@ static inline __attribute__((always_inline)) void octet_pair(const int8_t *q, co
     prefetch_octet(B2, o);
     for (int v = 0; v < VPB; v++) {
         const vi w = vi_load(B + o * 64 + v * 4 * VL), w2 = vi_load(B2 + o * 64 + v * 4 * VL);
-        vi l = vi_and(w, nibble_mask()), l2 = vi_and(w2, nibble_mask());
+        const vi l = low_operand(w, table, mx), l2 = low_operand(w2, table, mx);
         const vi h = high_operand(w, table, mx), h2 = high_operand(w2, table, mx);
-        if (mx) {
-            l = lookup(table, l);
-            l2 = lookup(table, l2);
-        }
         lo[v] = dot4(lo[v], l, xl);
         hi[v] = dot4(hi[v], h, xh);
         lo2[v] = dot4(lo2[v], l2, xl);
