@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from inference.kernels import huge_pages
 from inference.models.args import ModelArgs
 from inference.models.paged_cache import INT4, INT4_GROUP, reads_alone, row_width
 
@@ -56,13 +57,20 @@ def allocate_kv_cache(
     return [
         tuple(
             # torch fills no uint4 tensor (int4's marker dtype): zero bytes, viewed as it
-            torch.zeros(
-                slots, heads, row_width(width, storage), dtype=_filled(storage), device=device
-            ).view(storage)
+            _zeros((slots, heads, row_width(width, storage)), _filled(storage), device).view(
+                storage
+            )
             for heads, width in args.kv_cache_shapes
         )
         for _ in range(args.num_layers + args.mtp)  # the last: the MTP layer's (ModelArgs.mtp)
     ]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache tensor; on the CPU in huge pages (decode attention streams it)."""
+    if device.type == "cpu":
+        return huge_pages.zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _filled(storage: torch.dtype) -> torch.dtype:
