@@ -1,8 +1,8 @@
 """CPU tensors in 2 MB pages (Linux's transparent huge pages) for what the kernels stream from
 memory at every step: the packed weights and the KV cache.
 
-In 4 KB pages a decode step that streams hundreds of MB of weights walks the page tables every
-4 KB (the TLBs cover a few MB), and the hardware prefetchers stop at each 4 KB edge. Most
+In 4 KB pages a decode step that streams hundreds of MB of weights needs a new translation
+every 4 KB, far past what the TLBs hold (a few MB), so it walks the page tables as it goes. Most
 systems run THP in `madvise` mode, where only memory asked for with MADV_HUGEPAGE gets huge
 pages, and torch asks for none (its THP_MEM_ALLOC_ENABLE would, for every allocation of 2 MB
 or more, activations too, each then paying the kernel's compaction at its first touch). So

@@ -34,7 +34,7 @@ def thp_allowed() -> bool:
 
 
 def test_zeros_come_zeroed_and_page_aligned():
-    t = huge_pages.zeros((3, huge_pages.PAGE // 2), torch.float32)  # 3 pages' worth
+    t = huge_pages.zeros((3, huge_pages.PAGE // 2), torch.float32)  # 6 pages' worth
     assert t.shape == (3, huge_pages.PAGE // 2) and t.dtype == torch.float32
     assert t.is_contiguous() and t.data_ptr() % huge_pages.PAGE == 0
     assert not t.any()
