@@ -712,6 +712,16 @@ static inline __attribute__((always_inline)) void heads_chunk(const int hb, cons
     values_f32(hb, rows == ROWS_BF16, acc, rescale, s, vrows, n, dv);
 }
 
+/* work item it's row b and positions [c0, c1): split s of its row's context (the last
+ * `window` positions where window > 0), the splits of equal spans */
+static inline void item_span(int64_t it, const int64_t *owner, const int64_t *first, const int32_t *context_lens,
+                             int64_t window, int64_t *b, int64_t *c0, int64_t *c1) {
+    const int64_t row = owner[it], s = it - first[row], len = context_lens[row];
+    const int64_t lo = window > 0 && len > window ? len - window : 0; /* first position read */
+    const int64_t splits = first[row + 1] - first[row], span = (len - lo + splits - 1) / splits;
+    *b = row, *c0 = lo + s * span, *c1 = *c0 + span < len ? *c0 + span : len;
+}
+
 /* Asks for the key and value rows of every kv head at positions [p0, min(p0 + ATT_CHUNK,
  * end)): decode attention streams the whole cache from memory, one chunk of rows after
  * another, so the next chunk's lines load while this one is computed. A slot's kv heads are
@@ -806,6 +816,7 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
         first[b + 1] = first[b] + row_splits(context_lens[b], window, cap);
         for (int64_t it = first[b]; it < first[b + 1]; it++) owner[it] = b;
     }
+    int64_t handed = 0; /* work items handed out so far (each thread reserves its next one early) */
 #pragma omp parallel num_threads(nthreads)
     {
         float *qf = (float *)(scratch + partial_bytes + index_bytes + (size_t)omp_get_thread_num() * local_bytes);
@@ -813,18 +824,23 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
         float *sh = qf + 5 * H * dk, *gsum = sh + HB * ATT_CHUNK, *kf = gsum + HB * GROUPS * VL;
         float *vfl = kf + G * ATT_CHUNK * dk, *merged = vfl + G * ATT_CHUNK * dv;
         const int64_t q_units = rows == ROWS_INT4_DOTS || rows == ROWS_BF16_DOTS ? 2 * dk : 4 * dk; /* a head's arranged query, in 32-bit units (int4_query: fewer) */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < total; it++) {
-            const int64_t b = owner[it], s = it - first[b], len = context_lens[b];
-            const int64_t lo = window > 0 && len > window ? len - window : 0; /* first position read */
-            const int64_t splits = first[b + 1] - first[b], span = (len - lo + splits - 1) / splits;
-            const int64_t c0 = lo + s * span, c1 = c0 + span < len ? c0 + span : len;
+        /* Items go out one at a time, as dynamic scheduling hands them, but a thread takes its
+         * next item as it starts the last chunk of one, so that item's first rows load during
+         * that chunk: otherwise each item waited on all of its first chunk's rows (at 32 rows
+         * of 128-256 positions, a quarter of the kernel's time). */
+        int64_t it = __atomic_fetch_add(&handed, 1, __ATOMIC_RELAXED), first_loaded = 0;
+        while (it < total) {
+            int64_t next = -1, b, c0, c1;
+            item_span(it, owner, first, context_lens, window, &b, &c0, &c1);
             float *res = partials + it * H * part;
             for (int64_t h = 0; h < H; h++) {
                 res[h * part] = -INFINITY, res[h * part + 1] = 0.0f;
                 memset(res + h * part + 2, 0, dv * sizeof(float));
             }
-            if (c0 >= c1) continue;
+            if (c0 >= c1) {
+                it = __atomic_fetch_add(&handed, 1, __ATOMIC_RELAXED), first_loaded = 0;
+                continue;
+            }
             for (int64_t h = 0; h < H; h++) {
                 const bf16 *qh = q + b * ldq + h * dk;
                 if (rows == ROWS_BF16_DOTS) { /* the bf16 pairs as they are */
@@ -853,20 +869,30 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
             }
             const int32_t *table = block_tables + b * bt_stride;
             int64_t slots[2][ATT_CHUNK]; /* this chunk's slots and the next one's */
-            int cur = 0;
+            int cur = 0, asked_next = 0;
             chunk_slots(table, block_size, c0, c1, slots[cur]);
-            if (rows != ROWS_PER_HEAD) /* the first chunk's rows; each chunk asks for the next one's as it goes */
-                {
+            if (rows != ROWS_PER_HEAD) { /* the first chunk's rows (unless the last item asked); each chunk asks for the next one's */
+                if (!first_loaded) {
                     ahead_rows first_rows;
                     rows_ahead(&first_rows, slots[cur], c1 - c0, k_cache, k_slot, k_all, v_cache, v_slot, v_all, elem);
                     prefetch_ahead(&first_rows, 0, ATT_CHUNK);
                 }
-            else
+            } else
                 prefetch_rows(table, block_size, c0, c1, k_cache, k_slot, k_bytes, v_cache, v_slot, v_bytes, elem);
             for (int64_t p0 = c0; p0 < c1; p0 += ATT_CHUNK, cur ^= 1) {
                 const int64_t n = c1 - p0 < ATT_CHUNK ? c1 - p0 : ATT_CHUNK, n_next = c1 - p0 - n;
                 const int64_t *slot = slots[cur];
-                if (n_next > 0) chunk_slots(table, block_size, p0 + ATT_CHUNK, c1, slots[cur ^ 1]);
+                int64_t ahead_n = n_next; /* rows the next chunk reads: this item's, or the next item's first */
+                if (n_next > 0)
+                    chunk_slots(table, block_size, p0 + ATT_CHUNK, c1, slots[cur ^ 1]);
+                else if (rows != ROWS_PER_HEAD && (next = __atomic_fetch_add(&handed, 1, __ATOMIC_RELAXED)) < total) {
+                    int64_t nb, n0, n1;
+                    item_span(next, owner, first, context_lens, window, &nb, &n0, &n1);
+                    if (n0 < n1) {
+                        chunk_slots(block_tables + nb * bt_stride, block_size, n0, n1, slots[cur ^ 1]);
+                        ahead_n = n1 - n0, asked_next = 1;
+                    }
+                }
                 /* the next chunk's rows are on their way while this one is computed */
                 if (rows == ROWS_PER_HEAD)
                     prefetch_rows(table, block_size, p0 + ATT_CHUNK, c1, k_cache, k_slot, k_bytes, v_cache, v_slot,
@@ -888,7 +914,7 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                     const char *kslot[ATT_CHUNK], *vslot[ATT_CHUNK]; /* the slots' rows (repeating past n) */
                     slot_rows(slot, ATT_CHUNK, k_cache, k_slot, v_cache, v_slot, elem, kslot, vslot);
                     ahead_rows ahead;
-                    rows_ahead(&ahead, slots[cur ^ 1], n_next, k_cache, k_slot, k_all, v_cache, v_slot, v_all, elem);
+                    rows_ahead(&ahead, slots[cur ^ 1], ahead_n, k_cache, k_slot, k_all, v_cache, v_slot, v_all, elem);
                     for (int64_t g = 0; g < G; g++) {
                         const void *krows[ATT_CHUNK], *vrows[ATT_CHUNK];
                         ahead.lo = g * ATT_CHUNK / G, ahead.hi = (g + 1) * ATT_CHUNK / G;
@@ -960,7 +986,9 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                     weighted_rows(stats + 2, rescale, sh, vfl + g * ATT_CHUNK * dv, n, dv, dv);
                 }
             }
+            it = next >= 0 ? next : __atomic_fetch_add(&handed, 1, __ATOMIC_RELAXED), first_loaded = asked_next;
         }
+#pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * H; bh++) {
             const int64_t b = bh / H, h = bh % H;
