@@ -19,7 +19,7 @@ AVX-512 kernels without AMX.
 
 Weights the kernels read are prepacked once at load (`pack_weight`): a packed weight has one
 dimension more than its matrix ([K/2, N, 2] for [N, K]), so it can never be mistaken for a
-row-major one; kernels/modules.py's modules hold them. 8-bit weights
+row-major one, and lies in huge pages (huge_pages.py); kernels/modules.py's modules hold them. 8-bit weights
 (quant.QWeight: int8, fp8) pack into input quads ([Kq/4, N, 4] bytes, `pack_qweight`), the
 layout VNNI and AMX's int8 tiles read. int8 products (W8A8) run on AMX int8 tiles, VNNI
 (csrc/int8_vnni.c, its own library where the CPU has AVX512-VNNI or AVX-VNNI) or
@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.config import cache_root
+from inference.kernels import huge_pages
 from inference.models.paged_cache import INT4, kv_width, reads_alone
 from inference.quantization import qweight as quant
 from inference.quantization.qweight import QWeight
@@ -640,7 +641,8 @@ def _check(status: int, what: str) -> None:
 def _pack(w: torch.Tensor, run: int) -> torch.Tensor:
     """[..., N, K] -> [..., ceil(K/run), N, run]: blocks of 16 output columns, each a run of
     64-byte rows holding the 16 columns' `run` consecutive inputs; the last N % 16 columns a
-    narrower block; K zero-padded to a multiple of `run`."""
+    narrower block; K zero-padded to a multiple of `run`. In huge pages (huge_pages.py: every
+    decode step streams the weights) where it fills one."""
     *lead, n, k = w.shape
     kp = -(-k // run) * run
     w = F.pad(w.reshape(-1, n, k), (0, kp - k))
@@ -648,7 +650,7 @@ def _pack(w: torch.Tensor, run: int) -> torch.Tensor:
     blocks = w[:, :full].reshape(m, n // 16, 16, kp // run, run).permute(0, 1, 3, 2, 4)
     tail = w[:, full:].reshape(m, n - full, kp // run, run).permute(0, 2, 1, 3)
     flat = torch.cat((blocks.reshape(m, -1), tail.reshape(m, -1)), dim=1)
-    return flat.reshape(*lead, kp // run, n, run).contiguous()
+    return huge_pages.copy_of(flat.reshape(*lead, kp // run, n, run))
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
@@ -675,7 +677,8 @@ def pack_qweight(w: QWeight) -> QWeight:
         # the kernels fold fp8's exponent rebias (2^120) into the scale: keep it finite
         raise ValueError(f"fp8 weight scales must be below 128 (largest {float(w.scale.max())})")
     data = _pack(w.data.view(torch.uint8), 4)
-    return QWeight(w.fmt, data, w.scale.contiguous(), w.group, w.in_features, colsum)
+    colsum = None if colsum is None else huge_pages.copy_of(colsum)
+    return QWeight(w.fmt, data, huge_pages.copy_of(w.scale), w.group, w.in_features, colsum)
 
 
 # mxfp4's doubled values (+ 12) -> their e2m1 codes (0 for both zeros)
@@ -701,12 +704,12 @@ def _pack_int4(w: QWeight) -> QWeight:
     octets = u.unflatten(-1, (kp // 8, 2, 4))
     nibbles = (octets[..., 0, :] | (octets[..., 1, :] << 4)).flatten(-2)  # [..., N, Kp/2]
     data = _pack(nibbles, 4)
-    zero = None if w.zero is None else w.zero.contiguous()
+    zero = None if w.zero is None else huge_pages.copy_of(w.zero)
     perm = None if w.perm is None else w.perm.to(torch.int32).contiguous()
     return QWeight(
         w.fmt,
         data,
-        w.scale.contiguous(),
+        huge_pages.copy_of(w.scale),
         w.group,
         w.in_features,
         rotated=w.rotated,

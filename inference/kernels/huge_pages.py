@@ -30,10 +30,11 @@ def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tens
 
 
 def copy_of(t: torch.Tensor) -> torch.Tensor:
-    """t (a CPU tensor) in huge pages, contiguous; t itself where zeros() would not map it."""
+    """t (a CPU tensor, any strides) contiguous in huge pages; t.contiguous() where zeros()
+    would not map it."""
     out = _mapped(t.shape, t.dtype)
     if out is None:
-        return t
+        return t.contiguous()
     out.copy_(t)
     return out
 

@@ -7,12 +7,10 @@ not take (not bf16, not on the CPU, kernels switched off)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
-from inference.kernels import cpu, huge_pages
+from inference.kernels import cpu
 from inference.models.attention import AttentionMetadata, PagedAttention
 from inference.models.layers import RMSNorm
 from inference.models.mla import AbsorbedAttention, latent_attention
@@ -20,18 +18,12 @@ from inference.quantization.qweight import QWeight
 
 
 def packed(w: torch.Tensor | QWeight) -> torch.Tensor | QWeight:
-    """A row-major weight in the kernels' layout (bf16 pairs or 8-bit quads), in huge pages
-    (huge_pages.py: every decode step streams it); packed weights have one dimension more than
-    their matrix, so they are never mistaken for row-major ones."""
+    """A row-major weight in the kernels' layout (bf16 pairs or 8-bit quads, in huge pages:
+    cpu.pack_weight); packed weights have one dimension more than their matrix, so they are
+    never mistaken for row-major ones."""
     if isinstance(w, QWeight):
-        q = cpu.pack_qweight(w)
-        return dataclasses.replace(
-            q,
-            data=huge_pages.copy_of(q.data),
-            scale=huge_pages.copy_of(q.scale),
-            zero=None if q.zero is None else huge_pages.copy_of(q.zero),
-        )
-    return nn.Parameter(huge_pages.copy_of(cpu.pack_weight(w.data)), requires_grad=False)
+        return cpu.pack_qweight(w)
+    return nn.Parameter(cpu.pack_weight(w.data), requires_grad=False)
 
 
 class CpuLinear(nn.Module):
