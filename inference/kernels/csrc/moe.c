@@ -107,7 +107,12 @@ static void rows_swiglu_block(const rows_t *a, int64_t r0, int64_t r1, const wma
  * (token, expert) pairs are sorted by expert, so each expert's weights are read once for all
  * of its tokens, and experts nobody was routed to not at all (a batched matmul over all
  * experts reads them all and multiplies the padding). Work is split across threads by
- * (expert, row chunk, 16-column block).
+ * (expert, row chunk, 16-column block), handed out guided: a thread's first share is a long
+ * run of consecutive blocks (one stream of weights, each block's prefetch running into the
+ * next), the shares shrinking to 4 blocks so the threads still finish together. Runs of 4
+ * blocks throughout (dynamic, 4) restarted the weight stream at every share: 2.26 ms a layer
+ * against 1.80 at 32 tokens (medium's int4 experts, AMD EPYC Zen 4), and faster at no count
+ * of tokens.
  * x [T, D] (row stride ldx); w13 [E] packed [2I, D] (gate rows, then up rows); w2 [E] packed
  * [D, I], bf16 or 8-bit (int8: the tokens and the SwiGLU outputs are quantized per row for
  * the integer products); ids, weights [T, A]; out [T, D] (row stride ldo); counts [E] gets
@@ -230,7 +235,7 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
             }
         }
         if (fused) {
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(guided, 4)
             for (int64_t it = 0; it < chunks * (I / BLOCK); it++) {
                 const int64_t *c = chunk + 3 * (it / (I / BLOCK));
                 const wmat we = wmat_expert(w13, c[0], N1, D);
@@ -238,7 +243,7 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
                 rows_swiglu_block(&xr, c[1], c[2], &we, I, D, it % (I / BLOCK), b, glu, tpad, hidden, hidden16, Ip);
             }
         } else {
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(guided, 4)
             for (int64_t it = 0; it < chunks * blocks1; it++) {
                 const int64_t *c = chunk + 3 * (it / blocks1);
                 const wmat we = wmat_expert(w13, c[0], N1, D);
@@ -260,7 +265,7 @@ int ms_moe(const bf16 *x, int64_t ldx, int64_t T, int64_t D, const wmat *w13, co
                 if (hsum) s8_group_sums(hidden8 + r * Iq, I, w2->group, hsum + r * hgs);
             }
         }
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(guided, 4)
         for (int64_t it = 0; it < chunks * blocks2; it++) {
             const int64_t *c = chunk + 3 * (it / blocks2);
             const wmat we = wmat_expert(w2, c[0], D, I);
