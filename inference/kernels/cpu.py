@@ -19,19 +19,19 @@ AVX-512 kernels without AMX.
 
 Weights the kernels read are prepacked once at load (`pack_weight`): a packed weight has one
 dimension more than its matrix ([K/2, N, 2] for [N, K]), so it can never be mistaken for a
-row-major one, and lies in huge pages (huge_pages.py); kernels/modules.py's modules hold them. 8-bit weights
-(quant.QWeight: int8, fp8) pack into input quads ([Kq/4, N, 4] bytes, `pack_qweight`), the
-layout VNNI and AMX's int8 tiles read. int8 products (W8A8) run on AMX int8 tiles, VNNI
-(csrc/int8_vnni.c, its own library where the CPU has AVX512-VNNI or AVX-VNNI) or
-vpmaddubsw (every build), all exact integer sums; fp8 runs weight-only. int4 weights (W4A8)
-and mxfp4 ones pack two values a byte ([Kp/8, N, 4], `pack_qweight`: int4's levels with
-their zero points, mxfp4's e2m1 codes) for csrc/int4.c, a library per path (AVX512-VNNI,
-AVX-VNNI, or AVX2's vpmaddubsw), chosen as int8's is (INT4); where int8 takes AMX, the AMX
-object's csrc/amx_int4.c runs the products of many rows on int8 tiles and hands the rest to
-that path (INT4 "amx"). The linear layer calls them directly and the MoE kernel and the
-one-call decode step through the products of a block handed to the main library
-(ms_set_int4), where the inputs are whole octets; their activation rows are rotated where
-the weights' are (unrotated: published checkpoints).
+row-major one, and lies in huge pages (huge_pages.py); kernels/modules.py's modules hold them.
+8-bit weights (quant.QWeight: int8, fp8) pack into input quads ([Kq/4, N, 4] bytes,
+`pack_qweight`), the layout VNNI and AMX's int8 tiles read. int8 products (W8A8) run on AMX
+int8 tiles, VNNI (csrc/int8_vnni.c, its own library where the CPU has AVX512-VNNI or AVX-VNNI)
+or vpmaddubsw (every build), all exact integer sums; fp8 runs weight-only. int4 weights (W4A8)
+and mxfp4 ones pack two values a byte ([Kp/8, N, 4], `pack_qweight`: int4's levels with their
+zero points, mxfp4's e2m1 codes) for csrc/int4.c, a library per path (AVX512-VNNI, AVX-VNNI, or
+AVX2's vpmaddubsw), chosen as int8's is (INT4); where int8 takes AMX, the AMX object's
+csrc/amx_int4.c runs the products of many rows on int8 tiles and hands the rest to that path
+(INT4 "amx"). The linear layer calls them directly and the MoE kernel and the one-call decode
+step through the products of a block handed to the main library (ms_set_int4), where the inputs
+are whole octets; their activation rows are rotated where the weights' are (unrotated:
+published checkpoints).
 
 The paged KV cache may hold 8-bit or int4 rows (KV_KINDS): the rope kernel quantizes as it writes
 and decode attention dequantizes as it reads.
