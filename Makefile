@@ -6,6 +6,10 @@ STAMP  := $(VENV)/.installed
 # CPU-only machines get the CPU build of torch (a plain `torch` would pull a multi-GB CUDA build).
 TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 PYTEST_ARGS ?=
+# Test files run on two workers (pytest-xdist), a file's tests together on one: much of the
+# suite waits on servers and subprocesses. OMP_WAIT_POLICY=passive: a worker's idle OpenMP
+# threads sleep instead of spinning on the core the other worker needs.
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup run test bench bench-peers proto lint clean loadtest bench-serving scenarios soak replicas \
 	gpu-check gpu-wheels eval
@@ -24,7 +28,7 @@ run: setup
 
 # The style check runs first: a formatting slip fails `make test` (and CI) like a test would.
 test: setup lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	OMP_WAIT_POLICY=passive $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python -m bench.engine_bench
