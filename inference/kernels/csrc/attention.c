@@ -77,44 +77,36 @@ static inline void prefetch_line(const void *p) {
 }
 
 /* The next chunk's key and value rows (all kv heads of a slot: they are adjacent), asked for
- * a few lines at a time while this chunk's scores are computed (measured faster than all at
- * the chunk's start), kv head g's pass asking for the share [lo, hi) of ATT_CHUNK, so the
- * requests spread over the whole chunk (bf16 rows asked for in one head's pass were 1.3x
- * slower). The rows are kept as spans of consecutive slots (a block's slots are adjacent),
- * so asking is a walk over lines, not over positions. */
+ * a few at a time while this chunk's scores are computed (measured faster than all at the
+ * chunk's start), kv head g's pass asking for positions [lo, hi) of them, so the requests
+ * spread over the whole chunk (bf16 rows asked for in one head's pass were 1.3x slower);
+ * last_k / last_v: the line asked for last (consecutive slots share lines) */
 typedef struct {
-    const char *k[ATT_CHUNK], *v[ATT_CHUNK]; /* each span's first line */
-    int64_t k_lines[ATT_CHUNK], v_lines[ATT_CHUNK];
-    int64_t spans, k_total, v_total, n, lo, hi;
-    int64_t k_span, k_line, k_done, v_span, v_line, v_done; /* where the walks are */
+    const char *k[ATT_CHUNK], *v[ATT_CHUNK];
+    int64_t n, k_bytes, v_bytes, lo, hi;
+    uintptr_t last_k, last_v;
 } ahead_rows;
 
-/* asks for lines of spans until done reaches target */
-static inline void prefetch_lines(const char *const *start, const int64_t *lines, int64_t *span, int64_t *line,
-                                  int64_t *done, int64_t target) {
-    while (*done < target) {
-        const char *p = start[*span];
-        int64_t l = *line, left = lines[*span] - l, want = target - *done;
-        const int64_t take = left < want ? left : want;
-        for (int64_t i = 0; i < take; i++) prefetch_line(p + 64 * (l + i));
-        *done += take;
-        if (take == left) (*span)++, *line = 0;
-        else *line = l + take;
-    }
+/* the lines of bytes [p, p + n) not yet asked for */
+static inline void prefetch_span(const char *p, int64_t n, uintptr_t *last) {
+    const uintptr_t end = ((uintptr_t)p + (uintptr_t)n - 1) & ~(uintptr_t)63;
+    uintptr_t line = (uintptr_t)p & ~(uintptr_t)63;
+    if (line == *last) line += 64;
+    for (; line <= end; line += 64) prefetch_line((const void *)line);
+    *last = end;
 }
 
-/* the lines of this pass's share [lo, hi) of the chunk, as far as `upto` of ATT_CHUNK (the
- * positions that pass has computed): in proportion to the n positions there are */
-static inline void prefetch_ahead(ahead_rows *a, int64_t upto) {
-    if (a->n <= 0) return;
-    int64_t j1 = a->lo + upto * (a->hi - a->lo) / ATT_CHUNK;
-    j1 = j1 < a->n ? j1 : a->n;
-    prefetch_lines(a->k, a->k_lines, &a->k_span, &a->k_line, &a->k_done, a->k_total * j1 / a->n);
-    if (a->v_total) prefetch_lines(a->v, a->v_lines, &a->v_span, &a->v_line, &a->v_done, a->v_total * j1 / a->n);
+/* the share [i0, i1) of ATT_CHUNK of this pass's positions [lo, hi) */
+static inline void prefetch_ahead(ahead_rows *a, int64_t i0, int64_t i1) {
+    const int64_t j0 = a->lo + i0 * (a->hi - a->lo) / ATT_CHUNK, j1 = a->lo + i1 * (a->hi - a->lo) / ATT_CHUNK;
+    for (int64_t i = j0; i < j1 && i < a->n; i++) prefetch_span(a->k[i], a->k_bytes, &a->last_k);
+    if (a->v_bytes)
+        for (int64_t i = j0; i < j1 && i < a->n; i++) prefetch_span(a->v[i], a->v_bytes, &a->last_v);
 }
 
 /* slots of positions [p0, min(p0 + ATT_CHUNK, end)) into out, those past end repeating the
- * last (finite rows that weigh 0): a block's positions at a time, one division each */
+ * last (finite rows that weigh 0): a block's positions at a time (consecutive slots, a loop
+ * the compiler vectorizes), one division each */
 static void chunk_slots(const int32_t *table, int64_t block_size, int64_t p0, int64_t end, int64_t *out) {
     const int64_t n = end - p0 < ATT_CHUNK ? end - p0 : ATT_CHUNK;
     for (int64_t i = 0, p = p0; i < n;) {
@@ -143,34 +135,14 @@ static void slot_rows(const int64_t *slots, int64_t n, const void *k_cache, int6
     }
 }
 
-/* the lines of [p, p + bytes): the first line's address and their count */
-static inline int64_t span_lines(const char *p, int64_t bytes, const char **first) {
-    const uintptr_t a = (uintptr_t)p & ~(uintptr_t)63, b = ((uintptr_t)p + (uintptr_t)bytes - 1) & ~(uintptr_t)63;
-    *first = (const char *)a;
-    return (int64_t)((b - a) / 64 + 1);
-}
-
 /* the rows at the n positions of slots (the next chunk's: n may be 0), k_bytes / v_bytes of
- * them each (all kv heads), as spans of consecutive slots; MLA's values are its keys' rows,
- * asked for once */
+ * them each (all kv heads); MLA's values are its keys' rows, asked for once */
 static void rows_ahead(ahead_rows *a, const int64_t *slots, int64_t n, const void *k_cache, int64_t k_slot,
                        int64_t k_bytes, const void *v_cache, int64_t v_slot, int64_t v_bytes, int64_t elem) {
     const int same = k_cache == v_cache && k_slot == v_slot;
-    a->n = n < ATT_CHUNK ? n : ATT_CHUNK, a->lo = 0, a->hi = ATT_CHUNK;
-    k_bytes = k_bytes > v_bytes || !same ? k_bytes : v_bytes, v_bytes = same ? 0 : v_bytes;
-    a->spans = a->k_total = a->v_total = 0;
-    a->k_span = a->k_line = a->k_done = a->v_span = a->v_line = a->v_done = 0;
-    for (int64_t i = 0; i < a->n;) {
-        int64_t j = i + 1;
-        while (j < a->n && slots[j] == slots[j - 1] + 1) j++;
-        const int64_t s0 = slots[i], s1 = slots[j - 1], sp = a->spans++;
-        a->k_total += a->k_lines[sp] = span_lines((const char *)k_cache + s0 * k_slot * elem,
-                                                  (s1 - s0) * k_slot * elem + k_bytes, &a->k[sp]);
-        if (v_bytes)
-            a->v_total += a->v_lines[sp] = span_lines((const char *)v_cache + s0 * v_slot * elem,
-                                                      (s1 - s0) * v_slot * elem + v_bytes, &a->v[sp]);
-        i = j;
-    }
+    a->n = n < ATT_CHUNK ? n : ATT_CHUNK, a->last_k = a->last_v = 0, a->lo = 0, a->hi = ATT_CHUNK;
+    a->k_bytes = k_bytes > v_bytes || !same ? k_bytes : v_bytes, a->v_bytes = same ? 0 : v_bytes;
+    slot_rows(slots, a->n, k_cache, k_slot, v_cache, v_slot, elem, a->k, a->v);
 }
 
 /* ---- all query heads of a kv head at once ----------------------------------------------
@@ -243,7 +215,7 @@ static inline __attribute__((always_inline)) void scores_f32(const int hb, const
                                                              float *s, ahead_rows *ahead) {
     const int64_t groups = (n + 3) / 4;
     for (int64_t j = 0; j < groups; j++) {
-        if (ahead) prefetch_ahead(ahead, j == groups - 1 ? ATT_CHUNK : 4 * j + 4);
+        if (ahead) prefetch_ahead(ahead, 4 * j, j == groups - 1 ? ATT_CHUNK : 4 * j + 4);
         vf acc[HB];
         for (int hh = 0; hh < hb; hh++) acc[hh] = vf_zero();
         for (int64_t v = 0; v < d; v += VL) {
@@ -331,7 +303,7 @@ static inline __attribute__((always_inline)) void scores_bf16(const int hb, cons
                                                               float *s, ahead_rows *ahead) {
     const int64_t groups = (n + 3) / 4;
     for (int64_t j = 0; j < groups; j++) {
-        if (ahead) prefetch_ahead(ahead, j == groups - 1 ? ATT_CHUNK : 4 * j + 4);
+        if (ahead) prefetch_ahead(ahead, 4 * j, j == groups - 1 ? ATT_CHUNK : 4 * j + 4);
         vf acc[HB];
         for (int hh = 0; hh < hb; hh++) acc[hh] = vf_zero();
         for (int64_t v = 0; v < d; v += 2 * VL) { /* v: in bf16 values, VL pairs a vector */
@@ -418,9 +390,8 @@ static inline __attribute__((always_inline)) void values_bf16(const int hb, floa
  *   query dword is broadcast and no horizontal sums remain;
  * - values: the softmax weights times each row's group scale, quantized to unsigned bytes
  *   per head and group of the chunk (scale: the chunk's largest weight times its largest row
- *   scale / 255), times the values' nibbles (0..15, as signed bytes; 8 times the weights'
- *   sum taken off after): four positions' bytes of a column interleaved into each dword, so
- *   vpdpbusd sums over positions. A step's 64 columns
+ *   scale / 255), times the values' nibbles less 8 (signed): four positions' bytes of a
+ *   column interleaved into each dword, so vpdpbusd sums over positions. A step's 64 columns
  *   come out in the lane order int4_column gives; the results are put back in order once,
  *   when the splits merge. */
 #define INT4_STEP 64 /* values a step reads: 32 bytes, two scale groups */
@@ -501,7 +472,7 @@ static inline __attribute__((always_inline)) void scores_int4(const int hb, cons
     int4_query iq[HB];
     for (int hh = 0; hh < hb; hh++) iq[hh] = int4_query_at((uint32_t *)qs + hh * q_units, d);
     for (int64_t p0 = 0; p0 < n; p0 += VL) {
-        if (ahead) prefetch_ahead(ahead, p0 + VL < n ? p0 + VL : ATT_CHUNK);
+        if (ahead) prefetch_ahead(ahead, p0, p0 + VL < n ? p0 + VL : ATT_CHUNK);
         const uint8_t *const *r = rows + p0;
         vf sc[HB];
         for (int hh = 0; hh < hb; hh++) sc[hh] = vf_zero();
@@ -544,20 +515,13 @@ static inline __m256i weight_bytes(vi a, vi b) {
     return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, packed));
 }
 
-/* the sum of 32 bytes */
-static inline int32_t byte_sum(const uint8_t *p) {
-    const __m256i s = _mm256_sad_epu8(_mm256_load_si256((const __m256i *)p), _mm256_setzero_si256());
-    const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-    return (int32_t)(_mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1));
-}
-
 /* acc[hh] (a step's 64 columns in int4_column's order) = acc * rescale + sum_i w[hh][i] *
  * rows[i] for hb heads over the n value rows (width: where their scales are), as the section
  * says */
 static inline __attribute__((always_inline)) void values_int4(const int hb, float *const *acc, const float *rescale,
                                                               const float *w, const uint8_t *const *rows, int64_t n,
                                                               int64_t d, int64_t width) {
-    const vi low = _mm512_set1_epi8(0x0f);
+    const vi low = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
     /* lanes 4L..4L+3 take dword (L odd: 8 +) of the weights: group a's 8, then group b's */
     const vi pick = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 0, 0, 0, 0, 8, 8, 8, 8);
     const __mmask16 odd_lanes = 0xf0f0;
@@ -603,8 +567,10 @@ static inline __attribute__((always_inline)) void values_int4(const int hb, floa
             const __m256i C = _mm256_unpacklo_epi8(y2, y3), D = _mm256_unpackhi_epi8(y2, y3);
             const vi x01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(A, C)), _mm256_unpackhi_epi16(A, C), 1);
             const vi x23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(B, D)), _mm256_unpackhi_epi16(B, D), 1);
-            const vi x[4] = {_mm512_and_si512(x01, low), _mm512_and_si512(_mm512_srli_epi16(x01, 4), low),
-                             _mm512_and_si512(x23, low), _mm512_and_si512(_mm512_srli_epi16(x23, 4), low)};
+            const vi x[4] = {_mm512_sub_epi8(_mm512_and_si512(x01, low), eight),
+                             _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(x01, 4), low), eight),
+                             _mm512_sub_epi8(_mm512_and_si512(x23, low), eight),
+                             _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(x23, 4), low), eight)};
             const vi idx = _mm512_add_epi32(pick, _mm512_set1_epi32((int32_t)(p / 4)));
             for (int hh = 0; hh < hb; hh++) {
                 const vi wp = _mm512_permutexvar_epi32(idx, wv[hh]);
@@ -613,12 +579,8 @@ static inline __attribute__((always_inline)) void values_int4(const int hb, floa
         }
         for (int hh = 0; hh < hb; hh++) {
             const vf scale = _mm512_mask_mov_ps(vf_set1(wscale[hh][0]), odd_lanes, vf_set1(wscale[hh][1]));
-            /* the nibbles went in as they are (0..15): 8 times each group's weights off here */
-            const vi offset = _mm512_mask_mov_epi32(_mm512_set1_epi32(8 * byte_sum(wq[hh][0])), odd_lanes,
-                                                    _mm512_set1_epi32(8 * byte_sum(wq[hh][1])));
             float *o = acc[hh] + INT4_STEP * step;
-            for (int a = 0; a < 4; a++)
-                vf_store(o + a * VL, vf_fma(vi_to_vf(_mm512_sub_epi32(sum[hh][a], offset)), scale, vf_load(o + a * VL)));
+            for (int a = 0; a < 4; a++) vf_store(o + a * VL, vf_fma(vi_to_vf(sum[hh][a]), scale, vf_load(o + a * VL)));
         }
     }
 }
@@ -644,7 +606,7 @@ static inline __attribute__((always_inline)) void scores_int8(const int hb, cons
     const int64_t groups = (n + 3) / 4;
     const vi high = vi_load(high_words);
     for (int64_t j = 0; j < groups; j++) {
-        if (ahead) prefetch_ahead(ahead, j == groups - 1 ? ATT_CHUNK : 4 * j + 4);
+        if (ahead) prefetch_ahead(ahead, 4 * j, j == groups - 1 ? ATT_CHUNK : 4 * j + 4);
         const uint8_t *const *r4 = rows + 4 * j;
         vf acc[HB], acc_lo[HB];
         for (int hh = 0; hh < hb; hh++) acc[hh] = vf_zero(), acc_lo[hh] = vf_zero();
@@ -922,7 +884,7 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                 if (!first_loaded) {
                     ahead_rows first_rows;
                     rows_ahead(&first_rows, slots[cur], c1 - c0, k_cache, k_slot, k_all, v_cache, v_slot, v_all, elem);
-                    prefetch_ahead(&first_rows, ATT_CHUNK);
+                    prefetch_ahead(&first_rows, 0, ATT_CHUNK);
                 }
             } else
                 prefetch_rows(table, block_size, c0, c1, k_cache, k_slot, k_bytes, v_cache, v_slot, v_bytes, elem);
