@@ -233,7 +233,7 @@ static inline __attribute__((always_inline)) void scores_f32(const int hb, const
 /* A head's chunk of scores s[0..ATT_CHUNK) (-inf past n) -> its weights exp(s - m) (0 past
  * n), with its running maximum and sum (stats) moved on; returns the factor what the head
  * has accumulated so far takes (exp(old max - m)). */
-static float softmax_chunk(float *s, int64_t n, float *stats) {
+static inline __attribute__((always_inline)) float softmax_chunk(float *s, int64_t n, float *stats) {
     const int64_t nv = (n + VL - 1) / VL;
     vf vmax = vf_load(s);
     for (int64_t t = 1; t < nv; t++) vmax = vf_max(vmax, vf_load(s + t * VL));
