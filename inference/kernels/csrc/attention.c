@@ -721,6 +721,9 @@ static inline __attribute__((always_inline)) void heads_chunk(const int hb, cons
     values_f32(hb, rows == ROWS_BF16, acc, rescale, s, vrows, n, dv);
 }
 
+/* the next work item to take: handed counts those taken by all threads */
+static inline int64_t take_item(int64_t *handed) { return __atomic_fetch_add(handed, 1, __ATOMIC_RELAXED); }
+
 /* work item it's row b and positions [c0, c1): split s of its row's context (the last
  * `window` positions where window > 0), the splits of equal spans */
 static inline void item_span(int64_t it, const int64_t *owner, const int64_t *first, const int32_t *context_lens,
@@ -837,7 +840,7 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
          * next item as it starts the last chunk of one, so that item's first rows load during
          * that chunk: otherwise each item waited on all of its first chunk's rows (at 32 rows
          * of 128-256 positions, a quarter of the kernel's time). */
-        int64_t it = __atomic_fetch_add(&handed, 1, __ATOMIC_RELAXED), first_loaded = 0;
+        int64_t it = take_item(&handed), first_loaded = 0;
         while (it < total) {
             int64_t next = -1, b, c0, c1;
             item_span(it, owner, first, context_lens, window, &b, &c0, &c1);
@@ -847,7 +850,7 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                 memset(res + h * part + 2, 0, dv * sizeof(float));
             }
             if (c0 >= c1) {
-                it = __atomic_fetch_add(&handed, 1, __ATOMIC_RELAXED), first_loaded = 0;
+                it = take_item(&handed), first_loaded = 0;
                 continue;
             }
             for (int64_t h = 0; h < H; h++) {
@@ -894,7 +897,7 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                 int64_t ahead_n = n_next; /* rows the next chunk reads: this item's, or the next item's first */
                 if (n_next > 0)
                     chunk_slots(table, block_size, p0 + ATT_CHUNK, c1, slots[cur ^ 1]);
-                else if (rows != ROWS_PER_HEAD && (next = __atomic_fetch_add(&handed, 1, __ATOMIC_RELAXED)) < total) {
+                else if (rows != ROWS_PER_HEAD && (next = take_item(&handed)) < total) {
                     int64_t nb, n0, n1;
                     item_span(next, owner, first, context_lens, window, &nb, &n0, &n1);
                     if (n0 < n1) {
@@ -995,7 +998,7 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                     weighted_rows(stats + 2, rescale, sh, vfl + g * ATT_CHUNK * dv, n, dv, dv);
                 }
             }
-            it = next >= 0 ? next : __atomic_fetch_add(&handed, 1, __ATOMIC_RELAXED), first_loaded = asked_next;
+            it = next >= 0 ? next : take_item(&handed), first_loaded = asked_next;
         }
 #pragma omp barrier
 #pragma omp for schedule(static)
