@@ -240,7 +240,7 @@ static inline __attribute__((always_inline)) float softmax_chunk(float *s, int64
     /* Past a context's first chunks its maximum seldom moves: then exp(0) = 1, without the
      * horizontal maximum or expf */
     float m = stats[0], rescale = 1.0f;
-    if (vf_any_above(vmax, m)) {
+    if (lanes_above(vmax, vf_set1(m))) {
         const float top = vf_hmax(vmax);
         m = top, rescale = expf(stats[0] - m);
     }

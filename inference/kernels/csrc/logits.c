@@ -20,12 +20,6 @@
  * ~1.04x. */
 #define TILE_ELEMS (32 << 20)
 
-#if defined(MS_AVX512)
-static inline unsigned lanes_above(vf a, vf b) { return (unsigned)_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
-#else
-static inline unsigned lanes_above(vf a, vf b) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
-#endif
-
 static inline vf load_lanes(const void *row, int f32, int64_t i) {
     return f32 ? vf_load((const float *)row + i) : vf_load_bf16((const bf16 *)row + i);
 }

@@ -96,8 +96,8 @@ static inline vi vi_abs8(vi w) { return _mm512_abs_epi8(w); }
 /* VL int32 in [-127, 127] -> VL int8 */
 static inline void vi_store_s8(int8_t *p, vi v) { _mm_storeu_si128((__m128i *)p, _mm512_cvtsepi32_epi8(v)); }
 
-/* whether any lane of v exceeds x */
-static inline int vf_any_above(vf v, float x) { return _mm512_cmp_ps_mask(v, vf_set1(x), _CMP_GT_OQ) != 0; }
+/* a bit per lane where a > b */
+static inline unsigned lanes_above(vf a, vf b) { return (unsigned)_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
 
 static inline float vf_hmax(vf v) {
     const __m256 h = _mm256_max_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
@@ -192,7 +192,7 @@ static inline void vi_store_s8(int8_t *p, vi v) {
     memcpy(p + 4, &hi, 4);
 }
 
-static inline int vf_any_above(vf v, float x) { return _mm256_movemask_ps(_mm256_cmp_ps(v, vf_set1(x), _CMP_GT_OQ)) != 0; }
+static inline unsigned lanes_above(vf a, vf b) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
 
 static inline float vf_hmax(vf v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
