@@ -112,10 +112,13 @@ def test_mxfp4_linear_gives_the_references_floats(int4_path, m, n, k):
 
 def test_every_mxfp4_code_and_the_scales_extremes_are_exact(int4_path):
     """Each of the 16 codes (both zeros too) in every lane, e8m0 scales from 2^-127 to 2^100,
-    activations at +-127: the register lookup's table and the zero 12 hold everywhere."""
+    activations at +-127: the register lookup's table and the zero 12 hold everywhere. Two
+    columns all +6 and all -6 (the looked-up bytes' extremes, 24 and 0) against rows all +-127:
+    AVX2's int16 sums over a span of octets stay in range."""
     n, k = 16, 512
     codes = torch.arange(16, dtype=torch.uint8).repeat(n, k // 16)
     codes = torch.stack([codes[i].roll(i) for i in range(n)])
+    codes[0], codes[1] = 7, 15  # e2m1 +6 and -6
     blocks = codes[:, 0::2] | (codes[:, 1::2] << 4)
     scales = torch.randint(100, 140, (n, k // 32), generator=torch.Generator().manual_seed(0))
     scales = scales.to(torch.uint8)

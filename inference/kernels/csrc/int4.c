@@ -4,9 +4,9 @@
  * caller, rotated where the weights are). A library of its own, built per path and loaded
  * where the CPU reports its extension (cpu_kernels.enable): -DMS_AVX512 with -mavx512vnni,
  * vpdpbusd on 16 columns; AVX2's with -mavxvnni -DMS_INT4_VNNI, AVX-VNNI's vpdpbusd on 8 (on
- * SIMDe's with -DMS_SIMDE: the tests' emulation); or the AVX2 build, vpmaddubsw + vpmaddwd on
- * 8 (every AVX2 CPU). With -ffp-contract=off: the float sums are the torch reference's,
- * rounding for rounding. Where the CPU has AMX, amx_int4.c runs the products of many rows on
+ * SIMDe's with -DMS_SIMDE: the tests' emulation); or the AVX2 build, vpmaddubsw on 8, its int16
+ * sums widened (vpmaddwd) once every few octets (every AVX2 CPU). With -ffp-contract=off: the
+ * float sums are the torch reference's, rounding for rounding. Where the CPU has AMX, amx_int4.c runs the products of many rows on
  * int8 tiles (the same layout and floats) and hands this library the rest (one row, groups
  * that fill no whole tile step).
  *
@@ -68,11 +68,41 @@ static inline vi dot4(vi acc, vi u8, vi s8) { return _mm256_dpbusd_epi32(acc, u8
 #elif defined(MS_INT4_VNNI)
 static inline vi dot4(vi acc, vi u8, vi s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
 #else
-static inline vi dot4(vi acc, vi u8, vi s8) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
+#define SUMS16
+static inline vi dot4(vi acc, vi u8, vi s8) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u8, s8)); }
+#endif
+#endif
+
+/* Where the products are vpmaddubsw's (AVX2 without VNNI), its int16 pair sums add up as int16
+ * (vpaddw) over a span of octets and widen to int32 once (vpmaddwd by ones) where each quad's
+ * took its own vpmaddwd: half the multiplies. Exact while every lane's int16 sum stays in
+ * range, all of a span's chains added: an octet adds at most 2 quads x 2 x 15 x 128 = 7,680
+ * (int4) or 2 x 2 x 24 x 128 = 12,288 (mxfp4, u up to 24), so spans of 4 octets, or 2.
+ * Elsewhere the sums are int32 already and a span is the whole group. */
+#if defined(SUMS16)
+static inline int64_t span_end(int64_t o, int64_t o1, const int mx) { return o + (mx ? 2 : 4) < o1 ? o + (mx ? 2 : 4) : o1; }
+static inline vi widen(vi s16) { return _mm256_madd_epi16(s16, _mm256_set1_epi16(1)); }
+/* the spans [o, o2) of a group's octets [o0, o1); o ends each span's body at o2 */
+#define FOR_SPANS(o, o2, o0, o1, mx) for (int64_t o = (o0), o2; o < (o1) && ((o2 = span_end(o, (o1), (mx))), 1);)
+#else
+/* one span, the group: a loop the compiler sees run once, so the code is a plain group's */
+#define FOR_SPANS(o, o2, o0, o1, mx) for (int64_t o = (o0), o2 = (o1), once_ = 1; once_; once_ = 0)
+#endif
+
+/* a span's chains t[0..n) (stride `stride` vectors of VPB) into the group's sums s: where the
+ * span is int16 (SUMS16), all of them added (high_sum is the identity there) and widened into
+ * s[0]; elsewhere each into its own */
+static inline __attribute__((always_inline)) void fold_span(vi *s, const vi *t, int n, int stride) {
+    for (int v = 0; v < VPB; v++) {
+#if defined(SUMS16)
+        vi all = t[v];
+        for (int u = 1; u < n; u++) all = _mm256_add_epi16(all, t[u * stride + v]);
+        s[v] = vi_add(s[v], widen(all));
+#else
+        for (int u = 0; u < n; u++) s[u * stride + v] = vi_add(s[u * stride + v], t[u * stride + v]);
+#endif
+    }
 }
-#endif
-#endif
 
 /* The high nibbles as the products take them: AVX-512's vpdpbusd never saturates, so there a
  * high nibble multiplies as 16 times itself, the byte's low half masked off (one instruction
@@ -163,6 +193,18 @@ static inline void group_params(const block_params *p, int64_t g, vf *s, vi *z) 
     }
 }
 
+/* Asks for the next block's scales and zero points (the next 16 columns of each group's row,
+ * the block the MoE kernel's and the linear's threads mostly take next) into L2: each group's
+ * are a line of their own, ld columns from the last, which the hardware's prefetch does not
+ * follow; loaded cold, they were a tenth of the AVX2 tile's samples (AMD EPYC Zen 3, 32 tokens
+ * on medium's experts). Past the arrays' ends the address is only a hint. */
+static inline void prefetch_next_params(const block_params *p, int64_t G) {
+    for (int64_t g = 0; g < G; g++) {
+        __builtin_prefetch(p->sc + g * p->ld + BLOCK, 0, 2);
+        if (p->zero) __builtin_prefetch(p->zero + g * p->ld + BLOCK, 0, 2);
+    }
+}
+
 /* octet o of rows [0, rows) times the block: each row's low quads' sums into lo[m], its high
  * ones' into hi[m] on AVX-512 (two chains a row: a few rows' sums would otherwise wait on
  * vpdpbusd's latency); AVX2's 16 registers hold one chain a row, both quads into lo[m] */
@@ -201,6 +243,7 @@ static inline __attribute__((always_inline)) void block_tile(int rows, const int
     float acc[MR][BLOCK] __attribute__((aligned(64)));
     memset(acc, 0, sizeof acc);
     const vi table = mx_table();
+    prefetch_next_params(p, G);
     const int unroll = rows <= 2 ? 2 : 1;
     for (int64_t g = 0; g < G; g++) {
         const int64_t o0 = g * group_octets, o1 = o0 + group_octets < octets ? o0 + group_octets : octets;
@@ -208,13 +251,19 @@ static inline __attribute__((always_inline)) void block_tile(int rows, const int
         for (int u = 0; u < 4; u++)
             for (int m = 0; m < rows; m++)
                 for (int v = 0; v < VPB; v++) s[u][m][v] = vi_set1(0);
-        int64_t o = o0;
-        if (unroll == 2)
-            for (; o + 2 <= o1; o += 2) {
-                octet_tile(rows, q, ldq, B, o, table, mx, s[0], s[1]);
-                octet_tile(rows, q, ldq, B, o + 1, table, mx, s[2], s[3]);
-            }
-        for (; o < o1; o++) octet_tile(rows, q, ldq, B, o, table, mx, s[0], s[1]);
+        FOR_SPANS(o, o2, o0, o1, mx) {
+            vi t[4][MR][VPB];
+            for (int u = 0; u < 4; u++)
+                for (int m = 0; m < rows; m++)
+                    for (int v = 0; v < VPB; v++) t[u][m][v] = vi_set1(0);
+            if (unroll == 2)
+                for (; o + 2 <= o2; o += 2) {
+                    octet_tile(rows, q, ldq, B, o, table, mx, t[0], t[1]);
+                    octet_tile(rows, q, ldq, B, o + 1, table, mx, t[2], t[3]);
+                }
+            for (; o < o2; o++) octet_tile(rows, q, ldq, B, o, table, mx, t[0], t[1]);
+            for (int m = 0; m < rows; m++) fold_span(s[0][m], t[0][m], 4, MR * VPB);
+        }
         vf sc[VPB];
         vi zp[VPB];
         group_params(p, g, sc, zp);
@@ -260,6 +309,7 @@ static inline __attribute__((always_inline)) void block_row(const int8_t *q, con
                                                             const uint8_t *B, int64_t octets, int64_t group_octets,
                                                             const block_params *p, const int mx, float *y) {
     const vi table = mx_table();
+    prefetch_next_params(p, G);
     vf acc[VPB];
     for (int v = 0; v < VPB; v++) acc[v] = vf_set1(0.0f);
     for (int64_t g = 0; g < G; g++) {
@@ -267,10 +317,15 @@ static inline __attribute__((always_inline)) void block_row(const int8_t *q, con
         vi s[2 * ROW_UNROLL][VPB];
         for (int u = 0; u < 2 * ROW_UNROLL; u++)
             for (int v = 0; v < VPB; v++) s[u][v] = vi_set1(0);
-        int64_t o = o0;
-        for (; o + ROW_UNROLL <= o1; o += ROW_UNROLL)
-            for (int u = 0; u < ROW_UNROLL; u++) octet_row(q, B, o + u, table, mx, s[2 * u], s[2 * u + 1]);
-        for (; o < o1; o++) octet_row(q, B, o, table, mx, s[0], s[1]);
+        FOR_SPANS(o, o2, o0, o1, mx) {
+            vi t[2 * ROW_UNROLL][VPB];
+            for (int u = 0; u < 2 * ROW_UNROLL; u++)
+                for (int v = 0; v < VPB; v++) t[u][v] = vi_set1(0);
+            for (; o + ROW_UNROLL <= o2; o += ROW_UNROLL)
+                for (int u = 0; u < ROW_UNROLL; u++) octet_row(q, B, o + u, table, mx, t[2 * u], t[2 * u + 1]);
+            for (; o < o2; o++) octet_row(q, B, o, table, mx, t[0], t[1]);
+            fold_span(s[0], t[0], 2 * ROW_UNROLL, VPB);
+        }
         vf sc[VPB];
         vi zp[VPB];
         group_params(p, g, sc, zp);
@@ -323,6 +378,8 @@ static inline __attribute__((always_inline)) void pair_row(const int8_t *q, cons
                                                            const block_params *p2, const int mx, float *y,
                                                            float *y2) {
     const vi table = mx_table();
+    prefetch_next_params(p, G);
+    prefetch_next_params(p2, G);
     vf acc[VPB], acc2[VPB];
     for (int v = 0; v < VPB; v++) acc[v] = acc2[v] = vf_set1(0.0f);
     for (int64_t g = 0; g < G; g++) {
@@ -330,11 +387,20 @@ static inline __attribute__((always_inline)) void pair_row(const int8_t *q, cons
         vi s[4 * PAIR_UNROLL][VPB]; /* per step: low quads of B, high of B, low of B2, high of B2 */
         for (int u = 0; u < 4 * PAIR_UNROLL; u++)
             for (int v = 0; v < VPB; v++) s[u][v] = vi_set1(0);
-        int64_t o = o0;
-        for (; o + PAIR_UNROLL <= o1; o += PAIR_UNROLL)
-            for (int u = 0; u < PAIR_UNROLL; u++)
-                octet_pair(q, B, B2, o + u, table, mx, s[4 * u], s[4 * u + 1], s[4 * u + 2], s[4 * u + 3]);
-        for (; o < o1; o++) octet_pair(q, B, B2, o, table, mx, s[0], s[1], s[2], s[3]);
+        FOR_SPANS(o, o2, o0, o1, mx) {
+            vi t[4 * PAIR_UNROLL][VPB];
+            for (int u = 0; u < 4 * PAIR_UNROLL; u++)
+                for (int v = 0; v < VPB; v++) t[u][v] = vi_set1(0);
+            for (; o + PAIR_UNROLL <= o2; o += PAIR_UNROLL)
+                for (int u = 0; u < PAIR_UNROLL; u++)
+                    octet_pair(q, B, B2, o + u, table, mx, t[4 * u], t[4 * u + 1], t[4 * u + 2], t[4 * u + 3]);
+            for (; o < o2; o++) octet_pair(q, B, B2, o, table, mx, t[0], t[1], t[2], t[3]);
+            /* B's chains (low, high of each step) and B2's, each block on its own */
+            for (int u = 0; u < PAIR_UNROLL; u++) {
+                fold_span(s[4 * u], t[4 * u], 2, VPB);
+                fold_span(s[4 * u + 2], t[4 * u + 2], 2, VPB);
+            }
+        }
         vf sc[VPB], sc2[VPB];
         vi zp[VPB], zp2[VPB];
         group_params(p, g, sc, zp);
