@@ -6,9 +6,9 @@
  * vpdpbusd on 16 columns; AVX2's with -mavxvnni -DMS_INT4_VNNI, AVX-VNNI's vpdpbusd on 8 (on
  * SIMDe's with -DMS_SIMDE: the tests' emulation); or the AVX2 build, vpmaddubsw on 8, its int16
  * sums widened (vpmaddwd) once every few octets (every AVX2 CPU). With -ffp-contract=off: the
- * float sums are the torch reference's, rounding for rounding. Where the CPU has AMX, amx_int4.c runs the products of many rows on
- * int8 tiles (the same layout and floats) and hands this library the rest (one row, groups
- * that fill no whole tile step).
+ * float sums are the torch reference's, rounding for rounding. Where the CPU has AMX,
+ * amx_int4.c runs the products of many rows on int8 tiles (the same layout and floats) and
+ * hands this library the rest (one row, groups that fill no whole tile step).
  *
  * Packed layout (cpu_kernels.pack_qweight): unsigned nibbles in [0, 15]; blocks of 16 output
  * columns, each a run of 64-byte rows, one per octet of inputs: byte 4c + j of row o holds
@@ -80,7 +80,10 @@ static inline vi dot4(vi acc, vi u8, vi s8) { return _mm256_add_epi16(acc, _mm25
  * (int4) or 2 x 2 x 24 x 128 = 12,288 (mxfp4, u up to 24), so spans of 4 octets, or 2.
  * Elsewhere the sums are int32 already and a span is the whole group. */
 #if defined(SUMS16)
-static inline int64_t span_end(int64_t o, int64_t o1, const int mx) { return o + (mx ? 2 : 4) < o1 ? o + (mx ? 2 : 4) : o1; }
+static inline int64_t span_end(int64_t o, int64_t o1, const int mx) {
+    const int64_t octets = mx ? 2 : 4;
+    return o + octets < o1 ? o + octets : o1;
+}
 static inline vi widen(vi s16) { return _mm256_madd_epi16(s16, _mm256_set1_epi16(1)); }
 /* the spans [o, o2) of a group's octets [o0, o1); o ends each span's body at o2 */
 #define FOR_SPANS(o, o2, o0, o1, mx) for (int64_t o = (o0), o2; o < (o1) && ((o2 = span_end(o, (o1), (mx))), 1);)
