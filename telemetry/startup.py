@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Gauge
 
-from telemetry.tracing import get_tracer, monotonic_to_unix_ns
+from telemetry.tracing import get_tracer, monotonic_to_unix_converter
 
 # inference.startup.PHASES, in the order a start usually goes through them
 STARTUP_PHASES = (
@@ -63,9 +63,10 @@ def record_startup_trace(
     if not marks:
         return
     tracer = tracer or get_tracer()
+    to_unix_ns = monotonic_to_unix_converter()
     root = tracer.start_span(
         "startup", context=trace.set_span_in_context(trace.INVALID_SPAN),
-        start_time=monotonic_to_unix_ns(marks[0][1]),
+        start_time=to_unix_ns(marks[0][1]),
     )  # fmt: skip
     root.set_attribute("moeserve.startup.seconds", max(end - marks[0][1], 0.0))
     parent = trace.set_span_in_context(root)
@@ -74,8 +75,8 @@ def record_startup_trace(
         span = tracer.start_span(
             phase,
             context=parent,
-            start_time=monotonic_to_unix_ns(start),
+            start_time=to_unix_ns(start),
             attributes={"moeserve.startup.phase": phase},
         )
-        span.end(end_time=monotonic_to_unix_ns(max(stop, start)))
-    root.end(end_time=monotonic_to_unix_ns(end))
+        span.end(end_time=to_unix_ns(max(stop, start)))
+    root.end(end_time=to_unix_ns(end))

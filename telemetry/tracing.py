@@ -62,7 +62,7 @@ __all__ = [
     "get_tracer",
     "inject_carrier",
     "inject_traceparent",
-    "monotonic_to_unix_ns",
+    "monotonic_to_unix_converter",
     "record_request_phases",
     "record_step_span",
     "shutdown_tracing",
@@ -303,12 +303,15 @@ def span_ids(span: Span | None = None) -> tuple[str, str] | None:
 
 # --------------------------------------------------------------------------- clocks
 
-_MONOTONIC_OFFSET_NS = time.time_ns() - time.monotonic_ns()
 
-
-def monotonic_to_unix_ns(t: float) -> int:
-    """time.monotonic() seconds -> Unix epoch nanoseconds (offset captured at import)."""
-    return _MONOTONIC_OFFSET_NS + round(t * 1e9)
+def monotonic_to_unix_converter() -> Callable[[float], int]:
+    """A time.monotonic() seconds -> Unix epoch nanoseconds converter whose offset is read
+    now. Read per trace, not once at import: NTP may step the wall clock while the server
+    runs and OTel stamps parent spans with time.time_ns(), so a frozen offset would pull
+    child spans away from their parent; one offset for all of a trace's stamps keeps its
+    durations exact."""
+    offset_ns = time.time_ns() - time.monotonic_ns()
+    return lambda t: offset_ns + round(t * 1e9)
 
 
 # --------------------------------------------------------------------------- spans
@@ -317,7 +320,7 @@ def monotonic_to_unix_ns(t: float) -> int:
 def record_request_phases(
     parent_span: Span,
     times: Any,
-    to_unix_ns: Callable[[float], int] = monotonic_to_unix_ns,
+    to_unix_ns: Callable[[float], int] | None = None,
     *,
     tracer: trace.Tracer | None = None,
 ) -> None:
@@ -333,6 +336,7 @@ def record_request_phases(
     if not parent_span.is_recording():
         return
     tracer = tracer or get_tracer()
+    to_unix_ns = to_unix_ns or monotonic_to_unix_converter()
     parent_ctx = trace.set_span_in_context(parent_span)
     end = times.finished
     if end is None:

@@ -22,7 +22,7 @@ from telemetry.tracing import (
     genai_response_attributes,
     inject_carrier,
     inject_traceparent,
-    monotonic_to_unix_ns,
+    monotonic_to_unix_converter,
     record_request_phases,
     record_step_span,
 )
@@ -164,8 +164,15 @@ def test_invalid_or_missing_traceparent_starts_a_new_trace(tracer):
     assert inject_traceparent(trace.INVALID_SPAN) is None
 
 
-def test_monotonic_to_unix_ns_tracks_wall_clock():
-    assert abs(monotonic_to_unix_ns(time.monotonic()) - time.time_ns()) < 50_000_000
+def test_monotonic_to_unix_converter_tracks_wall_clock():
+    assert abs(monotonic_to_unix_converter()(time.monotonic()) - time.time_ns()) < 50_000_000
+
+
+def test_monotonic_to_unix_converter_follows_a_wall_clock_step(monkeypatch):
+    """A CI machine's clock was stepped ~1 s mid-run; spans must follow the new wall clock."""
+    real_time_ns = time.time_ns
+    monkeypatch.setattr(time, "time_ns", lambda: real_time_ns() + 5_000_000_000)
+    assert abs(monotonic_to_unix_converter()(time.monotonic()) - time.time_ns()) < 50_000_000
 
 
 # ------------------------------------------------------------------ request phases
