@@ -22,6 +22,7 @@ from inference.executor import kv_cache as kv_alloc
 from inference.kernels import cpu as cpu_kernels
 from inference.models import paged_cache as kv_cache
 from inference.quantization import hadamard
+from tests.inference.kernel_paths import Path, forced
 from tests.inference.parity_checks import prompts
 from tests.inference.test_cpu_kernels import (  # noqa: F401 (the fixtures)
     arch_dirs,
@@ -201,22 +202,53 @@ def test_the_kernel_s_rounding_is_a_small_share_of_the_int4_rows_own_error(
         assert kernel < 0.2 * (rows - made_from).abs().max(), (n, float(kernel))
 
 
-def test_an_int4_latent_cache_reads_its_values_and_scales_as_mla_does(path):  # noqa: F811
-    """MLA's one latent row of r + p values, read as keys whole and as values its first r
-    (whole groups: 64 of 80, the rope part's 16 a shorter last group)."""
-    bs, r, p = 16, 64, 16
+def latent_attention(r: int, p: int):
+    """Decode attention of 16 heads over one int4 latent row of r + p values (MLA's: keys
+    whole, values its first r), two sequences: (q, cache, tables, lengths, output)."""
     cache = int4_cache(320, 1, r + p)
     kv_cache.write_kv(cache, torch.arange(320), randn(320, 1, r + p, seed=4))
     tables = torch.arange(20, dtype=torch.int32).flip(0).view(2, 10)
     q = randn(2, 16, r + p, seed=5)
     lengths = torch.tensor([150, 9], dtype=torch.int32)
-    out = cpu_kernels.decode_attention(q, cache, cache, tables, lengths, bs, 0.1, v_dim=r)
+    out = cpu_kernels.decode_attention(q, cache, cache, tables, lengths, 16, 0.1, v_dim=r)
+    return q, cache, tables, lengths, out
+
+
+def test_avx2_sums_the_int4_products_the_vnni_build_sums():
+    """AVX2's vpmaddubsw (int16 sums widened once a step or chunk) and the avx512bf16 build's
+    vpdpbusd (on SIMDe here) take the same integer products of the same int8 query and 8-bit
+    weights: their outputs differ only where float32 parts add in another order, within one
+    bf16 rounding (measured 1/4000 of the largest output), where widening the rows to
+    float32 instead (the avx512 build) lands 1/130 away."""
+    runs = {}
+    for p in (Path("avx2"), Path("avx512bf16", emulated=True)):
+        with forced(p):
+            grouped = [
+                decoded_over_int4_rows(h, g, d, [5, 70, 200, 1000], 16, 80, 64)[-1]
+                for h, g, d in [(8, 2, 64), (4, 4, 128), (9, 3, 64)]
+            ]
+            runs[str(p)] = [*grouped, latent_attention(128, 64)[-1]]  # MLA: keys 192, values 128
+    for avx2, vnni in zip(runs["avx2"], runs["avx512bf16-emulated"], strict=True):
+        close_to_bf16(avx2, vnni.float())
+
+
+@pytest.mark.parametrize(
+    "r,p,close",
+    [
+        (64, 16, close_to_bf16),  # 80 wide: rows widened to float32
+        (128, 64, close_to_int4_attention),  # whole steps of 64: integer products where built
+    ],
+)
+def test_an_int4_latent_cache_reads_its_values_and_scales_as_mla_does(path, r, p, close):  # noqa: F811
+    """MLA's one latent row of r + p values, read as keys whole and as values its first r
+    (whole groups: 64 of 80, the rope part's 16 a shorter last group)."""
+    q, cache, tables, lengths, out = latent_attention(r, p)
     values = kv_cache.dequantize(cache, torch.float32)
     for b in range(2):
         expected = attention_reference(
-            q[b], values, values, tables[b], int(lengths[b]), bs, 0.1, v_dim=r
+            q[b], values, values, tables[b], int(lengths[b]), 16, 0.1, v_dim=r
         )
-        close_to_bf16(out[b], expected)
+        close(out[b], expected)
 
 
 @pytest.mark.parametrize("rank,rope,ok", [(512, 64, True), (64, 16, True), (16, 8, False)])

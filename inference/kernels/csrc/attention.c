@@ -379,29 +379,26 @@ static inline __attribute__((always_inline)) void values_bf16(const int hb, floa
     }
 }
 
-/* ---- int4 rows on vpdpbusd (the avx512bf16 build, which has AVX512-VNNI) -----------------
+#endif
+
+/* ---- int4 rows: integer products (vpdpbusd in the avx512bf16 build, vpmaddubsw in AVX2's) --
  * Rows of d values (d a multiple of 64) in steps of 64: 32 bytes, byte i of group g holding
  * value 32g + i (low nibble) and 32g + i + 16 (high), each level + 8; the two groups' bf16
  * scales a dword at d / 2 + 4 * step. Products are integer, as llama.cpp's Q4 x Q8:
  * - keys: a head's query quantized to int8 per group of 32 (one float scale each, as Q8_0),
- *   its levels times the rows' nibbles (vpdpbusd, unsigned times signed) in int32 with
- *   8 * sum(q) taken off, each group's sum then times its two scales in float32. Sixteen
- *   positions lie across a vector's lanes (a transpose of their rows' dwords), so each
- *   query dword is broadcast and no horizontal sums remain;
+ *   its levels times the rows' nibbles (unsigned times signed) in int32 with 8 * sum(q)
+ *   taken off, each group's sum then times its two scales in float32;
  * - values: the softmax weights times each row's group scale, quantized to unsigned bytes
  *   per head and group of the chunk (scale: the chunk's largest weight times its largest row
  *   scale / 255), times the values' nibbles less 8 (signed): four positions' bytes of a
- *   column interleaved into each dword, so vpdpbusd sums over positions. A step's 64 columns
- *   come out in the lane order int4_column gives; the results are put back in order once,
- *   when the splits merge. */
+ *   column interleaved into each dword, so the products sum over positions. A step's 64
+ *   columns come out in the lane order int4_column gives; the results are put back in order
+ *   once, when the splits merge.
+ * The sums are exact integers in both builds, so they differ only in the order their float32
+ * parts add up. The avx512 build (no VNNI in its flags) widens int4 rows to float32. */
+#if defined(MS_AVX512_BF16) || !defined(MS_AVX512)
+#define INT4_DOTS
 #define INT4_STEP 64 /* values a step reads: 32 bytes, two scale groups */
-
-/* the column that value accumulator lane `lane` (of a step's 64) holds: vector a (0-3) of a
- * step, lane 4L + i: group L & 1, byte 8 * (a >> 1) + 4 * (L >> 1) + i, high nibble if a odd */
-static inline int64_t int4_column(int64_t lane) {
-    const int64_t a = lane / VL, L = (lane % VL) / 4, i = lane % 4;
-    return 32 * (L & 1) + 8 * (a >> 1) + 4 * (L >> 1) + i + 16 * (a & 1);
-}
 
 /* a query head for int4 rows: per group of 32 values its int8 levels (in order), its scale,
  * and -8 times the levels' sum (the nibbles' offset, taken off as the accumulator's start) */
@@ -426,14 +423,28 @@ static void int4_query_quantize(float *q, int64_t d, uint32_t *units) {
     for (int64_t g = 0; g < d / KV_INT4_GROUP; g++) iq.offset[g] *= -8;
 }
 
-/* the scale dwords (groups 2 * step and 2 * step + 1, bf16 each) of 16 rows at byte at */
+/* the scale dwords (groups 2 * step and 2 * step + 1, bf16 each) of VL rows at byte at */
 static inline vi int4_scale_pairs(const uint8_t *const *rows, int64_t at) {
     int32_t w[VL] __attribute__((aligned(64)));
     for (int i = 0; i < VL; i++) memcpy(w + i, rows[i] + at, 4);
     return vi_load(w);
 }
-static inline vf low_bf16(vi pairs) { return vi_as_vf(_mm512_slli_epi32(pairs, 16)); }
-static inline vf high_bf16(vi pairs) { return vi_as_vf(_mm512_and_si512(pairs, _mm512_set1_epi32((int32_t)0xffff0000u))); }
+static inline vf low_bf16(vi pairs) { return vi_as_vf(vi_slli(pairs, 16)); }
+static inline vf high_bf16(vi pairs) { return vi_as_vf(vi_and(pairs, vi_set1((int32_t)0xffff0000u))); }
+
+#if defined(MS_AVX512_BF16)
+/* vpdpbusd: sixteen key positions lie across a vector's lanes (a transpose of their rows'
+ * dwords), so each query dword is broadcast and no horizontal sums remain. */
+
+/* the column that value accumulator lane `lane` (of a step's 64) holds: vector a (0-3) of a
+ * step, lane 4L + i: group L & 1, byte 8 * (a >> 1) + 4 * (L >> 1) + i, high nibble if a odd */
+static inline int64_t int4_column(int64_t lane) {
+    const int64_t a = lane / VL, L = (lane % VL) / 4, i = lane % 4;
+    return 32 * (L & 1) + 8 * (a >> 1) + 4 * (L >> 1) + i + 16 * (a & 1);
+}
+
+/* the query as scores_int4 reads it: the int4_query as it is */
+static void int4_query_arrange(float *q, int64_t d, uint32_t *units) { int4_query_quantize(q, d, units); }
 
 static inline vi two_rows(const uint8_t *a, const uint8_t *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
@@ -585,6 +596,181 @@ static inline __attribute__((always_inline)) void values_int4(const int hb, floa
     }
 }
 
+#else
+/* vpmaddubsw (AVX2 has no vpdpbusd): int16 pair sums, which add up as int16 while they cannot
+ * overflow and widen to int32 once (vpmaddwd by ones).
+ * - keys: four positions a vector, a step's two groups side by side: transpose4 puts dword k
+ *   of group a (bytes 4k..) of the four rows in 128-bit lane 0 and group b's in lane 1, and
+ *   the query is arranged to match (int4_query_arrange), whole vectors read as they stand; a
+ *   head's eight products of a step add up in int16 (at most 8 x 2 x 15 x 127 = 30480), and
+ *   the two lanes' float32 sums of a position add up at the end of the chunk (sum_groups);
+ * - values: four positions' bytes of a column in each dword (lane 0 group a's, lane 1 group
+ *   b's), a chunk's eight quads of positions adding up in int16 (at most 8 x 2 x 255 x 8 =
+ *   32640); the rows' bytes are split into signed levels once and read by each head. */
+
+/* the column that value accumulator lane `lane` (of a step's 64) holds: vector a (0-7) of a
+ * step, lane 4h + i: group h, byte 4 * (a >> 1) + i, high nibble if a odd */
+static inline int64_t int4_column(int64_t lane) {
+    const int64_t a = lane / VL, h = (lane % VL) / 4, i = lane % 4;
+    return 32 * h + 4 * (a >> 1) + i + 16 * (a & 1);
+}
+
+#define INT4_Q_STEP 80 /* 32-bit units of a step's arranged query: 8 vectors, offsets, scales */
+
+/* q (d floats: scaled, rotated) -> the query scores_int4 reads at units (d * 5 / 4 of them):
+ * per step, vector 2k + h (k < 4; h: the high nibbles' values, 16 on) holds in lanes 0-3 the
+ * int8 levels' dword 4k of group a (+ 16h) and in lanes 4-7 group b's; then the groups'
+ * offsets and scales, four lanes each */
+static void int4_query_arrange(float *q, int64_t d, uint32_t *units) {
+    uint32_t staged[d / 4 + 2 * (d / KV_INT4_GROUP)];
+    int4_query_quantize(q, d, staged);
+    const int4_query iq = int4_query_at(staged, d);
+    for (int64_t step = 0; step < d / INT4_STEP; step++) {
+        uint32_t *o = units + INT4_Q_STEP * step;
+        for (int v = 0; v < 8; v++)
+            for (int lane = 0; lane < VL; lane++)
+                memcpy(o + v * VL + lane, iq.q + INT4_STEP * step + 32 * (lane / 4) + 4 * (v / 2) + 16 * (v % 2), 4);
+        for (int lane = 0; lane < VL; lane++) {
+            o[8 * VL + lane] = (uint32_t)iq.offset[2 * step + lane / 4];
+            memcpy(o + 9 * VL + lane, iq.scale + 2 * step + lane / 4, 4);
+        }
+    }
+}
+
+/* s [hb][ATT_CHUNK] = hb query heads' scores (qs: their arranged queries, q_units apart)
+ * against the n key rows rows[i] (ATT_CHUNK pointers, those past n repeating a row); -inf
+ * past n */
+static inline __attribute__((always_inline)) void scores_int4(const int hb, const uint8_t *const *rows, int64_t n,
+                                                              const uint32_t *qs, int64_t q_units, int64_t d,
+                                                              float *s, ahead_rows *ahead) {
+    const vi low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const vi shift = _mm256_setr_epi32(16, 16, 16, 16, 0, 0, 0, 0), high = vi_set1((int32_t)0xffff0000u);
+    const int64_t groups = (n + 3) / 4;
+    float part[HB * GROUPS * VL] __attribute__((aligned(32)));
+    for (int64_t j = 0; j < groups; j++) {
+        if (ahead) prefetch_ahead(ahead, 4 * j, j == groups - 1 ? ATT_CHUNK : 4 * j + 4);
+        const uint8_t *const *r4 = rows + 4 * j;
+        vf sc[HB];
+        for (int hh = 0; hh < hb; hh++) sc[hh] = vf_zero();
+        for (int64_t step = 0; step < d / INT4_STEP; step++) {
+            vi x[4], t[4];
+            for (int r = 0; r < 4; r++) x[r] = vi_load(r4[r] + 32 * step);
+            transpose4(x, t);
+            /* the rows' scales: lanes 0-3 group a's of rows 0-3, lanes 4-7 group b's */
+            int32_t pairs[4];
+            for (int r = 0; r < 4; r++) memcpy(pairs + r, r4[r] + d / 2 + 4 * step, 4);
+            const vi both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)pairs));
+            const vf row_scale = vi_as_vf(vi_and(_mm256_sllv_epi32(both, shift), high));
+            vi acc[HB];
+            for (int hh = 0; hh < hb; hh++) acc[hh] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const vi lo = vi_and(t[k], low), hi = vi_and(vi_srli(t[k], 4), low);
+                for (int hh = 0; hh < hb; hh++) {
+                    const uint32_t *qk = qs + hh * q_units + INT4_Q_STEP * step + 2 * k * VL;
+                    acc[hh] = _mm256_add_epi16(acc[hh], _mm256_maddubs_epi16(lo, vi_load(qk)));
+                    acc[hh] = _mm256_add_epi16(acc[hh], _mm256_maddubs_epi16(hi, vi_load(qk + VL)));
+                }
+            }
+            for (int hh = 0; hh < hb; hh++) {
+                const uint32_t *tail = qs + hh * q_units + INT4_Q_STEP * step + 8 * VL; /* offsets, scales */
+                const vi dots = vi_add(_mm256_madd_epi16(acc[hh], ones), vi_load(tail));
+                sc[hh] = vf_fma(vi_to_vf(dots), vf_mul(row_scale, vf_load((const float *)tail + VL)), sc[hh]);
+            }
+        }
+        for (int hh = 0; hh < hb; hh++) vf_store(part + (hh * GROUPS + j) * VL, sc[hh]);
+    }
+    finish_scores(hb, groups, n, part, 1.0f, s);
+}
+
+/* 32 int32 in [0, 255] (positions 0-7, 8-15, 16-23, 24-31) -> 32 bytes in order: packed
+ * within 128-bit lanes (lane 0: each vector's first four, lane 1 their last four), their
+ * dwords then put in order */
+static inline vi weight_bytes(vi a, vi b, vi c, vi e) {
+    const vi packed = _mm256_packus_epi16(_mm256_packus_epi32(a, b), _mm256_packus_epi32(c, e));
+    return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* acc[hh] (a step's 64 columns in int4_column's order) = acc * rescale + sum_i w[hh][i] *
+ * rows[i] for hb heads over the n value rows (width: where their scales are), as the section
+ * says */
+static inline __attribute__((always_inline)) void values_int4(const int hb, float *const *acc, const float *rescale,
+                                                              const float *w, const uint8_t *const *rows, int64_t n,
+                                                              int64_t d, int64_t width) {
+    const vi low = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8), ones = _mm256_set1_epi16(1);
+    const int64_t quads = (n + 3) / 4;
+    float inv_top[HB];
+    for (int hh = 0; hh < hb; hh++) {
+        const float *wh = w + hh * ATT_CHUNK;
+        const vf top4 = vf_max(vf_max(vf_load(wh), vf_load(wh + VL)), vf_max(vf_load(wh + 2 * VL), vf_load(wh + 3 * VL)));
+        const float top = vf_hmax(top4);
+        inv_top[hh] = top > 0.0f ? 1.0f / top : 0.0f;
+        if (rescale[hh] != 1.0f)
+            for (int64_t c = 0; c < d; c += VL) vf_store(acc[hh] + c, vf_mul(vf_load(acc[hh] + c), vf_set1(rescale[hh])));
+    }
+    for (int64_t step = 0; step < d / INT4_STEP; step++) {
+        /* per head and quad of positions the weights' bytes: lanes 0-3 group a's, 4-7 b's */
+        vi wq[HB][ATT_CHUNK / 4];
+        vf wscale[HB]; /* lanes 0-3 group a's scale, 4-7 b's */
+        vf sv[2][4];   /* the rows' scales: [group][positions 8u..8u + 7] */
+        float svmax[2];
+        for (int u = 0; u < 4; u++) {
+            const vi pairs = int4_scale_pairs(rows + u * VL, width / 2 + 4 * step);
+            sv[0][u] = low_bf16(pairs), sv[1][u] = high_bf16(pairs);
+        }
+        for (int g = 0; g < 2; g++) svmax[g] = vf_hmax(vf_max(vf_max(sv[g][0], sv[g][1]), vf_max(sv[g][2], sv[g][3])));
+        for (int hh = 0; hh < hb; hh++) {
+            vi bytes[2];
+            float scale[2];
+            for (int g = 0; g < 2; g++) {
+                const float inv_s = svmax[g] > 0.0f ? 255.0f / svmax[g] : 0.0f;
+                const vf f = vf_set1(inv_top[hh] * inv_s);
+                vi x[4];
+                for (int u = 0; u < 4; u++) x[u] = vf_to_vi(vf_mul(vf_mul(vf_load(w + hh * ATT_CHUNK + u * VL), sv[g][u]), f));
+                bytes[g] = weight_bytes(x[0], x[1], x[2], x[3]);
+                scale[g] = inv_top[hh] > 0.0f && inv_s > 0.0f ? 1.0f / (inv_top[hh] * inv_s) : 0.0f;
+            }
+            wscale[hh] = _mm256_setr_m128(_mm_set1_ps(scale[0]), _mm_set1_ps(scale[1]));
+            const vi first = _mm256_permute2x128_si256(bytes[0], bytes[1], 0x20); /* a's 0-15, b's 0-15 */
+            const vi last = _mm256_permute2x128_si256(bytes[0], bytes[1], 0x31);
+            wq[hh][0] = _mm256_shuffle_epi32(first, 0x00), wq[hh][1] = _mm256_shuffle_epi32(first, 0x55);
+            wq[hh][2] = _mm256_shuffle_epi32(first, 0xaa), wq[hh][3] = _mm256_shuffle_epi32(first, 0xff);
+            wq[hh][4] = _mm256_shuffle_epi32(last, 0x00), wq[hh][5] = _mm256_shuffle_epi32(last, 0x55);
+            wq[hh][6] = _mm256_shuffle_epi32(last, 0xaa), wq[hh][7] = _mm256_shuffle_epi32(last, 0xff);
+        }
+        /* each quad's values as signed levels: vector 2k + h, dword i of lane g: byte 4k + i
+         * of group g (high nibbles if h) of the quad's four rows */
+        vi levels[ATT_CHUNK / 4][8];
+        for (int64_t qd = 0; qd < quads; qd++) {
+            vi y[4];
+            for (int r = 0; r < 4; r++) y[r] = vi_load(rows[4 * qd + r] + 32 * step);
+            const vi A = _mm256_unpacklo_epi8(y[0], y[1]), B = _mm256_unpackhi_epi8(y[0], y[1]);
+            const vi C = _mm256_unpacklo_epi8(y[2], y[3]), D = _mm256_unpackhi_epi8(y[2], y[3]);
+            const vi x[4] = {_mm256_unpacklo_epi16(A, C), _mm256_unpackhi_epi16(A, C), _mm256_unpacklo_epi16(B, D),
+                             _mm256_unpackhi_epi16(B, D)};
+            for (int k = 0; k < 4; k++) {
+                levels[qd][2 * k] = _mm256_sub_epi8(vi_and(x[k], low), eight);
+                levels[qd][2 * k + 1] = _mm256_sub_epi8(vi_and(vi_srli(x[k], 4), low), eight);
+            }
+        }
+        for (int hh = 0; hh < hb; hh++) {
+            vi sum[8];
+            for (int a = 0; a < 8; a++) sum[a] = _mm256_setzero_si256();
+            for (int64_t qd = 0; qd < quads; qd++) {
+                const vi wp = wq[hh][qd];
+                for (int a = 0; a < 8; a++) sum[a] = _mm256_add_epi16(sum[a], _mm256_maddubs_epi16(wp, levels[qd][a]));
+            }
+            float *o = acc[hh] + INT4_STEP * step;
+            for (int a = 0; a < 8; a++)
+                vf_store(o + a * VL, vf_fma(vi_to_vf(_mm256_madd_epi16(sum[a], ones)), wscale[hh], vf_load(o + a * VL)));
+        }
+    }
+}
+#endif /* MS_AVX512_BF16 */
+#endif /* INT4_DOTS */
+
+#if defined(MS_AVX512_BF16)
+
 /* ---- int8 rows on vdpbf16ps (the avx512bf16 build) --------------------------------------
  * The values (|x| <= 127: exact in bf16) widened to float32 in registers and their high
  * words taken; the row's scale multiplies its float32 score, and for the values it is folded
@@ -672,16 +858,16 @@ static inline __attribute__((always_inline)) void values_int8(const int hb, floa
 }
 #endif
 
-/* How a chunk's rows are read: bf16 or int8 cache rows on vdpbf16ps and int4 ones on vpdpbusd
- * (the avx512bf16 build), bf16 cache rows widened as they are read, or float32 rows a quantized
- * cache was widened into. */
+/* How a chunk's rows are read: bf16 or int8 cache rows on vdpbf16ps (the avx512bf16 build),
+ * int4 ones in integer products (INT4_DOTS: the avx512bf16 and AVX2 builds), bf16 cache rows
+ * widened as they are read, or float32 rows a quantized cache was widened into. */
 enum { ROWS_BF16_DOTS, ROWS_INT4_DOTS, ROWS_INT8_DOTS, ROWS_BF16, ROWS_F32, ROWS_PER_HEAD };
 
 /* One chunk of n positions for hb (<= HB) query heads of one kv head: scores, softmax and
  * the weighted values into each head's partial result (res: [max, sum, dv values] per head,
  * stride part); krows / vrows: ATT_CHUNK row pointers (those past n repeat a row), read as
  * `rows` says; qa: the heads' queries arranged, q_units 32-bit units apart (ROWS_BF16_DOTS: bf16
- * pairs, unscaled; ROWS_INT4_DOTS: int4_query; else float32, scaled, rotated for a quantized
+ * pairs, unscaled; ROWS_INT4_DOTS: int4_query_arrange's; else float32, scaled, rotated for a quantized
  * cache). */
 static inline __attribute__((always_inline)) void heads_chunk(const int hb, const int rows, const void *const *krows,
                                                               const void *const *vrows, int64_t n, const uint32_t *qa,
@@ -692,10 +878,13 @@ static inline __attribute__((always_inline)) void heads_chunk(const int hb, cons
 #if defined(MS_AVX512_BF16)
     if (rows == ROWS_BF16_DOTS)
         scores_bf16(hb, (const bf16 *const *)krows, n, qa, dk, scale, parts, s, ahead);
-    else if (rows == ROWS_INT4_DOTS)
-        scores_int4(hb, (const uint8_t *const *)krows, n, qa, q_units, dk, s, ahead);
     else if (rows == ROWS_INT8_DOTS)
         scores_int8(hb, (const uint8_t *const *)krows, n, qa, dk, parts, s, ahead);
+    else
+#endif
+#if defined(INT4_DOTS)
+    if (rows == ROWS_INT4_DOTS)
+        scores_int4(hb, (const uint8_t *const *)krows, n, qa, q_units, dk, s, ahead);
     else
 #endif
         scores_f32(hb, rows == ROWS_BF16, krows, n, (const float *)qa, dk, parts, s, ahead);
@@ -704,13 +893,15 @@ static inline __attribute__((always_inline)) void heads_chunk(const int hb, cons
         rescale[hh] = softmax_chunk(s + hh * ATT_CHUNK, n, res + hh * part);
         acc[hh] = res + hh * part + 2;
     }
+#if defined(INT4_DOTS)
+    if (rows == ROWS_INT4_DOTS) {
+        values_int4(hb, acc, rescale, s, (const uint8_t *const *)vrows, n, dv, v_width);
+        return;
+    }
+#endif
 #if defined(MS_AVX512_BF16)
     if (rows == ROWS_BF16_DOTS) {
         values_bf16(hb, acc, rescale, s, (const bf16 *const *)vrows, n, dv);
-        return;
-    }
-    if (rows == ROWS_INT4_DOTS) {
-        values_int4(hb, acc, rescale, s, (const uint8_t *const *)vrows, n, dv, v_width);
         return;
     }
     if (rows == ROWS_INT8_DOTS) {
@@ -759,8 +950,8 @@ static void prefetch_rows(const int32_t *table, int64_t block_size, int64_t p0, 
  * (causal: speculative verification's k + 1 positions). Work items are (row, context
  * split); each walks its positions in chunks whose key and value rows (all kv heads of a
  * slot: adjacent in the cache, so the chunk is read in whole lines) are read once for all
- * the query heads of their kv head (bf16 and int8 rows on vdpbf16ps, int4 ones on vpdpbusd,
- * where the build has them, else widened to float32), with an online softmax (flash-decoding), and the
+ * the query heads of their kv head (bf16 and int8 rows on vdpbf16ps, int4 ones in integer
+ * products, where the build has them, else widened to float32), with an online softmax (flash-decoding), and the
  * splits, which keep every core busy when there are fewer sequences than threads, are
  * merged by their softmax statistics at the end; a row's splits follow from its own length
  * only, so its result does not depend on the other rows.
@@ -808,8 +999,10 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
     int rows = dk % VL || dv % VL ? ROWS_PER_HEAD : kv_kind == KV_BF16 ? ROWS_BF16 : ROWS_F32;
 #if defined(MS_AVX512_BF16)
     if (kv_kind == KV_BF16 && dk % (2 * VL) == 0 && dv % (2 * VL) == 0) rows = ROWS_BF16_DOTS;
-    if (kv_kind == KV_INT4 && dk % INT4_STEP == 0 && dv % INT4_STEP == 0) rows = ROWS_INT4_DOTS;
     if (kv_kind == KV_INT8 && dk % (2 * VL) == 0 && dv % (2 * VL) == 0) rows = ROWS_INT8_DOTS;
+#endif
+#if defined(INT4_DOTS)
+    if (kv_kind == KV_INT4 && dk % INT4_STEP == 0 && dv % INT4_STEP == 0) rows = ROWS_INT4_DOTS;
 #endif
     /* per thread: queries (float32, and arranged), scores, group sums, widened rows, a merge */
     const size_t local_bytes = round64(
@@ -863,8 +1056,8 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                 for (int64_t c = 0; c < dk; c++) qf[h * dk + c] = bf16_to_f32(qh[c]) * scale;
                 if (kv_kind != KV_BF16) hadamard_rotate(qf + h * dk, dk); /* q . k = Rq . Rk: the rows stored rotated */
                 if (rows == ROWS_INT4_DOTS) {
-#if defined(MS_AVX512_BF16)
-                    int4_query_quantize(qf + h * dk, dk, qa + h * q_units);
+#if defined(INT4_DOTS)
+                    int4_query_arrange(qf + h * dk, dk, qa + h * q_units);
 #endif
                 } else if (rows == ROWS_INT8_DOTS) { /* bf16 pairs in order: q's rounding, then the rest */
                     float qr[dk];
@@ -1017,7 +1210,7 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                 sum += f * r[1];
                 weighted_rows(merged, 1.0f, &f, r + 2, 1, dv, dv);
             }
-#if defined(MS_AVX512_BF16)
+#if defined(INT4_DOTS)
             if (rows == ROWS_INT4_DOTS) { /* each step's columns back in order (int4_column) */
                 for (int64_t c = 0; c < dv; c++) kf[c - c % INT4_STEP + int4_column(c % INT4_STEP)] = merged[c];
                 memcpy(merged, kf, dv * sizeof(float));
