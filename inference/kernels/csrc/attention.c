@@ -661,21 +661,19 @@ static inline __attribute__((always_inline)) void scores_int4(const int hb, cons
             for (int r = 0; r < 4; r++) memcpy(pairs + r, r4[r] + d / 2 + 4 * step, 4);
             const vi both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)pairs));
             const vf row_scale = vi_as_vf(vi_and(_mm256_sllv_epi32(both, shift), high));
-            vi acc[HB];
-            for (int hh = 0; hh < hb; hh++) acc[hh] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; k++) {
-                const vi lo = vi_and(t[k], low), hi = vi_and(vi_srli(t[k], 4), low);
-                for (int hh = 0; hh < hb; hh++) {
-                    const uint32_t *qk = qs + hh * q_units + INT4_Q_STEP * step + 2 * k * VL;
-                    acc[hh] = _mm256_add_epi16(acc[hh], _mm256_maddubs_epi16(lo, vi_load(qk)));
-                    acc[hh] = _mm256_add_epi16(acc[hh], _mm256_maddubs_epi16(hi, vi_load(qk + VL)));
-                }
-            }
+            vi nibbles[8]; /* dword k's low nibbles, then its high ones */
+            for (int k = 0; k < 4; k++) nibbles[2 * k] = vi_and(t[k], low), nibbles[2 * k + 1] = vi_and(vi_srli(t[k], 4), low);
             for (int hh = 0; hh < hb; hh++) {
-                const uint32_t *tail = qs + hh * q_units + INT4_Q_STEP * step + 8 * VL; /* offsets, scales */
-                const vi dots = vi_add(_mm256_madd_epi16(acc[hh], ones), vi_load(tail));
-                sc[hh] = vf_fma(vi_to_vf(dots), vf_mul(row_scale, vf_load((const float *)tail + VL)), sc[hh]);
+                const uint32_t *qv = qs + hh * q_units + INT4_Q_STEP * step; /* 8 vectors, offsets, scales */
+                vi acc = _mm256_maddubs_epi16(nibbles[0], vi_load(qv));
+                for (int v = 1; v < 8; v++) {
+                    acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(nibbles[v], vi_load(qv + v * VL)));
+                    /* one sum in order: GCC otherwise reassociates the integer adds into a tree,
+                     * all the products first, and spills them (measured slower) */
+                    __asm__("" : "+x"(acc));
+                }
+                const vi dots = vi_add(_mm256_madd_epi16(acc, ones), vi_load(qv + 8 * VL));
+                sc[hh] = vf_fma(vi_to_vf(dots), vf_mul(row_scale, vf_load((const float *)qv + 9 * VL)), sc[hh]);
             }
         }
         for (int hh = 0; hh < hb; hh++) vf_store(part + (hh * GROUPS + j) * VL, sc[hh]);
