@@ -231,9 +231,10 @@ static inline __attribute__((always_inline)) void scores_f32(const int hb, const
 }
 
 /* A head's chunk of scores s[0..ATT_CHUNK) (-inf past n) -> its weights exp(s - m) (0 past
- * n), with its running maximum and sum (stats) moved on; returns the factor what the head
- * has accumulated so far takes (exp(old max - m)). */
-static inline __attribute__((always_inline)) float softmax_chunk(float *s, int64_t n, float *stats) {
+ * n), with its running maximum (stats[0]) moved on and the weights' sum as a vector (*sum:
+ * the caller adds a chunk's heads up together); returns the factor what the head has
+ * accumulated so far takes (exp(old max - m)). */
+static inline __attribute__((always_inline)) float softmax_chunk(float *s, int64_t n, float *stats, vf *sum) {
     const int64_t nv = (n + VL - 1) / VL;
     vf vmax = vf_load(s);
     for (int64_t t = 1; t < nv; t++) vmax = vf_max(vmax, vf_load(s + t * VL));
@@ -248,7 +249,7 @@ static inline __attribute__((always_inline)) float softmax_chunk(float *s, int64
     for (int64_t t = n; t < ATT_CHUNK; t++) s[t] = 0.0f; /* vf_exp clamps: exp(-inf) would not be 0 */
     vf vs = vf_zero();
     for (int64_t t = 0; t < nv; t++) vs = vf_add(vs, vf_load(s + t * VL));
-    stats[0] = m, stats[1] = stats[1] * rescale + vf_sum(vs);
+    stats[0] = m, *sum = vs;
     return rescale;
 }
 
@@ -887,10 +888,15 @@ static inline __attribute__((always_inline)) void heads_chunk(const int hb, cons
 #endif
         scores_f32(hb, rows == ROWS_BF16, krows, n, (const float *)qa, dk, parts, s, ahead);
     (void)scale, (void)v_width;
+    vf sums[8];
+    float sum[8];
     for (int hh = 0; hh < hb; hh++) {
-        rescale[hh] = softmax_chunk(s + hh * ATT_CHUNK, n, res + hh * part);
+        rescale[hh] = softmax_chunk(s + hh * ATT_CHUNK, n, res + hh * part, sums + hh);
         acc[hh] = res + hh * part + 2;
     }
+    for (int hh = hb; hh < 8; hh++) sums[hh] = vf_zero();
+    vf_sum8(sums, sum); /* the heads' horizontal sums at once */
+    for (int hh = 0; hh < hb; hh++) res[hh * part + 1] = res[hh * part + 1] * rescale[hh] + sum[hh];
 #if defined(INT4_DOTS)
     if (rows == ROWS_INT4_DOTS) {
         values_int4(hb, acc, rescale, s, (const uint8_t *const *)vrows, n, dv, v_width);
