@@ -433,6 +433,23 @@ static inline vi int4_scale_pairs(const uint8_t *const *rows, int64_t at) {
 static inline vf low_bf16(vi pairs) { return vi_as_vf(vi_slli(pairs, 16)); }
 static inline vf high_bf16(vi pairs) { return vi_as_vf(vi_and(pairs, vi_set1((int32_t)0xffff0000u))); }
 
+/* values_int4's start, in both builds: each head's 1 / its largest weight of the chunk (0
+ * where none is above 0: the weights' bytes scale by it), and its accumulators times its
+ * rescale where that is not 1 */
+static inline __attribute__((always_inline)) void int4_values_start(const int hb, float *const *acc,
+                                                                    const float *rescale, const float *w, int64_t d,
+                                                                    float *inv_top) {
+    for (int hh = 0; hh < hb; hh++) {
+        const float *wh = w + hh * ATT_CHUNK;
+        vf top = vf_load(wh);
+        for (int64_t i = VL; i < ATT_CHUNK; i += VL) top = vf_max(top, vf_load(wh + i));
+        const float t = vf_hmax(top);
+        inv_top[hh] = t > 0.0f ? 1.0f / t : 0.0f;
+        if (rescale[hh] != 1.0f)
+            for (int64_t c = 0; c < d; c += VL) vf_store(acc[hh] + c, vf_mul(vf_load(acc[hh] + c), vf_set1(rescale[hh])));
+    }
+}
+
 #if defined(MS_AVX512_BF16)
 /* vpdpbusd: sixteen key positions lie across a vector's lanes (a transpose of their rows'
  * dwords), so each query dword is broadcast and no horizontal sums remain. */
@@ -538,12 +555,7 @@ static inline __attribute__((always_inline)) void values_int4(const int hb, floa
     const vi pick = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 0, 0, 0, 0, 8, 8, 8, 8);
     const __mmask16 odd_lanes = 0xf0f0;
     float inv_top[HB];
-    for (int hh = 0; hh < hb; hh++) {
-        const float top = vf_hmax(vf_max(vf_load(w + hh * ATT_CHUNK), vf_load(w + hh * ATT_CHUNK + VL)));
-        inv_top[hh] = top > 0.0f ? 1.0f / top : 0.0f;
-        if (rescale[hh] != 1.0f)
-            for (int64_t c = 0; c < d; c += VL) vf_store(acc[hh] + c, vf_mul(vf_load(acc[hh] + c), vf_set1(rescale[hh])));
-    }
+    int4_values_start(hb, acc, rescale, w, d, inv_top);
     for (int64_t step = 0; step < d / INT4_STEP; step++) {
         /* weights as unsigned bytes [hh][group a, b][ATT_CHUNK], and their scales */
         uint8_t wq[HB][2][ATT_CHUNK] __attribute__((aligned(64)));
@@ -699,14 +711,7 @@ static inline __attribute__((always_inline)) void values_int4(const int hb, floa
     const vi low = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8), ones = _mm256_set1_epi16(1);
     const int64_t quads = (n + 3) / 4;
     float inv_top[HB];
-    for (int hh = 0; hh < hb; hh++) {
-        const float *wh = w + hh * ATT_CHUNK;
-        const vf top4 = vf_max(vf_max(vf_load(wh), vf_load(wh + VL)), vf_max(vf_load(wh + 2 * VL), vf_load(wh + 3 * VL)));
-        const float top = vf_hmax(top4);
-        inv_top[hh] = top > 0.0f ? 1.0f / top : 0.0f;
-        if (rescale[hh] != 1.0f)
-            for (int64_t c = 0; c < d; c += VL) vf_store(acc[hh] + c, vf_mul(vf_load(acc[hh] + c), vf_set1(rescale[hh])));
-    }
+    int4_values_start(hb, acc, rescale, w, d, inv_top);
     for (int64_t step = 0; step < d / INT4_STEP; step++) {
         /* per head and quad of positions the weights' bytes: lanes 0-3 group a's, 4-7 b's */
         vi wq[HB][ATT_CHUNK / 4];
