@@ -234,6 +234,20 @@ static inline __attribute__((always_inline)) void scores_f32(const int hb, const
  * n), with its running maximum (stats[0]) moved on and the weights' sum as a vector (*sum:
  * the caller adds a chunk's heads up together); returns the factor what the head has
  * accumulated so far takes (exp(old max - m)). */
+/* exp(x) for the softmax's x <= 0 (a score less the running maximum), to 4e-5 relative: 2^n
+ * times a degree-4 polynomial of 2^f (Taylor's, |f| <= 1/2; vf_exp's ~1 ulp takes twice the
+ * instructions, where the weights are rounded to bf16 or to bytes next). x below -87.3 (-inf
+ * past a chunk's end) reads as -87.3: 2^n stays normal. */
+static inline vf vf_exp_weight(vf x) {
+    const vf t = vf_mul(vf_max(x, vf_set1(-87.3f)), vf_set1(1.44269504088896341f));
+    const vf n = vf_round(t), f = vf_sub(t, n);
+    vf p = vf_set1(9.6181291e-3f);
+    p = vf_fma(p, f, vf_set1(5.5504109e-2f));
+    p = vf_fma(p, f, vf_set1(2.4022651e-1f));
+    p = vf_fma(p, f, vf_set1(6.9314718e-1f));
+    return vf_times_pow2(vf_fma(p, f, vf_set1(1.0f)), n);
+}
+
 static inline __attribute__((always_inline)) float softmax_chunk(float *s, int64_t n, float *stats, vf *sum) {
     const int64_t nv = (n + VL - 1) / VL;
     vf vmax = vf_load(s);
@@ -245,8 +259,8 @@ static inline __attribute__((always_inline)) float softmax_chunk(float *s, int64
         const float top = vf_hmax(vmax);
         m = top, rescale = expf(stats[0] - m);
     }
-    for (int64_t t = 0; t < nv; t++) vf_store(s + t * VL, vf_exp(vf_sub(vf_load(s + t * VL), vf_set1(m))));
-    for (int64_t t = n; t < ATT_CHUNK; t++) s[t] = 0.0f; /* vf_exp clamps: exp(-inf) would not be 0 */
+    for (int64_t t = 0; t < nv; t++) vf_store(s + t * VL, vf_exp_weight(vf_sub(vf_load(s + t * VL), vf_set1(m))));
+    for (int64_t t = n; t < ATT_CHUNK; t++) s[t] = 0.0f; /* vf_exp_weight clamps: exp(-inf) would not be 0 */
     vf vs = vf_zero();
     for (int64_t t = 0; t < nv; t++) vs = vf_add(vs, vf_load(s + t * VL));
     stats[0] = m, *sum = vs;
@@ -433,18 +447,18 @@ static inline vi int4_scale_pairs(const uint8_t *const *rows, int64_t at) {
 static inline vf low_bf16(vi pairs) { return vi_as_vf(vi_slli(pairs, 16)); }
 static inline vf high_bf16(vi pairs) { return vi_as_vf(vi_and(pairs, vi_set1((int32_t)0xffff0000u))); }
 
-/* values_int4's start, in both builds: each head's 1 / its largest weight of the chunk (0
- * where none is above 0: the weights' bytes scale by it), and its accumulators times its
- * rescale where that is not 1 */
+/* values_int4's start, in both builds: each head's largest weight of the chunk and its
+ * inverse (0 where none is above 0: the weights' bytes scale by it), and its accumulators
+ * times its rescale where that is not 1 */
 static inline __attribute__((always_inline)) void int4_values_start(const int hb, float *const *acc,
                                                                     const float *rescale, const float *w, int64_t d,
-                                                                    float *inv_top) {
+                                                                    float *top, float *inv_top) {
     for (int hh = 0; hh < hb; hh++) {
         const float *wh = w + hh * ATT_CHUNK;
-        vf top = vf_load(wh);
-        for (int64_t i = VL; i < ATT_CHUNK; i += VL) top = vf_max(top, vf_load(wh + i));
-        const float t = vf_hmax(top);
-        inv_top[hh] = t > 0.0f ? 1.0f / t : 0.0f;
+        vf most = vf_load(wh);
+        for (int64_t i = VL; i < ATT_CHUNK; i += VL) most = vf_max(most, vf_load(wh + i));
+        top[hh] = vf_hmax(most);
+        inv_top[hh] = top[hh] > 0.0f ? 1.0f / top[hh] : 0.0f;
         if (rescale[hh] != 1.0f)
             for (int64_t c = 0; c < d; c += VL) vf_store(acc[hh] + c, vf_mul(vf_load(acc[hh] + c), vf_set1(rescale[hh])));
     }
@@ -554,8 +568,8 @@ static inline __attribute__((always_inline)) void values_int4(const int hb, floa
     /* lanes 4L..4L+3 take dword (L odd: 8 +) of the weights: group a's 8, then group b's */
     const vi pick = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 0, 0, 0, 0, 8, 8, 8, 8);
     const __mmask16 odd_lanes = 0xf0f0;
-    float inv_top[HB];
-    int4_values_start(hb, acc, rescale, w, d, inv_top);
+    float top[HB], inv_top[HB];
+    int4_values_start(hb, acc, rescale, w, d, top, inv_top);
     for (int64_t step = 0; step < d / INT4_STEP; step++) {
         /* weights as unsigned bytes [hh][group a, b][ATT_CHUNK], and their scales */
         uint8_t wq[HB][2][ATT_CHUNK] __attribute__((aligned(64)));
@@ -567,6 +581,7 @@ static inline __attribute__((always_inline)) void values_int4(const int hb, floa
             sv[0][half] = low_bf16(pairs), sv[1][half] = high_bf16(pairs);
         }
         for (int g = 0; g < 2; g++) svmax[g] = vf_hmax(vf_max(sv[g][0], sv[g][1]));
+        const float unit[2] = {svmax[0] / 255.0f, svmax[1] / 255.0f}; /* a weight byte's value, times top */
         for (int g = 0; g < 2; g++) {
             const float inv_s = svmax[g] > 0.0f ? 255.0f / svmax[g] : 0.0f;
             for (int hh = 0; hh < hb; hh++) {
@@ -574,7 +589,7 @@ static inline __attribute__((always_inline)) void values_int4(const int hb, floa
                 const vf x0 = vf_mul(vf_mul(vf_load(w + hh * ATT_CHUNK), sv[g][0]), f);
                 const vf x1 = vf_mul(vf_mul(vf_load(w + hh * ATT_CHUNK + VL), sv[g][1]), f);
                 _mm256_store_si256((__m256i *)wq[hh][g], weight_bytes(_mm512_cvtps_epi32(x0), _mm512_cvtps_epi32(x1)));
-                wscale[hh][g] = inv_top[hh] > 0.0f && inv_s > 0.0f ? 1.0f / (inv_top[hh] * inv_s) : 0.0f;
+                wscale[hh][g] = inv_top[hh] > 0.0f && inv_s > 0.0f ? top[hh] * unit[g] : 0.0f;
             }
         }
         vi sum[HB][4];
@@ -710,8 +725,8 @@ static inline __attribute__((always_inline)) void values_int4(const int hb, floa
                                                               int64_t d, int64_t width) {
     const vi low = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8), ones = _mm256_set1_epi16(1);
     const int64_t quads = (n + 3) / 4;
-    float inv_top[HB];
-    int4_values_start(hb, acc, rescale, w, d, inv_top);
+    float top[HB], inv_top[HB];
+    int4_values_start(hb, acc, rescale, w, d, top, inv_top);
     for (int64_t step = 0; step < d / INT4_STEP; step++) {
         /* per head and quad of positions the weights' bytes: lanes 0-3 group a's, 4-7 b's */
         vi wq[HB][ATT_CHUNK / 4];
@@ -723,6 +738,7 @@ static inline __attribute__((always_inline)) void values_int4(const int hb, floa
             sv[0][u] = low_bf16(pairs), sv[1][u] = high_bf16(pairs);
         }
         for (int g = 0; g < 2; g++) svmax[g] = vf_hmax(vf_max(vf_max(sv[g][0], sv[g][1]), vf_max(sv[g][2], sv[g][3])));
+        const float unit[2] = {svmax[0] / 255.0f, svmax[1] / 255.0f}; /* a weight byte's value, times top */
         for (int hh = 0; hh < hb; hh++) {
             vi bytes[2];
             float scale[2];
@@ -732,7 +748,7 @@ static inline __attribute__((always_inline)) void values_int4(const int hb, floa
                 vi x[4];
                 for (int u = 0; u < 4; u++) x[u] = vf_to_vi(vf_mul(vf_mul(vf_load(w + hh * ATT_CHUNK + u * VL), sv[g][u]), f));
                 bytes[g] = weight_bytes(x[0], x[1], x[2], x[3]);
-                scale[g] = inv_top[hh] > 0.0f && inv_s > 0.0f ? 1.0f / (inv_top[hh] * inv_s) : 0.0f;
+                scale[g] = inv_top[hh] > 0.0f && inv_s > 0.0f ? top[hh] * unit[g] : 0.0f;
             }
             wscale[hh] = _mm256_setr_m128(_mm_set1_ps(scale[0]), _mm_set1_ps(scale[1]));
             const vi first = _mm256_permute2x128_si256(bytes[0], bytes[1], 0x20); /* a's 0-15, b's 0-15 */
