@@ -23,8 +23,8 @@
   (16.8 MB at 32K on the demo), which a step's six layers (100 MB) do not.
 
 Results in bench/results/long_context.json {date, cpu, threads, rows: [{model, context,
-prompt, kv_cache_dtype, ttft_s, tpot_ms, tpot_vs_shortest, tpot_vs_shortest_by_round,
-bytes_floor_vs_shortest}],
+prompt, kv_cache_dtype, ttft_s, tpot_ms, tpot_vs_shortest, tpot_ms_by_round,
+tpot_vs_shortest_by_round, bytes_floor_vs_shortest}],
 decode_attention: [{shape, context, kv_cache_dtype, layers_read, ns_per_position, vs_shortest}]}; a table on
 stdout.
 
@@ -146,6 +146,7 @@ def model_rows(
                 "ttft_s": ttft,
                 "tpot_ms": tpot * 1e3,
                 "tpot_vs_shortest": tpot * 1e3 / (rows[0]["tpot_ms"] if rows else tpot * 1e3),
+                "tpot_ms_by_round": [r[1] * 1e3 for r in done],
                 "tpot_vs_shortest_by_round": by_round,
                 "bytes_floor_vs_shortest": step_bytes(length) / step_bytes(lengths[0]),
             }
