@@ -230,12 +230,8 @@ static inline __attribute__((always_inline)) void scores_f32(const int hb, const
     finish_scores(hb, groups, n, part, 1.0f, s);
 }
 
-/* A head's chunk of scores s[0..ATT_CHUNK) (-inf past n) -> its weights exp(s - m) (0 past
- * n), with its running maximum (stats[0]) moved on and the weights' sum as a vector (*sum:
- * the caller adds a chunk's heads up together); returns the factor what the head has
- * accumulated so far takes (exp(old max - m)). */
 /* exp(x) for the softmax's x <= 0 (a score less the running maximum), to 4e-5 relative: 2^n
- * times a degree-4 polynomial of 2^f (Taylor's, |f| <= 1/2; vf_exp's ~1 ulp takes twice the
+ * times a degree-4 polynomial for 2^f (Taylor's, |f| <= 1/2; vf_exp's ~1 ulp takes twice the
  * instructions, where the weights are rounded to bf16 or to bytes next). x below -87.3 (-inf
  * past a chunk's end) reads as -87.3: 2^n stays normal. */
 static inline vf vf_exp_weight(vf x) {
@@ -248,6 +244,10 @@ static inline vf vf_exp_weight(vf x) {
     return vf_times_pow2(vf_fma(p, f, vf_set1(1.0f)), n);
 }
 
+/* A head's chunk of scores s[0..ATT_CHUNK) (-inf past n) -> its weights exp(s - m) (0 past
+ * n), with its running maximum (stats[0]) moved on and the weights' sum as a vector (*sum:
+ * the caller adds a chunk's heads up together); returns the factor what the head has
+ * accumulated so far takes (exp(old max - m)). */
 static inline __attribute__((always_inline)) float softmax_chunk(float *s, int64_t n, float *stats, vf *sum) {
     const int64_t nv = (n + VL - 1) / VL;
     vf vmax = vf_load(s);
