@@ -589,7 +589,7 @@ static inline __attribute__((always_inline)) void values_int4(const int hb, floa
                 const vf x0 = vf_mul(vf_mul(vf_load(w + hh * ATT_CHUNK), sv[g][0]), f);
                 const vf x1 = vf_mul(vf_mul(vf_load(w + hh * ATT_CHUNK + VL), sv[g][1]), f);
                 _mm256_store_si256((__m256i *)wq[hh][g], weight_bytes(_mm512_cvtps_epi32(x0), _mm512_cvtps_epi32(x1)));
-                wscale[hh][g] = inv_top[hh] > 0.0f && inv_s > 0.0f ? top[hh] * unit[g] : 0.0f;
+                wscale[hh][g] = top[hh] * unit[g]; /* 0 where top or the rows' scales are */
             }
         }
         vi sum[HB][4];
@@ -748,7 +748,7 @@ static inline __attribute__((always_inline)) void values_int4(const int hb, floa
                 vi x[4];
                 for (int u = 0; u < 4; u++) x[u] = vf_to_vi(vf_mul(vf_mul(vf_load(w + hh * ATT_CHUNK + u * VL), sv[g][u]), f));
                 bytes[g] = weight_bytes(x[0], x[1], x[2], x[3]);
-                scale[g] = inv_top[hh] > 0.0f && inv_s > 0.0f ? top[hh] * unit[g] : 0.0f;
+                scale[g] = top[hh] * unit[g]; /* 0 where top or the rows' scales are */
             }
             wscale[hh] = _mm256_setr_m128(_mm_set1_ps(scale[0]), _mm_set1_ps(scale[1]));
             const vi first = _mm256_permute2x128_si256(bytes[0], bytes[1], 0x20); /* a's 0-15, b's 0-15 */

@@ -70,8 +70,6 @@ static inline vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
 static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vf_round(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline vi vf_to_vi(vf a) { return _mm512_cvtps_epi32(a); }
-/* a * 2^n (n whole, 2^n normal): one vscalefps */
-static inline vf vf_times_pow2(vf a, vf n) { return _mm512_scalef_ps(a, n); }
 static inline vf vi_as_vf(vi a) { return _mm512_castsi512_ps(a); }
 static inline vi vf_as_vi(vf a) { return _mm512_castps_si512(a); }
 static inline vi vi_set1(int32_t x) { return _mm512_set1_epi32(x); }
@@ -167,10 +165,6 @@ static inline vf vf_min(vf a, vf b) { return _mm256_min_ps(a, b); }
 static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vf_round(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline vi vf_to_vi(vf a) { return _mm256_cvtps_epi32(a); }
-/* a * 2^n (n whole, 2^n normal): 2^n built in the exponent bits */
-static inline vf vf_times_pow2(vf a, vf n) {
-    return _mm256_mul_ps(a, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23)));
-}
 static inline vf vi_as_vf(vi a) { return _mm256_castsi256_ps(a); }
 static inline vi vf_as_vi(vf a) { return _mm256_castps_si256(a); }
 static inline vi vi_set1(int32_t x) { return _mm256_set1_epi32(x); }
@@ -326,6 +320,15 @@ static inline vf vf_butterfly(vf x, int stage /* log2 h */) {
     const vf partner = _mm256_permutevar8x32_ps(x, _mm256_loadu_si256((const __m256i *)butterfly_partner[stage]));
 #endif
     return vf_fma(x, vf_load(butterfly_sign[stage]), partner);
+}
+
+/* a * 2^n (n whole, 2^n normal): one vscalefps on AVX-512, else 2^n built in the exponent bits */
+static inline vf vf_times_pow2(vf a, vf n) {
+#if defined(MS_AVX512)
+    return _mm512_scalef_ps(a, n);
+#else
+    return vf_mul(a, vi_as_vf(vi_slli(vi_add(vf_to_vi(n), vi_set1(127)), 23)));
+#endif
 }
 
 /* exp(x) to ~1 ulp: Cody-Waite reduction by ln 2, Cephes' expf polynomial, times 2^n */
