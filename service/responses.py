@@ -224,7 +224,7 @@ class StartupPhaseBody(_Body, kw_only=True):
 
 
 class ReadyResponse(_Body, kw_only=True):
-    # ready | draining | engine_dead; while the model loads, a stand-in answers 503 with
+    # ready | draining | engine_dead; while the model loads, StartingApp answers 503 with
     # status "starting", `phase` (the one in progress) and `startup` (service/startup.py)
     status: str
     model: str

@@ -8,8 +8,8 @@ import socket
 from collections.abc import Iterator
 
 import uvicorn
-from litestar import Litestar
 
+from service.startup import ServingSwitch
 from service.tls import TlsFiles
 
 
@@ -35,7 +35,7 @@ def bind_rest_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def rest_server(app: Litestar, tls: TlsFiles | None) -> SignalFreeUvicorn:
+def rest_server(app: ServingSwitch, tls: TlsFiles | None) -> SignalFreeUvicorn:
     """uvicorn serving `app` (over TLS with `tls`); our logging, no access log."""
     config = uvicorn.Config(
         app,

@@ -24,7 +24,7 @@ from service.app import create_app
 from service.grpc_server import GrpcServer
 from service.rest_listener import SignalFreeUvicorn, bind_rest_socket, rest_server
 from service.settings import Settings, cost_per_hour
-from service.startup import StartingListener, StartupProgress, publish
+from service.startup import ServingSwitch, StartupProgress, publish
 from service.state import ServingState
 from service.state_builder import build_inspector, load_serving_state
 from service.tls import TlsFiles
@@ -50,6 +50,7 @@ class MoeServer:
         self._uvicorn: SignalFreeUvicorn | None = None
         self._grpc: GrpcServer | None = None
         self._sock: socket.socket | None = None
+        self._rest: asyncio.Future | None = None  # uvicorn's serve(), from the start
         self._shutdown: asyncio.Task | None = None
         self._engine_died = False
         self.tls: TlsFiles | None = None
@@ -72,27 +73,31 @@ class MoeServer:
         self.rest_port = self._sock.getsockname()[1]
         # which replica this is, for spans, log lines and the inspector: from here on
         self.instance_id = instance.assign(self.rest_port)
-        starting = StartingListener(self._sock, progress, self.tls)
-        await starting.start()
+        switch = ServingSwitch(progress)
+        self._uvicorn = rest_server(switch, self.tls)
+        self._rest = asyncio.ensure_future(self._uvicorn.serve(sockets=[self._sock]))
+        while not self._uvicorn.started and not self._rest.done():
+            await asyncio.sleep(0.005)
         try:
+            if not self._uvicorn.started:
+                raise RuntimeError("the REST listener did not start")
             self.state = await load_serving_state(s, inspector, keys, progress.on_engine_phase)
-        finally:
-            await starting.stop()
-        progress.mark("ready")
-        self.state.startup = progress
-        self.state.instance_id = self.instance_id
-        self._uvicorn = rest_server(create_app(self.state), self.tls)
-        if s.grpc_port >= 0:
-            credentials = self.tls.grpc_credentials() if self.tls else None
-            self._grpc = await GrpcServer.start(self.state, s.host, s.grpc_port, credentials)
-            self.grpc_port = self._grpc.port
+            progress.mark("ready")
+            self.state.startup = progress
+            self.state.instance_id = self.instance_id
+            await switch.serve(create_app(self.state))
+            if s.grpc_port >= 0:
+                credentials = self.tls.grpc_credentials() if self.tls else None
+                self._grpc = await GrpcServer.start(self.state, s.host, s.grpc_port, credentials)
+                self.grpc_port = self._grpc.port
+        except BaseException:
+            self._uvicorn.should_exit = True  # the port closes with a failed start
+            await asyncio.gather(self._rest, return_exceptions=True)
+            raise
 
     async def run(self) -> int:
         """Serves until shut down (see `request_shutdown`); returns the exit code."""
-        server = self._uvicorn
-        task = asyncio.ensure_future(server.serve(sockets=[self._sock]))
-        while not server.started and not task.done():
-            await asyncio.sleep(0.01)
+        server, task = self._uvicorn, self._rest
         if server.started:
             self.startup.finish()
             publish(self.startup, self.state.observability, self.settings.startup_budget)

@@ -8,22 +8,20 @@ covers building the API around the loaded engine and starting its listeners. A l
 as each phase ends; once serving, the phases become moeserve_startup_phase_seconds and a
 "startup" trace (telemetry/startup.py).
 
-While the engine loads, a stand-in listener on the REST socket answers /ready and /health
-with 503 and the phase so far, and every other path with 503 (code "starting").
+While the engine loads, the REST listener is already up: it answers /ready and /health with
+503 and the phase so far, and every other path with 503 (code "starting").
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from typing import Any
 
 import msgspec
+from litestar import Litestar
 
 from inference.startup import PhaseMark, phase_order, phase_seconds
-from service.rest_listener import SignalFreeUvicorn, rest_server
-from service.tls import TlsFiles
 from telemetry.logging import get_logger
 from telemetry.startup import StartupMetrics, record_startup_trace
 
@@ -77,20 +75,13 @@ class StartupProgress:
 
 
 class StartingApp:
-    """The ASGI app on the REST socket while the engine loads: 503 everywhere, saying which
+    """What the REST socket answers while the engine loads: 503 everywhere, saying which
     phase the start is in."""
 
     def __init__(self, progress: StartupProgress) -> None:
         self.progress = progress
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                kind = message["type"].removeprefix("lifespan.")
-                await send({"type": f"lifespan.{kind}.complete"})
-                if kind == "shutdown":
-                    return
         if scope["type"] != "http":
             return
         progress = self.progress
@@ -105,26 +96,58 @@ class StartingApp:
         await send({"type": "http.response.body", "body": payload})
 
 
-class StartingListener:
-    """uvicorn serving StartingApp on a duplicate of the REST socket (closing it leaves the
-    socket itself bound and listening for the real app: no connection is refused between)."""
+class ServingSwitch:
+    """The ASGI app on the REST socket for the server's whole life: StartingApp's 503s while
+    the engine loads, then the Litestar app once `serve` hands it over. One uvicorn serves
+    both, so the socket never changes hands: handing it from one listener to another reset
+    the connections accepted in between (asyncio drops one accepted just before its server
+    closes)."""
 
-    def __init__(self, sock: socket.socket, progress: StartupProgress, tls: TlsFiles | None):
-        self._sock = sock.dup()
-        self._server: SignalFreeUvicorn = rest_server(StartingApp(progress), tls)
-        self._task: asyncio.Task | None = None
+    def __init__(self, progress: StartupProgress) -> None:
+        self._starting = StartingApp(progress)
+        self._app: Litestar | None = None
+        self._app_lifespan: asyncio.Task | None = None
+        self._app_stop = asyncio.Event()
 
-    async def start(self) -> None:
-        self._task = asyncio.ensure_future(self._server.serve(sockets=[self._sock]))
-        while not self._server.started and not self._task.done():
-            await asyncio.sleep(0.005)
+    async def serve(self, app: Litestar) -> None:
+        """Runs `app`'s start-up (its plugins' lifespans, on_startup hooks), then hands it
+        every request; raises what its start-up raised."""
+        started = asyncio.get_running_loop().create_future()
+        self._app_lifespan = asyncio.ensure_future(self._run_app_lifespan(app, started))
+        await started
+        self._app = app
 
-    async def stop(self) -> None:
-        if self._task is None:
-            return
-        self._server.should_exit = True
-        await asyncio.gather(self._task, return_exceptions=True)
-        self._sock.close()
+    async def _run_app_lifespan(self, app: Litestar, started: asyncio.Future) -> None:
+        # One task from start to end: the app's lifespan (anyio task groups) must end in the
+        # task it began in.
+        try:
+            async with app.lifespan():
+                started.set_result(None)
+                await self._app_stop.wait()
+        except BaseException as exc:
+            if started.done():
+                raise
+            started.set_exception(exc)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        else:
+            await (self._app or self._starting)(scope, receive, send)
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        """uvicorn's lifespan: the start completes at once (the app's own runs in `serve`);
+        the shutdown ends the app's."""
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        if self._app_lifespan is not None:
+            self._app_stop.set()
+            try:
+                await self._app_lifespan
+            except Exception as exc:  # noqa: BLE001 - uvicorn logs the message
+                await send({"type": "lifespan.shutdown.failed", "message": repr(exc)})
+                return
+        await send({"type": "lifespan.shutdown.complete"})
 
 
 def publish(progress: StartupProgress, observability: Any, budget_s: float = 0.0) -> None:

@@ -1,15 +1,21 @@
 """A real start's phases: while the engine loads /ready answers 503 with the phase in
 progress; once serving it lists every phase reached, in order, and they add up to the start's
-measured duration; /metrics has them as moeserve_startup_phase_seconds."""
+measured duration; /metrics has them as moeserve_startup_phase_seconds. One client polls
+throughout on kept-alive connections: the switch to serving resets none (it did, about one
+start in twenty, while a stand-in listener handed the socket over)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 import time
 
 import httpx
+import pytest
 
 from bench.harness import InProcessServer
+from inference.errors import ModelLoadError
 from inference.startup import PHASES
 from tests.service.conftest import make_settings
 
@@ -19,7 +25,7 @@ def test_phases_sum_to_the_start_and_ready_reports_them_in_order(tiny_model_dir)
     began = time.monotonic()
     entering = threading.Thread(target=srv.__enter__)
     entering.start()
-    seen: list[dict] = []  # the stand-in's 503 bodies while starting
+    seen: list[dict] = []  # the 503 bodies while starting
     try:
         while srv.server.rest_port is None:
             time.sleep(0.002)
@@ -59,3 +65,18 @@ def test_phases_sum_to_the_start_and_ready_reports_them_in_order(tiny_model_dir)
             f'moeserve_startup_phase_seconds{{model="{srv.state.model_name}",phase="{p["phase"]}"}}'
         )
         assert line in exposition
+
+
+def test_a_start_that_fails_to_load_closes_its_port(tiny_model_dir, tmp_path):
+    """The listener is up from the first moment; a load that fails takes it down with it."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["architectures"] = ["NoSuchMoeForCausalLM"]
+    (broken / "config.json").write_text(json.dumps(config))
+    srv = InProcessServer(make_settings(broken))
+    with pytest.raises(ModelLoadError):
+        srv.__enter__()
+    assert srv.server.rest_port is not None
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{srv.server.rest_port}/ready", timeout=5)
