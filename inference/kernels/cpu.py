@@ -72,7 +72,7 @@ BUILDS = {
     "avx512": (_AVX512, _AVX512_CPU),
     # every CPU with AVX512-BF16 has AVX512-VNNI too (Cooper Lake, Sapphire Rapids, Zen 4)
     "avx512bf16": (
-        [*_AVX512, "-mavx512bf16", "-mavx512vnni", "-DMS_AVX512_BF16"],
+        [*_AVX512, "-mavx512bf16", "-mavx512vnni", "-DMS_AVX512_BF16", "-DMS_AVX512_VNNI"],
         _AVX512_CPU | {"avx512_bf16", "avx512_vnni"},
     ),
 }
@@ -161,25 +161,33 @@ def _run_compiler(args: list[str]) -> None:
         raise RuntimeError(done.stderr.decode(errors="replace").strip()[-800:])
 
 
-def _build(sources: list[Path], flags: list[str], name: str) -> Path:
+def _build(
+    sources: list[Path],
+    flags: list[str],
+    name: str,
+    variants: list[tuple[Path, list[str]]] = (),
+) -> Path:
     """Compiles `sources` (with the headers beside them) into the kernel cache, once per content
     of the C folder and set of flags (the common ones too); a temporary file renamed into
     place, so processes building at the same time never load a half-written library. Each
-    source is compiled on its own core, then linked."""
+    source is compiled on its own core, then linked. `variants`: sources compiled once more
+    with flags of their own added (another copy of a kernel, renamed by those flags)."""
     text = b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.suffix in (".c", ".h"))
     every_flag = [*_COMMON_FLAGS, *flags]  # a changed common flag builds anew too
-    key = hashlib.sha256(text + " ".join(every_flag).encode()).hexdigest()[:16]
+    units = [(source, []) for source in sources] + list(variants)
+    spelled = " ".join(every_flag + [f"{s.name}:{' '.join(f)}" for s, f in variants])
+    key = hashlib.sha256(text + spelled.encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"{name}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     compiler = _compiler()
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        objects = [f"{work}/{i}-{source.stem}.o" for i, source in enumerate(sources)]
+        objects = [f"{work}/{i}-{source.stem}.o" for i, (source, _) in enumerate(units)]
         with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             compiles = [
-                [compiler, *every_flag, f"-I{_CSRC}", "-c", str(source), "-o", obj]
-                for source, obj in zip(sources, objects, strict=True)
+                [compiler, *every_flag, *extra, f"-I{_CSRC}", "-c", str(source), "-o", obj]
+                for (source, extra), obj in zip(units, objects, strict=True)
             ]
             list(pool.map(_run_compiler, compiles))
         library = f"{work}/{name}.so"
@@ -350,6 +358,7 @@ _SIGNATURES = {
     "ms_set_int8": "p p p p",
     "ms_set_int8_act_group": "i",
     "ms_set_int4": "p",
+    "ms_set_attention_vnni": "p",
     "ms_set_batch_invariant": "i",
     "ms_decode_step": "s i p p i p p p p p p p i p i p f p p n",
 }
@@ -366,6 +375,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "ms_set_int8",
         "ms_set_int8_act_group",
         "ms_set_int4",
+        "ms_set_attention_vnni",
         "ms_set_batch_invariant",
     ):
         getattr(lib, name).restype = None
@@ -385,13 +395,20 @@ def _simde_flags() -> list[str]:
 def load_build(isa: str, emulated: bool = False) -> ctypes.CDLL:
     """The kernel library for one instruction set (the caller checks the CPU runs it).
     `emulated` (tests only): the AVX-512 source compiled against SIMDe's portable intrinsics,
-    so CPUs without AVX-512 can check its code."""
+    so CPUs without AVX-512 can check its code. The avx512 build holds decode attention twice:
+    its own, and ms_decode_attention_vnni with AVX512-VNNI (int4 KV rows on vpdpbusd), which
+    enable() hands it where the CPU has VNNI."""
     flags = list(BUILDS[isa][0])
     name = f"kernels-{isa}"
+    again = ["-DMS_AVX512_VNNI", "-Dms_decode_attention=ms_decode_attention_vnni"]
     if emulated and isa.startswith("avx512"):
         flags = [*BUILDS["avx2"][0], *(f for f in flags if f.startswith("-D")), *_simde_flags()]
         name += "-simde"
-    return _bind(ctypes.CDLL(str(_build([_CSRC / f for f in KERNEL_SOURCES], flags, name))))
+    elif isa == "avx512":
+        again.append("-mavx512vnni")
+    sources = [_CSRC / f for f in KERNEL_SOURCES]
+    variants = [(_CSRC / "attention.c", again)] if isa == "avx512" else []
+    return _bind(ctypes.CDLL(str(_build(sources, flags, name, variants))))
 
 
 @functools.cache
@@ -478,6 +495,9 @@ INT8: str | None = None
 # ("amx-emulated" in tests; csrc/amx_int4.c, many rows, fewer on the int4.c path it was
 # given); None: torch's
 INT4: str | None = None
+# ATTENTION_VNNI: the avx512 build's decode attention runs its copy built with AVX512-VNNI
+# (int4 KV rows on vpdpbusd; the avx512bf16 and avx2 builds always take theirs)
+ATTENTION_VNNI = False
 _int4_linear = None  # the chosen path's linear layer (ms_int4_linear or ms_amx_int4_linear)
 _lib: ctypes.CDLL | None = None
 _selected = False  # enable() has run: engines keep what it chose (tests force paths this way)
@@ -494,12 +514,13 @@ def enable(
     build to force (a fallback; asking for one the CPU cannot run raises RuntimeError rather
     than risk an illegal instruction); None turns them off. MOESERVE_BF16_KERNELS=0 turns the
     automatic choice off; a build asked for by name is still built, as amx=True/False
-    overrides MOESERVE_AMX (amx: None follows it). vnni: False keeps int8 products off VNNI
-    (None: wherever the CPU has it).
+    overrides MOESERVE_AMX (amx: None follows it). vnni: False keeps int8 products off VNNI,
+    and the avx512 build's decode attention (None: wherever the CPU has it).
     emulated (tests only): the AVX-512 build on SIMDe and AMX on amx_emulation.h, which any
     CPU with AVX2 runs."""
-    global ISA, AMX, INT8, INT4, _lib, _selected, _int4_linear
+    global ISA, AMX, INT8, INT4, ATTENTION_VNNI, _lib, _selected, _int4_linear
     ISA, AMX, INT8, INT4, _lib, _selected, _int4_linear = None, False, None, None, None, True, None
+    ATTENTION_VNNI = False
     if isa is None or (isa == "auto" and os.environ.get("MOESERVE_BF16_KERNELS", "1") == "0"):
         return None
     if isa == "auto":
@@ -553,6 +574,13 @@ def enable(
         ctypes.cast(amx_lib.ms_amx_int8_grouped, _P) if amx_int8 else None,
     )
     lib.ms_set_int8_act_group(quant.INT8_ACT_GROUP)
+    # the avx512 build's decode attention with VNNI where the CPU has it (vnni=False: not)
+    ATTENTION_VNNI = (
+        isa == "avx512" and vnni is not False and (emulated or "avx512_vnni" in cpu_flags())
+    )
+    lib.ms_set_attention_vnni(
+        ctypes.cast(lib.ms_decode_attention_vnni, _P) if ATTENTION_VNNI else None
+    )
     ISA, AMX, _lib = isa, amx_lib is not None, lib
     INT8 = {2: "amx", 1: "vnni", 0: isa}[lib.ms_int8_path()]
     INT4 = _int4_path(isa, vnni, emulated)
@@ -613,7 +641,7 @@ def paths() -> dict[str, str]:
         "linear": ISA,
         "moe_token": ISA,
         "moe_batch": tiles,
-        "decode_attention": ISA,
+        "decode_attention": f"{ISA}+vnni" if ATTENTION_VNNI else ISA,
         "int8": INT8,
         "int4": INT4 or "aten",
     }

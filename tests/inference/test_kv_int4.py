@@ -232,6 +232,38 @@ def test_avx2_sums_the_int4_products_the_vnni_build_sums():
         close_to_bf16(avx2, vnni.float())
 
 
+def test_the_avx512_build_reads_int4_rows_on_vnni_where_the_cpu_has_it():
+    """The avx512 build (the AMX Xeons', Skylake-X's) holds decode attention twice. On a CPU
+    with VNNI, its copy built with it takes every call: int4 rows go through the avx512bf16
+    build's integer products, to the bit (natively where this CPU runs both builds, else on
+    SIMDe). With vnni=False (Skylake-X has none), the rows widen to float32 and land as
+    close to attention over their values as bf16 rounding allows."""
+    native = {"avx512bf16", "avx512"} <= set(cpu_kernels.runnable_isas())
+    shapes = [(8, 2, 64), (4, 4, 128), (9, 3, 64)]
+    runs = {}
+    for isa in ("avx512bf16", "avx512"):
+        with forced(Path(isa, emulated=not native)):
+            assert cpu_kernels.paths()["decode_attention"] == (
+                "avx512+vnni" if isa == "avx512" else isa
+            )
+            runs[isa] = [
+                decoded_over_int4_rows(h, g, d, [5, 70, 200, 1000], 16, 80, 64)
+                for h, g, d in shapes
+            ]
+    for vnni, bf16_build in zip(runs["avx512"], runs["avx512bf16"], strict=True):
+        assert torch.equal(vnni[-1], bf16_build[-1])
+    try:
+        cpu_kernels.enable("avx512", vnni=False, emulated=not native)
+        assert cpu_kernels.paths()["decode_attention"] == "avx512"
+        for h, g, d in shapes:
+            q, kc, vc, tables, out = decoded_over_int4_rows(h, g, d, [5, 70, 200], 16, 80, 64)
+            kf, vf = kv_cache.dequantize(kc, torch.float32), kv_cache.dequantize(vc, torch.float32)
+            for b, n in enumerate([5, 70, 200]):
+                close_to_bf16(out[b], attention_reference(q[b], kf, vf, tables[b], n, 16, d**-0.5))
+    finally:
+        cpu_kernels.enable()
+
+
 @pytest.mark.parametrize(
     "r,p,close",
     [

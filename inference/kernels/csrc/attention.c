@@ -410,8 +410,11 @@ static inline __attribute__((always_inline)) void values_bf16(const int hb, floa
  *   columns come out in the lane order int4_column gives; the results are put back in order
  *   once, when the splits merge.
  * The sums are exact integers in both builds, so they differ only in the order their float32
- * parts add up. The avx512 build (no VNNI in its flags) widens int4 rows to float32. */
-#if defined(MS_AVX512_BF16) || !defined(MS_AVX512)
+ * parts add up. The avx512 build has no VNNI in its flags (Skylake-X lacks it): it widens int4
+ * rows to float32, and cpu.py builds this file a second time into it with VNNI
+ * (MS_AVX512_VNNI; ms_decode_attention_vnni), which its ms_decode_attention hands every call
+ * to where the CPU has VNNI (Cascade Lake, Ice Lake, the AMX Xeons). */
+#if defined(MS_AVX512_VNNI) || !defined(MS_AVX512)
 #define INT4_DOTS
 #define INT4_STEP 64 /* values a step reads: 32 bytes, two scale groups */
 
@@ -464,7 +467,7 @@ static inline __attribute__((always_inline)) void int4_values_start(const int hb
     }
 }
 
-#if defined(MS_AVX512_BF16)
+#if defined(MS_AVX512_VNNI)
 /* vpdpbusd: sixteen key positions lie across a vector's lanes (a transpose of their rows'
  * dwords), so each query dword is broadcast and no horizontal sums remain. */
 
@@ -786,7 +789,7 @@ static inline __attribute__((always_inline)) void values_int4(const int hb, floa
         }
     }
 }
-#endif /* MS_AVX512_BF16 */
+#endif /* MS_AVX512_VNNI */
 #endif /* INT4_DOTS */
 
 #if defined(MS_AVX512_BF16)
@@ -997,6 +1000,12 @@ int ms_decode_attention(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_
                         const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
                         int64_t block_size, float scale, const float *sinks, int64_t window, bf16 *out,
                         int64_t ldo, int nthreads) {
+#if defined(MS_AVX512) && !defined(MS_AVX512_VNNI)
+    if (attention_vnni) /* this file again, with VNNI: int4 rows on vpdpbusd */
+        return attention_vnni(q, ldq, B, H, G, kv_kind, k_cache, k_slot, k_head, dk, v_cache, v_slot, v_head, dv,
+                              v_scale_at, block_tables, bt_stride, context_lens, block_size, scale, sinks, window,
+                              out, ldo, nthreads);
+#endif
     const int64_t hpg = H / G;
     /* bytes of a slot's rows (all kv heads) and of a cache element (bf16 or a byte), for
      * prefetching */

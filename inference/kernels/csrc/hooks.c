@@ -34,5 +34,10 @@ void ms_set_int8(void *vnni, void *amx, void *vnni_grouped, void *amx_grouped) {
 int4w_fn int4_wblock;
 void ms_set_int4(void *wblock) { int4_wblock = (int4w_fn)wblock; }
 
+/* the avx512 build's decode attention compiled with AVX512-VNNI (int4 rows on vpdpbusd), set
+ * where the CPU has it; NULL: ms_decode_attention runs its own body */
+attention_fn attention_vnni;
+void ms_set_attention_vnni(void *attention) { attention_vnni = (attention_fn)attention; }
+
 /* which integer product runs (for the start-up log line): 2 AMX, 1 VNNI, 0 vpmaddubsw */
 int ms_int8_path(void) { return int8_amx ? 2 : int8_vnni ? 1 : 0; }

@@ -3,7 +3,8 @@
  * call graph from the bottom up (a file calls only files of the sections above its own; the
  * test tests/inference/test_kernel_sources.py checks the graph has no cycle):
  *
- *   hooks.c      the AMX and int8 product hooks cpu.py sets (no calls out)
+ *   hooks.c      the AMX, int8 and int4 product hooks cpu.py sets, and the avx512 build's
+ *                VNNI decode attention (no calls out)
  *   region.c     scratch memory                          -> hooks.c
  *   hadamard.c   the Hadamard rotation                   (no calls out)
  *   gemm.c       products of packed bf16 blocks           -> hooks.c
@@ -14,7 +15,8 @@
  *   kv_rows.c    the paged KV cache's row formats         -> hadamard.c
  *   linear.c     ms_linear          -> region.c, gemm.c, gemm8.c, wmat.c
  *   moe.c        ms_moe, swiglu_row -> region.c, gemm.c, gemm8.c, wmat.c
- *   attention.c  ms_decode_attention -> region.c, hadamard.c, kv_rows.c
+ *   attention.c  ms_decode_attention -> hooks.c, region.c, hadamard.c, kv_rows.c
+ *                (the avx512 build compiles it twice: ms_decode_attention_vnni with VNNI)
  *   prefill_attention.c  ms_prefill_attention -> region.c, hadamard.c, kv_rows.c
  *   norm_rope.c  ms_rmsnorm, ms_rope_cache -> kv_rows.c
  *   embed.c      ms_embed_int8      -> hadamard.c
@@ -137,6 +139,14 @@ typedef void (*int4w_fn)(const int8_t *A, int64_t lda, const float *sx, const in
 
 /* AMX's bf16 product (amx.c): C = A B for a block and a group of rows, A as bf16. */
 typedef void (*amx_fn)(const bf16 *A, int64_t lda, int64_t rows, const bf16 *B, int64_t Kp, float *C, int64_t ldc);
+/* ms_decode_attention's prototype: the avx512 build's second copy of it, compiled with
+ * AVX512-VNNI (see attention.c's int4 rows) */
+typedef int (*attention_fn)(const bf16 *q, int64_t ldq, int64_t B, int64_t H, int64_t G, int kv_kind,
+                            const void *k_cache, int64_t k_slot, int64_t k_head, int64_t dk, const void *v_cache,
+                            int64_t v_slot, int64_t v_head, int64_t dv, int64_t v_scale_at,
+                            const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
+                            int64_t block_size, float scale, const float *sinks, int64_t window, bf16 *out,
+                            int64_t ldo, int nthreads);
 
 /* Rows of bf16 (stride ld, K columns) -> float32 rows of Kp columns (zero padded). */
 static inline void widen_row(const bf16 *x, int64_t K, float *out, int64_t Kp) {
@@ -168,6 +178,7 @@ static inline float row_amax(const float *x, int64_t n) {
 }
 
 /* ==== hooks.c: the products of the libraries of their own (amx.c, int8_vnni.c) ========= */
+/* (and the avx512 build's VNNI copy of decode attention) */
 
 /* cpu_kernels.enable sets them where the CPU has them (NULL: none); block_gemm (gemm.c) and
  * int8_block (gemm8.c) read them */
@@ -175,9 +186,13 @@ extern MS_HIDDEN amx_fn amx_block;
 extern MS_HIDDEN int8_fn int8_vnni, int8_amx;
 extern MS_HIDDEN int8g_fn int8g_vnni, int8g_amx; /* their grouped forms */
 extern MS_HIDDEN int4w_fn int4_wblock; /* NULL: no int4 library (cpu_kernels.INT4 None) */
+/* the avx512 build's decode attention on a CPU with AVX512-VNNI: its copy compiled with it
+ * (ms_decode_attention_vnni), which ms_decode_attention hands every call to; else NULL */
+extern MS_HIDDEN attention_fn attention_vnni;
 void ms_set_amx(void *block, void *new_call);
 void ms_set_int8(void *vnni, void *amx, void *vnni_grouped, void *amx_grouped);
 void ms_set_int4(void *wblock);
+void ms_set_attention_vnni(void *attention);
 /* which integer product runs (for the start-up log line): 2 AMX, 1 VNNI, 0 vpmaddubsw */
 int ms_int8_path(void);
 /* whether products of many rows go to AMX */
