@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 import structlog
+from safetensors import SafetensorError
 
 from inference.config import EngineConfig
 from inference.errors import InvalidParameterError, ModelLoadError
@@ -108,6 +109,8 @@ def failure(exc: BaseException) -> Failed:
         return Failed("parameter", exc.message, exc.param)
     if isinstance(exc, ModelLoadError):
         return Failed("model", str(exc))
+    if isinstance(exc, SafetensorError):  # a weights file that does not parse: the model's fault
+        return Failed("model", f"a weights file is not valid safetensors: {exc}")
     return Failed("other", f"{type(exc).__name__}: {exc}")
 
 

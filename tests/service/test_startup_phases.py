@@ -67,15 +67,28 @@ def test_phases_sum_to_the_start_and_ready_reports_them_in_order(tiny_model_dir)
         assert line in exposition
 
 
-def test_a_start_that_fails_to_load_closes_its_port(tiny_model_dir, tmp_path):
-    """The listener is up from the first moment; a load that fails takes it down with it."""
+def _unknown_architecture(model_dir):
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["NoSuchMoeForCausalLM"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+
+def _corrupt_weights(model_dir):
+    (model_dir / "model.safetensors").write_bytes(b"not a safetensors file")
+
+
+@pytest.mark.parametrize(
+    "breaks, message",
+    [(_unknown_architecture, "NoSuchMoeForCausalLM"), (_corrupt_weights, "not valid safetensors")],
+)
+def test_a_start_that_fails_to_load_closes_its_port(tiny_model_dir, tmp_path, breaks, message):
+    """The listener is up from the first moment; a load that fails (a model error, named)
+    takes it down with it."""
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model_dir, broken)
-    config = json.loads((broken / "config.json").read_text())
-    config["architectures"] = ["NoSuchMoeForCausalLM"]
-    (broken / "config.json").write_text(json.dumps(config))
+    breaks(broken)
     srv = InProcessServer(make_settings(broken))
-    with pytest.raises(ModelLoadError):
+    with pytest.raises(ModelLoadError, match=message):
         srv.__enter__()
     assert srv.server.rest_port is not None
     with pytest.raises(httpx.ConnectError):
