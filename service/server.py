@@ -97,20 +97,19 @@ class MoeServer:
 
     async def run(self) -> int:
         """Serves until shut down (see `request_shutdown`); returns the exit code."""
-        server, task = self._uvicorn, self._rest
-        if server.started:
-            self.startup.finish()
-            publish(self.startup, self.state.observability, self.settings.startup_budget)
-            log.info(
-                "server started",
-                rest_port=self.rest_port,
-                grpc_port=self.grpc_port,
-                host=self.settings.host,
-                tls=self.tls.mode if self.tls else "off",
-                api_keys=len(self.state.keys.names),
-                model=self.state.model_name,
-                max_model_len=self.state.engine.max_model_len,
-            )
+        task = self._rest  # start() returned: uvicorn is serving
+        self.startup.finish()
+        publish(self.startup, self.state.observability, self.settings.startup_budget)
+        log.info(
+            "server started",
+            rest_port=self.rest_port,
+            grpc_port=self.grpc_port,
+            host=self.settings.host,
+            tls=self.tls.mode if self.tls else "off",
+            api_keys=len(self.state.keys.names),
+            model=self.state.model_name,
+            max_model_len=self.state.engine.max_model_len,
+        )
         watch = asyncio.ensure_future(self._watch_engine())
         try:
             await task
@@ -125,7 +124,7 @@ class MoeServer:
             log.info("server stopped")
         if self._engine_died:
             return EXIT_ENGINE_DEAD
-        return 0 if server.started else 1
+        return 0
 
     async def _watch_engine(self) -> None:
         """Exits the server (EXIT_ENGINE_DEAD) once the engine core has died outside a

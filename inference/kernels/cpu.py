@@ -47,6 +47,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -165,7 +166,7 @@ def _build(
     sources: list[Path],
     flags: list[str],
     name: str,
-    variants: list[tuple[Path, list[str]]] = (),
+    variants: Sequence[tuple[Path, list[str]]] = (),
 ) -> Path:
     """Compiles `sources` (with the headers beside them) into the kernel cache, once per content
     of the C folder and set of flags (the common ones too); a temporary file renamed into
@@ -400,14 +401,14 @@ def load_build(isa: str, emulated: bool = False) -> ctypes.CDLL:
     enable() hands it where the CPU has VNNI."""
     flags = list(BUILDS[isa][0])
     name = f"kernels-{isa}"
-    again = ["-DMS_AVX512_VNNI", "-Dms_decode_attention=ms_decode_attention_vnni"]
+    variants = []
+    if isa == "avx512":
+        again = ["-DMS_AVX512_VNNI", "-Dms_decode_attention=ms_decode_attention_vnni"]
+        variants.append((_CSRC / "attention.c", again if emulated else [*again, "-mavx512vnni"]))
     if emulated and isa.startswith("avx512"):
         flags = [*BUILDS["avx2"][0], *(f for f in flags if f.startswith("-D")), *_simde_flags()]
         name += "-simde"
-    elif isa == "avx512":
-        again.append("-mavx512vnni")
     sources = [_CSRC / f for f in KERNEL_SOURCES]
-    variants = [(_CSRC / "attention.c", again)] if isa == "avx512" else []
     return _bind(ctypes.CDLL(str(_build(sources, flags, name, variants))))
 
 
