@@ -575,7 +575,7 @@ static inline __attribute__((always_inline)) void values_int4(const int hb, floa
     int4_values_start(hb, acc, rescale, w, d, top, inv_top);
     for (int64_t step = 0; step < d / INT4_STEP; step++) {
         /* weights as unsigned bytes [hh][group a, b][ATT_CHUNK], and their scales */
-        uint8_t wq[HB][2][ATT_CHUNK] __attribute__((aligned(64)));
+        __m256i wq[HB][2];
         float wscale[HB][2];
         vf sv[2][2]; /* the rows' scales: [group][positions 0-15, 16-31] */
         float svmax[2];
@@ -591,7 +591,7 @@ static inline __attribute__((always_inline)) void values_int4(const int hb, floa
                 const vf f = vf_set1(inv_top[hh] * inv_s);
                 const vf x0 = vf_mul(vf_mul(vf_load(w + hh * ATT_CHUNK), sv[g][0]), f);
                 const vf x1 = vf_mul(vf_mul(vf_load(w + hh * ATT_CHUNK + VL), sv[g][1]), f);
-                _mm256_store_si256((__m256i *)wq[hh][g], weight_bytes(_mm512_cvtps_epi32(x0), _mm512_cvtps_epi32(x1)));
+                wq[hh][g] = weight_bytes(_mm512_cvtps_epi32(x0), _mm512_cvtps_epi32(x1));
                 wscale[hh][g] = top[hh] * unit[g]; /* 0 where top or the rows' scales are */
             }
         }
@@ -599,7 +599,9 @@ static inline __attribute__((always_inline)) void values_int4(const int hb, floa
         for (int hh = 0; hh < hb; hh++)
             for (int a = 0; a < 4; a++) sum[hh][a] = _mm512_setzero_si512();
         vi wv[HB];
-        for (int hh = 0; hh < hb; hh++) wv[hh] = _mm512_loadu_si512(wq[hh][0]); /* dwords: a's 8, b's 8 */
+        /* dwords: a's 8, b's 8, joined in registers (stored as halves and loaded whole, they
+         * waited on the stores: a load wider than the stores before it is not forwarded) */
+        for (int hh = 0; hh < hb; hh++) wv[hh] = _mm512_inserti64x4(_mm512_castsi256_si512(wq[hh][0]), wq[hh][1], 1);
         for (int64_t p = 0; p < n; p += 4) {
             const uint8_t *r0 = rows[p] + 32 * step, *r1 = rows[p + 1] + 32 * step, *r2 = rows[p + 2] + 32 * step,
                           *r3 = rows[p + 3] + 32 * step;
