@@ -10,6 +10,7 @@ KV-cache events (inference/kv_events.py), starting with AllBlocksCleared (a fres
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 
 import xxhash
@@ -143,7 +144,7 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 self.num_used -= 1
                 self.free[block] = None
-        seq.block_table = []
+        seq.block_table = array("i")
         seq.block_hashes = []
         seq.num_hashed_blocks = 0
 

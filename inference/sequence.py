@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 
 import torch
 
@@ -49,7 +50,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
-        self.block_table: list[int] = []
+        # int32, as the kernels read it: a decode step copies it whole (a list of 2,048 blocks at
+        # 32K tokens took 70 us a step to copy, this 5)
+        self.block_table = array("i")
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
         self.block_hashes: list[int] = []
         self.times = RequestTimes(arrival=time.monotonic())

@@ -15,7 +15,7 @@ def test_allocate_and_free_track_usage():
     assert len(s.block_table) == 3 and bm.num_used == 3 and bm.usage == 3 / 8
     assert not bm.can_allocate(seq(list(range(40))), 40)
     bm.free_sequence(s)
-    assert bm.num_used == 0 and s.block_table == [] and len(bm.free) == 8
+    assert bm.num_used == 0 and not s.block_table and len(bm.free) == 8
 
 
 def test_prefix_blocks_are_shared_and_ref_counted():

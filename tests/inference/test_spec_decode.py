@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from array import array
 
 import pytest
 import torch
@@ -377,10 +378,10 @@ def test_block_tables_of_decode_rows_pad_and_repeat_each_sequence():
     """A verified sequence's k + 1 rows each carry its block table; shorter tables are padded
     with block 0 (the runner's paged-kernel metadata)."""
     long, short = Sequence.__new__(Sequence), Sequence.__new__(Sequence)
-    long.block_table, short.block_table = list(range(40, 0, -1)), [7, 3]
+    long.block_table, short.block_table = array("i", range(40, 0, -1)), array("i", [7, 3])
     rows = [(long, 10), (long, 11), (long, 12), (short, 20), (long, 30)]
     tables = block_table_rows(rows)
-    expected = [s.block_table + [0] * (40 - len(s.block_table)) for s, _ in rows]
+    expected = [list(s.block_table) + [0] * (40 - len(s.block_table)) for s, _ in rows]
     assert tables.dtype == torch.int32 and tables.tolist() == expected
     alone = block_table_rows([(short, 20)])
     assert alone.tolist() == [[7, 3]]
