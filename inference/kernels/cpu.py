@@ -360,7 +360,6 @@ _SIGNATURES = {
     "ms_set_int8_act_group": "i",
     "ms_set_int4": "p",
     "ms_set_attention_vnni": "p",
-    "ms_set_prefill_bf16": "p",
     "ms_set_batch_invariant": "i",
     "ms_decode_step": "s i p p i p p p p p p p i p i p f p p n",
 }
@@ -378,7 +377,6 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "ms_set_int8_act_group",
         "ms_set_int4",
         "ms_set_attention_vnni",
-        "ms_set_prefill_bf16",
         "ms_set_batch_invariant",
     ):
         getattr(lib, name).restype = None
@@ -405,11 +403,8 @@ def load_build(isa: str, emulated: bool = False) -> ctypes.CDLL:
     name = f"kernels-{isa}"
     variants = []
     if isa == "avx512":
-        vnni = ["-DMS_AVX512_VNNI", "-Dms_decode_attention=ms_decode_attention_vnni"]
-        bf16 = ["-DMS_AVX512_BF16", "-Dms_prefill_attention=ms_prefill_attention_bf16"]
-        if not emulated:
-            vnni, bf16 = [*vnni, "-mavx512vnni"], [*bf16, "-mavx512bf16"]
-        variants += [(_CSRC / "attention.c", vnni), (_CSRC / "prefill_attention.c", bf16)]
+        again = ["-DMS_AVX512_VNNI", "-Dms_decode_attention=ms_decode_attention_vnni"]
+        variants.append((_CSRC / "attention.c", again if emulated else [*again, "-mavx512vnni"]))
     if emulated and isa.startswith("avx512"):
         flags = [*BUILDS["avx2"][0], *(f for f in flags if f.startswith("-D")), *_simde_flags()]
         name += "-simde"
@@ -504,10 +499,6 @@ INT4: str | None = None
 # ATTENTION_VNNI: the avx512 build's decode attention runs its copy built with AVX512-VNNI
 # (int4 KV rows on vpdpbusd; the avx512bf16 and avx2 builds always take theirs)
 ATTENTION_VNNI = False
-# PREFILL_ATTENTION: what runs prefill attention over the paged cache: "avx512bf16" (our
-# tiled kernel: that build, or the avx512 build's copy of it where the CPU has AVX512-BF16, as
-# the AMX Xeons do), None: torch's flash kernel (models/attention_parts.py)
-PREFILL_ATTENTION: str | None = None
 _int4_linear = None  # the chosen path's linear layer (ms_int4_linear or ms_amx_int4_linear)
 _lib: ctypes.CDLL | None = None
 _selected = False  # enable() has run: engines keep what it chose (tests force paths this way)
@@ -518,7 +509,6 @@ def enable(
     amx: bool | None = None,
     emulated: bool = False,
     vnni: bool | None = None,
-    bf16: bool | None = None,
 ) -> str | None:
     """Selects the kernels (engines on the CPU in bf16 call this once at start-up) and returns
     the instruction set in use, None for ATen's. isa: "auto" (the best this CPU runs) or one
@@ -526,13 +516,12 @@ def enable(
     than risk an illegal instruction); None turns them off. MOESERVE_BF16_KERNELS=0 turns the
     automatic choice off; a build asked for by name is still built, as amx=True/False
     overrides MOESERVE_AMX (amx: None follows it). vnni: False keeps int8 products off VNNI,
-    and the avx512 build's decode attention (None: wherever the CPU has it). bf16: False keeps
-    the avx512 build's prefill attention off its AVX512-BF16 copy (torch's runs instead).
+    and the avx512 build's decode attention (None: wherever the CPU has it).
     emulated (tests only): the AVX-512 build on SIMDe and AMX on amx_emulation.h, which any
     CPU with AVX2 runs."""
-    global ISA, AMX, INT8, INT4, ATTENTION_VNNI, PREFILL_ATTENTION, _lib, _selected, _int4_linear
+    global ISA, AMX, INT8, INT4, ATTENTION_VNNI, _lib, _selected, _int4_linear
     ISA, AMX, INT8, INT4, _lib, _selected, _int4_linear = None, False, None, None, None, True, None
-    ATTENTION_VNNI, PREFILL_ATTENTION = False, None
+    ATTENTION_VNNI = False
     if isa is None or (isa == "auto" and os.environ.get("MOESERVE_BF16_KERNELS", "1") == "0"):
         return None
     if isa == "auto":
@@ -593,14 +582,6 @@ def enable(
     lib.ms_set_attention_vnni(
         ctypes.cast(lib.ms_decode_attention_vnni, _P) if ATTENTION_VNNI else None
     )
-    # and its prefill attention with AVX512-BF16 where the CPU has it (bf16=False: not)
-    prefill_copy = (
-        isa == "avx512" and bf16 is not False and (emulated or "avx512_bf16" in cpu_flags())
-    )
-    lib.ms_set_prefill_bf16(
-        ctypes.cast(lib.ms_prefill_attention_bf16, _P) if prefill_copy else None
-    )
-    PREFILL_ATTENTION = "avx512bf16" if isa == "avx512bf16" or prefill_copy else None
     ISA, AMX, _lib = isa, amx_lib is not None, lib
     INT8 = {2: "amx", 1: "vnni", 0: isa}[lib.ms_int8_path()]
     INT4 = _int4_path(isa, vnni, emulated)
@@ -653,7 +634,6 @@ def paths() -> dict[str, str]:
             "moe_token": "aten",
             "moe_batch": "aten",
             "decode_attention": "aten",
-            "prefill_attention": "aten",
             "int8": "aten",
             "int4": "aten",
         }
@@ -663,7 +643,6 @@ def paths() -> dict[str, str]:
         "moe_token": ISA,
         "moe_batch": tiles,
         "decode_attention": f"{ISA}+vnni" if ATTENTION_VNNI else ISA,
-        "prefill_attention": PREFILL_ATTENTION or "aten",
         "int8": INT8,
         "int4": INT4 or "aten",
     }
@@ -1057,14 +1036,14 @@ def decode_attention(
 
 
 def prefill_attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether ms_prefill_attention takes a chunk's queries q [C, H, d] over this cache: our
-    kernel on vdpbf16ps (PREFILL_ATTENTION), bf16 queries, a bf16 or quantized cache of rows of d
+    """Whether ms_prefill_attention takes a chunk's queries q [C, H, d] over this cache: the
+    AVX512-BF16 build (vdpbf16ps), bf16 queries, a bf16 or quantized cache of rows of d
     values, d a multiple of 32 up to 256, at most 96 query heads a kv head. Elsewhere ATen's
     flash kernel runs (models/attention_parts.py)."""
     h, d = q.shape[1], q.shape[2]
     g = k_cache.shape[1]
     return (
-        PREFILL_ATTENTION is not None
+        ISA == "avx512bf16"
         and q.dtype == torch.bfloat16
         and (k_cache.dtype == torch.bfloat16 or kv_kind(k_cache) != 0)
         and d % 32 == 0

@@ -1,8 +1,8 @@
 """The AVX512-BF16 prefill-attention kernel (csrc/prefill_attention.c): a prompt chunk's
 queries over its paged context, read in place by slot (bf16, 8-bit and int4 caches), with
 sliding windows and sinks, against the dense float64 reference,
-on the native and the emulated AVX512-BF16 builds and the avx512 build's copy of it (the same
-output, to the bit); and the builds without it leave prompt chunks to ATen's flash kernel."""
+on the native and the emulated AVX512-BF16 builds; and the builds without it leave prompt
+chunks to ATen's flash kernel."""
 
 from __future__ import annotations
 
@@ -16,18 +16,12 @@ from inference.models.attention import AttentionMetadata, PagedAttention, Prefil
 from tests.inference.kernel_paths import Path, forced
 from tests.inference.test_prefill_attention import paged_context, reference
 
-# the avx512bf16 build, and the avx512 build's copy built with AVX512-BF16 (the AMX Xeons')
-# (emulated, the copy is test_the_avx512_builds_copy_gives_the_avx512bf16_builds_bits's)
-BF16_PATHS = [Path("avx512bf16"), Path("avx512"), Path("avx512bf16", emulated=True)]
+BF16_PATHS = [Path("avx512bf16"), Path("avx512bf16", emulated=True)]
 
 
 @pytest.fixture(params=BF16_PATHS, ids=str)
 def bf16_path(request):
-    p = request.param
-    if p.isa == "avx512" and "avx512_bf16" not in cpu_kernels.cpu_flags():
-        pytest.skip("this CPU lacks avx512_bf16: the avx512 build keeps prompt chunks on ATen's")
-    with forced(p):
-        assert cpu_kernels.paths()["prefill_attention"] == "avx512bf16"
+    with forced(request.param) as p:
         yield p
 
 
@@ -144,12 +138,9 @@ def test_shapes_it_does_not_take_are_not_offered(bf16_path):
 
 @pytest.mark.parametrize("path", [Path("avx512"), Path("avx2")], ids=str)
 def test_other_builds_leave_prompt_chunks_to_aten(path, monkeypatch):
-    """Without AVX512-BF16 (the avx2 build; the avx512 build on a CPU without it, as bf16=False
-    has it) the module's prefill is the parts' (ATen's flash kernel): the C kernel is never
-    called, and the result is the reference's."""
+    """Without AVX512-BF16 the module's prefill is the parts' (ATen's flash kernel): the C
+    kernel is never called, and the result is the reference's."""
     with forced(path):
-        cpu_kernels.enable(path.isa, bf16=False)
-        assert cpu_kernels.paths()["prefill_attention"] == "aten"
         heads, kv_heads, dim, context_len, length = 4, 2, 64, 50, 20
         k_cache, v_cache, slots, keys, values = paged_context(
             context_len + length, kv_heads, dim, torch.bfloat16
@@ -169,30 +160,3 @@ def test_other_builds_leave_prompt_chunks_to_aten(path, monkeypatch):
         )
         expected = reference(q, keys, values, context_len, dim**-0.5)
         torch.testing.assert_close(out.double(), expected, rtol=3e-2, atol=3e-2)
-
-
-def test_the_avx512_builds_copy_gives_the_avx512bf16_builds_bits():
-    """The avx512 build (the AMX Xeons take it) holds prefill attention twice: where the CPU
-    has AVX512-BF16 its copy built with it takes every prompt chunk, giving the avx512bf16
-    build's output to the bit (natively where this CPU runs both builds, else on SIMDe), over
-    a bf16 and an int4 cache."""
-    native = {"avx512bf16", "avx512"} <= set(cpu_kernels.runnable_isas())
-    heads, kv_heads, dim, context_len, length = 8, 2, 64, 150, 70
-    total = context_len + length
-    bf16_k, bf16_v, slots, keys, values = paged_context(total, kv_heads, dim, torch.bfloat16)
-    storage = paged_cache.storage_dtype("int4", torch.bfloat16)
-    int4_k = torch.zeros(total + 40, kv_heads, paged_cache.row_width(dim, storage), dtype=storage)
-    int4_v = torch.zeros_like(int4_k)
-    paged_cache.write_kv(int4_k, slots, keys)
-    paged_cache.write_kv(int4_v, slots, values)
-    q = torch.randn(length, heads, dim, generator=torch.Generator().manual_seed(8)).bfloat16()
-    runs = {}
-    for isa in ("avx512bf16", "avx512"):
-        with forced(Path(isa, emulated=not native)):
-            runs[isa] = [
-                cpu_kernels.prefill_attention(q, k, v, slots, context_len, 0.125, None, window)
-                for k, v in ((bf16_k, bf16_v), (int4_k, int4_v))
-                for window in (0, 48)
-            ]
-    for copy, own in zip(runs["avx512"], runs["avx512bf16"], strict=True):
-        assert torch.equal(copy, own)

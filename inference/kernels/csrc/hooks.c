@@ -1,7 +1,6 @@
 /* The products of the libraries of their own that cpu_kernels.enable hands to this one where
  * the CPU has them: AMX's bf16 and int8 tiles (amx.c), VNNI's int8 products (int8_vnni.c) and
- * the int4 products (int4.c); and the copies of attention the avx512 build holds compiled
- * with more than its flags.
+ * the int4 products (int4.c).
  * gemm.c's block_gemm and gemm8.c's int8_block read them; region.c tells AMX when an
  * outermost call begins. This file calls no other. */
 #include "kernels.h"
@@ -39,11 +38,6 @@ void ms_set_int4(void *wblock) { int4_wblock = (int4w_fn)wblock; }
  * where the CPU has it; NULL: ms_decode_attention runs its own body */
 attention_fn attention_vnni;
 void ms_set_attention_vnni(void *attention) { attention_vnni = (attention_fn)attention; }
-
-/* the avx512 build's prefill attention compiled with AVX512-BF16, set where the CPU has it;
- * NULL: ms_prefill_attention returns 2 there (torch's flash kernel runs) */
-prefill_fn prefill_bf16;
-void ms_set_prefill_bf16(void *prefill) { prefill_bf16 = (prefill_fn)prefill; }
 
 /* which integer product runs (for the start-up log line): 2 AMX, 1 VNNI, 0 vpmaddubsw */
 int ms_int8_path(void) { return int8_amx ? 2 : int8_vnni ? 1 : 0; }

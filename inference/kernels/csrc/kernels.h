@@ -147,12 +147,6 @@ typedef int (*attention_fn)(const bf16 *q, int64_t ldq, int64_t B, int64_t H, in
                             const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
                             int64_t block_size, float scale, const float *sinks, int64_t window, bf16 *out,
                             int64_t ldo, int nthreads);
-/* ms_prefill_attention's prototype: the avx512 build's second copy of it, compiled with
- * AVX512-BF16 (vdpbf16ps) */
-typedef int (*prefill_fn)(const bf16 *q, int64_t ldq, int64_t C, int64_t H, int64_t G, int64_t d, int kv_kind,
-                          const void *k_cache, int64_t k_slot, int64_t k_head, const void *v_cache, int64_t v_slot,
-                          int64_t v_head, const int64_t *slots, int64_t ctx, float scale, const float *sinks,
-                          int64_t window, bf16 *out, int64_t ldo, int nthreads);
 
 /* Rows of bf16 (stride ld, K columns) -> float32 rows of Kp columns (zero padded). */
 static inline void widen_row(const bf16 *x, int64_t K, float *out, int64_t Kp) {
@@ -184,8 +178,7 @@ static inline float row_amax(const float *x, int64_t n) {
 }
 
 /* ==== hooks.c: the products of the libraries of their own (amx.c, int8_vnni.c) ========= */
-/* (and the avx512 build's VNNI copy of decode attention and AVX512-BF16 copy of prefill
- * attention) */
+/* (and the avx512 build's VNNI copy of decode attention) */
 
 /* cpu_kernels.enable sets them where the CPU has them (NULL: none); block_gemm (gemm.c) and
  * int8_block (gemm8.c) read them */
@@ -196,15 +189,10 @@ extern MS_HIDDEN int4w_fn int4_wblock; /* NULL: no int4 library (cpu_kernels.INT
 /* the avx512 build's decode attention on a CPU with AVX512-VNNI: its copy compiled with it
  * (ms_decode_attention_vnni), which ms_decode_attention hands every call to; else NULL */
 extern MS_HIDDEN attention_fn attention_vnni;
-/* the avx512 build's prefill attention on a CPU with AVX512-BF16 (the AMX Xeons): its copy
- * compiled with it (ms_prefill_attention_bf16), which ms_prefill_attention hands every call
- * to; else NULL */
-extern MS_HIDDEN prefill_fn prefill_bf16;
 void ms_set_amx(void *block, void *new_call);
 void ms_set_int8(void *vnni, void *amx, void *vnni_grouped, void *amx_grouped);
 void ms_set_int4(void *wblock);
 void ms_set_attention_vnni(void *attention);
-void ms_set_prefill_bf16(void *prefill);
 /* which integer product runs (for the start-up log line): 2 AMX, 1 VNNI, 0 vpmaddubsw */
 int ms_int8_path(void);
 /* whether products of many rows go to AMX */

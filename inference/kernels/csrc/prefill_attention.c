@@ -1,7 +1,4 @@
-/* Prefill attention over the paged KV cache on AVX512-BF16 (see ms_prefill_attention). The
- * avx512 build (the AMX Xeons take it) holds it twice: its own, which has no AVX512-BF16 in
- * its flags, and this file again compiled with them (ms_prefill_attention_bf16), handed over
- * where the CPU has AVX512-BF16. */
+/* Prefill attention over the paged KV cache on AVX512-BF16 (see ms_prefill_attention). */
 #include <omp.h>
 #include <string.h>
 
@@ -204,17 +201,14 @@ static void block_rows(int64_t k0, int64_t nk, int64_t last, int kind, const int
  * cache slot; out [C, H, d] (row stride ldo). Query heads [g * H / G, (g + 1) * H / G) share
  * kv head g. window > 0: each query sees its last `window` positions (itself included);
  * sinks (NULL: none) [H] float32: a logit per head joining each softmax's denominator with
- * no value (gpt-oss). Returns 2 where this build has no AVX512-BF16 and no copy built with it
- * was handed over (cpu.py calls it only where one runs), 1 for shapes it does not take (d a multiple of 32 up to 256, at most 96 query heads
+ * no value (gpt-oss). Returns 2 where this build has no AVX512-BF16 (cpu.py calls it only where it
+ * has), 1 for shapes it does not take (d a multiple of 32 up to 256, at most 96 query heads
  * a kv head), -1 when out of scratch memory. */
 int ms_prefill_attention(const bf16 *q, int64_t ldq, int64_t C, int64_t H, int64_t G, int64_t d, int kv_kind,
                          const void *k_cache, int64_t k_slot, int64_t k_head, const void *v_cache, int64_t v_slot,
                          int64_t v_head, const int64_t *slots, int64_t ctx, float scale, const float *sinks,
                          int64_t window, bf16 *out, int64_t ldo, int nthreads) {
 #if !defined(MS_AVX512_BF16)
-    if (prefill_bf16) /* the avx512 build: this file again, with AVX512-BF16 */
-        return prefill_bf16(q, ldq, C, H, G, d, kv_kind, k_cache, k_slot, k_head, v_cache, v_slot, v_head, slots, ctx,
-                            scale, sinks, window, out, ldo, nthreads);
     (void)q, (void)ldq, (void)C, (void)H, (void)G, (void)d, (void)kv_kind, (void)k_cache, (void)k_slot, (void)k_head;
     (void)v_cache, (void)v_slot, (void)v_head, (void)slots, (void)ctx, (void)scale, (void)sinks, (void)window;
     (void)out, (void)ldo;
