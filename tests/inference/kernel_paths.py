@@ -63,6 +63,11 @@ def forced(p: Path) -> Iterator[Path]:
             pytest.skip(f"{p}: Linux refused the AMX register state")
         if chosen != p.isa or cpu_kernels.AMX != p.amx:
             pytest.fail(f"{p}: enable() chose {chosen} amx={cpu_kernels.AMX}")
+        # enable() falls back to the plain products with a warning where the VNNI library
+        # fails to build: a forced path must run the products it names
+        vnni_cpu = p.emulated or cpu_kernels._VNNI[p.isa][1] in cpu_kernels.cpu_flags()
+        if vnni_cpu and cpu_kernels.INT8 == p.isa:
+            pytest.fail(f"{p}: the int8 products are off VNNI (its library did not build)")
         yield p
     finally:
         cpu_kernels.enable()

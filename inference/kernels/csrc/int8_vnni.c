@@ -46,7 +46,9 @@ static inline vi unsigned_quad(const int8_t *a, vi flip) {
 
 static inline vi top_bits(void) {
     vi flip = vi_set1((int32_t)0x80808080u);
+#if !defined(MS_SIMDE) /* SIMDe's emulated AVX-512 vectors are structs, in no register */
     __asm__("" : "+v"(flip));
+#endif
     return flip;
 }
 
