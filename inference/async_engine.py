@@ -264,6 +264,7 @@ class AsyncLLMEngine:
                 raise EngineDeadError(f"the engine process is gone: {exc!r}") from exc
             while not finished:
                 output = await stream.get()
+                output.prompt_token_ids = ids  # the core sends outputs without it
                 finished = output.finished
                 yield output
         finally:

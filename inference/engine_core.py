@@ -81,6 +81,8 @@ class PhaseStarted(msgspec.Struct, tag=True):
 
 
 class StepResult(msgspec.Struct, tag=True):
+    # without their prompt_token_ids (a 32K-token prompt is ~100 KB to encode every step):
+    # AsyncLLMEngine.stream puts back the prompt it sent
     outputs: list[RequestOutput]
     stats: StepStats
 
@@ -267,6 +269,8 @@ class EngineCore:
                     self._publish_kv_events()
                 if self.take_log_lines is not None:
                     stats.log_lines = self.take_log_lines()
+                for output in outputs:  # the API process has each prompt: it sent it
+                    output.prompt_token_ids = []
                 self._send(StepResult(outputs, stats))
         except (BrokenPipeError, EOFError):  # the API process is gone
             return

@@ -42,6 +42,9 @@ class Sequence:
     ) -> None:
         self.seq_id, self.request_id, self.index = seq_id, request_id, index
         self.token_ids = list(prompt_token_ids)  # prompt then output
+        # the prompt once more, handed to every output as it is (a 32K-token slice of
+        # token_ids each step took 0.08 ms of a 2.7 ms decode step)
+        self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.generator = generator  # per-request RNG for seeded sampling
@@ -159,7 +162,7 @@ def request_output(request_id: str, seqs: list[Sequence]) -> RequestOutput:
         prompt_logprobs = first.prompt_logprobs
     return RequestOutput(
         request_id,
-        first.token_ids[: first.num_prompt_tokens],
+        first.prompt_token_ids,
         completions,
         finished=all(s.is_finished for s in seqs),
         num_cached_tokens=first.num_cached_tokens,

@@ -19,6 +19,7 @@ from inference import (
     ModelLoadError,
     SamplingParams,
 )
+from inference.engine_core import StepResult
 
 
 def _gone(pid: int, timeout: float) -> bool:
@@ -68,6 +69,33 @@ async def test_a_dead_core_fails_every_stream_and_refuses_new_ones(tiny_model_di
             await engine.generate("after", SamplingParams(max_tokens=2))
     finally:
         await engine.shutdown()
+
+
+async def test_outputs_carry_the_prompt_the_core_does_not_send_back(tiny_model_dir):
+    """The core's step messages leave each output's prompt out (the API process sent it, and a
+    32K-token prompt is ~100 KB to encode every step); the stream puts it back."""
+    engine = AsyncLLMEngine.from_pretrained(
+        tiny_model_dir, device="cpu", dtype="float32", kv_cache_tokens=1024
+    )
+    sent_back, decoder = [], engine._decoder
+
+    class Recording:
+        def decode(self, data: bytes):
+            message = decoder.decode(data)
+            if isinstance(message, StepResult):
+                sent_back.extend(out.prompt_token_ids for out in message.outputs)
+            return message
+
+    engine._decoder = Recording()
+    engine.start()
+    try:
+        ids = [5, 6, 7, 8, 9]
+        params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
+        outputs = [o async for o in engine.stream("", params, prompt_token_ids=ids)]
+    finally:
+        await engine.shutdown()
+    assert len(outputs) >= 2 and all(o.prompt_token_ids == ids for o in outputs)
+    assert len(sent_back) >= len(outputs) and not any(sent_back)
 
 
 def test_the_core_exits_when_the_api_process_dies(tiny_model_dir):
