@@ -97,7 +97,9 @@ ACCURACY_CONFIGS = {
     "fp8_e4m3_kv": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8_e5m2_kv": {"kv_cache_dtype": "fp8_e5m2"},
     # two values a byte, a scale per 32 (models/paged_cache.py), read back by each later chunk
+    # (keys less their mean at load: inference/executor/key_shift.py), and without the shift
     "int4_kv": {"kv_cache_dtype": "int4"},
+    "int4_kv_unshifted": {"kv_cache_dtype": "int4", "env": {"MOESERVE_KV_KEY_SHIFT": "0"}},
 }
 
 

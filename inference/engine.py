@@ -91,7 +91,7 @@ class LLMEngine:
         self.kv_cache_dtype = config.kv_cache_dtype
         self.executor = ex = ModelExecutor(
             path, family_of(hf_config), args, self.device, self.dtype, config, self.quantization,
-            published, clock,
+            published, clock, self.tokenizer,
         )  # fmt: skip
         self.max_model_len, self.weight_bytes = ex.max_model_len, ex.weight_bytes
         self.kv_cache_tokens, self.kv_cache_bytes = ex.kv_cache_tokens, ex.kv_cache_bytes

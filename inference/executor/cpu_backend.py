@@ -203,6 +203,7 @@ def _attention_spec(layer: DecoderLayer, attn: Attention) -> cpu.LayerSpec:
         rotary_dim=attn.rotary_dim,
         window=attn.attn.window,
         sinks=_ptr(attn.attn.sinks32),
+        key_shift=_ptr(attn.attn.key_shift),
     )
 
 

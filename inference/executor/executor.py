@@ -16,7 +16,7 @@ from torch import nn
 
 from inference.config import EngineConfig
 from inference.errors import InvalidParameterError
-from inference.executor import cpu_backend
+from inference.executor import cpu_backend, key_shift
 from inference.executor.kv_cache import allocate_kv_cache, kv_bytes_per_token, num_cache_blocks
 from inference.executor.loader import load_weights
 from inference.executor.model_runner import ModelRunner
@@ -25,7 +25,7 @@ from inference.executor.sampler import Sampler
 from inference.kernels import cpu
 from inference.models.args import Family, ModelArgs
 from inference.models.moe import gather_limit
-from inference.models.paged_cache import storage_dtype
+from inference.models.paged_cache import INT4, storage_dtype
 from inference.quantization.qweight import QWeight
 from inference.spec_decode.config import speculative_config
 from inference.startup import StartupClock
@@ -46,11 +46,13 @@ class ModelExecutor:
         quantization: str,
         published: str,
         startup: StartupClock | None = None,
+        tokenizer=None,
     ) -> None:
         """quantization: the weights' format to serve (none, int8, int4, fp8, or the
         checkpoint's own); published: the checkpoint's own (none, fp8, gptq, awq,
         compressed-tensors, mxfp4: loader.checkpoint_quantization). `startup`: the clock its
-        phases are marked on (the engine marked load_weights)."""
+        phases are marked on (the engine marked load_weights). `tokenizer`: the model's, for
+        the int4 cache's key shift (key_shift.py; None: no shift)."""
         self.args, self.device, self.dtype, self.config = args, device, dtype, config
         self.startup = clock = startup or StartupClock()
         self.quantization = quantization
@@ -87,6 +89,13 @@ class ModelExecutor:
                 only_published=as_published,
             )
             self._note_quantized_path()
+        shift_keys = (
+            tokenizer is not None
+            and storage_dtype(config.kv_cache_dtype, dtype) == INT4
+            and key_shift.enabled()
+        )
+        if shift_keys:  # before the backend: the fused step takes the shifts' addresses
+            key_shift.prepare(self.model, device)
         if cpu_bf16:
             clock.mark("pack")  # weights into the kernels' layouts
         self.fused_step = self._install_backend() if cpu_bf16 else None
@@ -104,6 +113,12 @@ class ModelExecutor:
         )
         # the MTP layer's cache (same blocks, its own tensors) is the drafter's, not the model's
         self.mtp_cache = self.kv_caches.pop() if args.mtp else None
+        if shift_keys:
+            limit = min(self.num_blocks * config.block_size, max_positions)
+            used = key_shift.calibrate(
+                self.model, self.kv_caches, key_shift.calibration_ids(tokenizer), limit
+            )
+            log.info("int4 cache keys shifted by their mean", calibration_tokens=used)
 
     def _load(self, path: Path, family: Family, max_positions: int, published: str):
         """The family's model with the checkpoint's weights, and its fp8 weights as published

@@ -53,7 +53,9 @@ class PagedAttention(nn.Module):
 
     window > 0: a sliding-window layer, each query sees its last `window` positions (itself
     included). sinks: a learned logit per head that joins each softmax's denominator with no
-    value (gpt-oss's attention sinks), loaded into `sinks` [H]."""
+    value (gpt-oss's attention sinks), loaded into `sinks` [H]. key_shift [G, d] float32, or
+    None: taken off every key after RoPE, before it is written or attended (the int4 cache's;
+    softmax-invariant, executor/key_shift.py)."""
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, scale: float, window: int = 0, sinks: bool = False
@@ -62,6 +64,7 @@ class PagedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.scale = num_heads, num_kv_heads, scale
         self.window = window
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
+        self.register_buffer("key_shift", None, persistent=False)
 
     def forward(
         self,
@@ -90,6 +93,8 @@ class PagedAttention(nn.Module):
         h, g = self.num_heads, self.num_kv_heads
         qk = apply_rope(qkv[:, : h + g], cos, sin)  # q and k rotated in one pass
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + g :]
+        if self.key_shift is not None:
+            k = (k.float() - self.key_shift).to(k.dtype)
         write_kv(k_cache, meta.slot_mapping, k)
         write_kv(v_cache, meta.slot_mapping, v)
         return q, k, v

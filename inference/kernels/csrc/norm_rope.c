@@ -41,10 +41,12 @@ void ms_rmsnorm(const bf16 *x, int64_t ldx, bf16 *residual, int64_t ldr, const b
  * [S, G, row] in format kv_kind: row = d elements, or d + 2 bytes for int8 with its scale).
  * Only the first rd dims of each head rotate (rd < d: partial rotary, GLM-4.5 and MiniMax-M2;
  * the rest pass unchanged); cos/sin [T, rd] bf16 (each frequency twice, as the checkpoints'
- * tables). Each product and the sum rounded as the reference's bf16 ops round. */
+ * tables). Each product and the sum rounded as the reference's bf16 ops round. key_shift
+ * [G, d] float32 (or NULL): taken off each rotated key, in place, before it is written
+ * (models/key_shift.py; bf16(k - m) as torch rounds it). */
 void ms_rope_cache(bf16 *qkv, int64_t ld, int64_t T, int64_t H, int64_t G, int64_t d, int64_t rd,
-                   const bf16 *cos, const bf16 *sin, const int64_t *slots, int kv_kind, void *k_cache,
-                   void *v_cache, int64_t cache_row, int nthreads) {
+                   const bf16 *cos, const bf16 *sin, const float *key_shift, const int64_t *slots,
+                   int kv_kind, void *k_cache, void *v_cache, int64_t cache_row, int nthreads) {
     const int64_t half = rd / 2;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 16)
     for (int64_t t = 0; t < T; t++) {
@@ -67,6 +69,13 @@ void ms_rope_cache(bf16 *qkv, int64_t ld, int64_t T, int64_t H, int64_t G, int64
                 x[half + i] = f32_to_bf16(round_bf16(x2 * bf16_to_f32(ct[half + i])) +
                                           round_bf16(x1 * bf16_to_f32(st[half + i])));
             }
+        }
+        for (int64_t g = 0; key_shift && g < G; g++) {
+            bf16 *x = qkv + t * ld + (H + g) * d;
+            const float *m = key_shift + g * d;
+            int64_t i = 0;
+            for (; i + VL <= d; i += VL) vf_store_bf16(x + i, vf_sub(vf_load_bf16(x + i), vf_load(m + i)));
+            for (; i < d; i++) x[i] = f32_to_bf16(bf16_to_f32(x[i]) - m[i]);
         }
         if (slots && kv_kind == KV_BF16) {
             memcpy((bf16 *)k_cache + slots[t] * G * d, qkv + t * ld + H * d, G * d * sizeof(bf16));
