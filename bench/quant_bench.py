@@ -97,9 +97,14 @@ ACCURACY_CONFIGS = {
     "fp8_e4m3_kv": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8_e5m2_kv": {"kv_cache_dtype": "fp8_e5m2"},
     # two values a byte, a scale per 32 (models/paged_cache.py), read back by each later chunk
-    # (keys less their mean at load: inference/executor/key_shift.py), and without the shift
+    # (keys less their mean at load: inference/executor/key_calibration.py), and without either
     "int4_kv": {"kv_cache_dtype": "int4"},
     "int4_kv_unshifted": {"kv_cache_dtype": "int4", "env": {"MOESERVE_KV_KEY_SHIFT": "0"}},
+    "int4_kv_plain_rounding": {"kv_cache_dtype": "int4", "env": {"MOESERVE_KV_KEY_ROUNDING": "0"}},
+    "int4_kv_uncalibrated": {
+        "kv_cache_dtype": "int4",
+        "env": {"MOESERVE_KV_KEY_SHIFT": "0", "MOESERVE_KV_KEY_ROUNDING": "0"},
+    },
 }
 
 

@@ -204,6 +204,7 @@ def _attention_spec(layer: DecoderLayer, attn: Attention) -> cpu.LayerSpec:
         window=attn.attn.window,
         sinks=_ptr(attn.attn.sinks32),
         key_shift=_ptr(attn.attn.key_shift),
+        key_hinv=_ptr(attn.attn.key_hinv),
     )
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from inference.config import EngineConfig
 from inference.errors import InvalidParameterError
-from inference.executor import cpu_backend, key_shift
+from inference.executor import cpu_backend, key_calibration
 from inference.executor.kv_cache import allocate_kv_cache, kv_bytes_per_token, num_cache_blocks
 from inference.executor.loader import load_weights
 from inference.executor.model_runner import ModelRunner
@@ -52,7 +52,7 @@ class ModelExecutor:
         checkpoint's own); published: the checkpoint's own (none, fp8, gptq, awq,
         compressed-tensors, mxfp4: loader.checkpoint_quantization). `startup`: the clock its
         phases are marked on (the engine marked load_weights). `tokenizer`: the model's, for
-        the int4 cache's key shift (key_shift.py; None: no shift)."""
+        the int4 cache's key calibration (key_calibration.py; None: none)."""
         self.args, self.device, self.dtype, self.config = args, device, dtype, config
         self.startup = clock = startup or StartupClock()
         self.quantization = quantization
@@ -89,13 +89,14 @@ class ModelExecutor:
                 only_published=as_published,
             )
             self._note_quantized_path()
-        shift_keys = (
-            tokenizer is not None
-            and storage_dtype(config.kv_cache_dtype, dtype) == INT4
-            and key_shift.enabled()
-        )
-        if shift_keys:  # before the backend: the fused step takes the shifts' addresses
-            key_shift.prepare(self.model, device)
+        # the int4 cache's keys: a shift and a rounding, measured once the cache exists
+        int4_keys = tokenizer is not None and storage_dtype(config.kv_cache_dtype, dtype) == INT4
+        shift = int4_keys and key_calibration.switch("MOESERVE_KV_KEY_SHIFT")
+        # the rounding where our kernels write the rows: torch's loop over a row's values
+        # (paged_cache._weighted_levels) would cost every layer's write a few milliseconds
+        rounding = int4_keys and self.kernels and key_calibration.switch("MOESERVE_KV_KEY_ROUNDING")
+        if shift or rounding:  # before the backend: the fused step takes their addresses
+            key_calibration.prepare(self.model, device, shift, rounding)
         if cpu_bf16:
             clock.mark("pack")  # weights into the kernels' layouts
         self.fused_step = self._install_backend() if cpu_bf16 else None
@@ -113,12 +114,11 @@ class ModelExecutor:
         )
         # the MTP layer's cache (same blocks, its own tensors) is the drafter's, not the model's
         self.mtp_cache = self.kv_caches.pop() if args.mtp else None
-        if shift_keys:
+        if shift or rounding:
             limit = min(self.num_blocks * config.block_size, max_positions)
-            used = key_shift.calibrate(
-                self.model, self.kv_caches, key_shift.calibration_ids(tokenizer), limit
-            )
-            log.info("int4 cache keys shifted by their mean", calibration_tokens=used)
+            ids = key_calibration.calibration_ids(tokenizer)
+            used = key_calibration.calibrate(self.model, self.kv_caches, ids, limit)
+            log.info("int4 cache keys calibrated", shift=shift, rounding=rounding, tokens=used)
 
     def _load(self, path: Path, family: Family, max_positions: int, published: str):
         """The family's model with the checkpoint's weights, and its fp8 weights as published

@@ -307,6 +307,7 @@ class LayerSpec(ctypes.Structure):
                 "kv_a_bias",
                 "kv_a_norm",
                 "key_shift",
+                "key_hinv",
             )
         ]
         + [
@@ -351,7 +352,7 @@ _SIGNATURES = {
     "ms_decode_attention": "p i i i i n p i i i p i i i i p i p i f p i p i n",
     "ms_prefill_attention": "p i i i i i n p i i p i i p i f p i p i n",
     "ms_rmsnorm": "p i p i p f p i i i n",
-    "ms_rope_cache": "p i i i i i i p p p p n p p i n",
+    "ms_rope_cache": "p i i i i i i p p p p p n p p i n",
     "ms_greedy": "p i i i p n",
     "ms_logprob_rows": "p i n i i p i p p p p n",
     "ms_logit_scores": "p i i i w i p p i p p p p i n",
@@ -1143,12 +1144,15 @@ def rope_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     key_shift: torch.Tensor | None = None,
+    key_hinv: torch.Tensor | None = None,
 ) -> None:
     """qkv [T, H + 2G, d] (contiguous): rotates the query and key heads in place (cos/sin
     [T, rd] bf16, contiguous: the first rd <= d dims of each head rotate, the rest pass, as
-    in partial rotary), takes key_shift [G, d] float32 off the rotated keys (in place too;
-    models/key_shift.py) and writes the keys and values to the cache rows `slots` [T] int64,
-    in the caches' format (8-bit formats quantized as they are written)."""
+    in partial rotary), takes key_shift [G, d] float32 off the rotated keys (in place too)
+    and writes the keys and values to the cache rows `slots` [T] int64, in the caches' format
+    (8-bit formats quantized as they are written; int4 keys rounded through key_hinv
+    [G, d, d] float32 where given: paged_cache.quantize_int4's weights). Both from
+    executor/key_calibration.py."""
     t, _, d = qkv.shape
     rd = cos.shape[-1]
     if rd > d or rd % 2 or not (cos.is_contiguous() and sin.is_contiguous()):
@@ -1159,6 +1163,12 @@ def rope_and_cache(
         or not key_shift.is_contiguous()
     ):
         raise ValueError(f"a key shift is [{num_kv_heads}, {d}] float32, contiguous")
+    if key_hinv is not None and (
+        key_hinv.shape != (num_kv_heads, d, d)
+        or key_hinv.dtype != torch.float32
+        or not key_hinv.is_contiguous()
+    ):
+        raise ValueError(f"a key rounding is [{num_kv_heads}, {d}, {d}] float32, contiguous")
     _lib.ms_rope_cache(
         qkv.data_ptr(),
         qkv.stride(0),
@@ -1170,6 +1180,7 @@ def rope_and_cache(
         cos.data_ptr(),
         sin.data_ptr(),
         None if key_shift is None else key_shift.data_ptr(),
+        None if key_hinv is None else key_hinv.data_ptr(),
         None if slots is None else slots.data_ptr(),
         kv_kind(k_cache),
         k_cache.data_ptr(),

@@ -92,13 +92,16 @@ class CpuPagedAttention(PagedAttention):
         super().__init__(plain.num_heads, plain.num_kv_heads, plain.scale, plain.window)
         self.sinks = plain.sinks
         self.sinks32 = None if plain.sinks is None else plain.sinks.data.float().contiguous()
-        self.key_shift = plain.key_shift
+        self.key_shift, self.key_hinv = plain.key_shift, plain.key_hinv
 
     def rope_and_write(self, qkv, cos, sin, meta, k_cache, v_cache):
         if not cpu.applies(qkv):
             return super().rope_and_write(qkv, cos, sin, meta, k_cache, v_cache)
         h, g = self.num_heads, self.num_kv_heads
-        cpu.rope_and_cache(qkv, cos, sin, h, g, meta.slot_mapping, k_cache, v_cache, self.key_shift)
+        slots = meta.slot_mapping
+        cpu.rope_and_cache(
+            qkv, cos, sin, h, g, slots, k_cache, v_cache, self.key_shift, self.key_hinv
+        )
         return qkv[:, :h], qkv[:, h : h + g], qkv[:, h + g :]
 
     def prefill(self, q, k, v, k_cache, v_cache, chunk, new_slots) -> torch.Tensor:

@@ -55,7 +55,8 @@ class PagedAttention(nn.Module):
     included). sinks: a learned logit per head that joins each softmax's denominator with no
     value (gpt-oss's attention sinks), loaded into `sinks` [H]. key_shift [G, d] float32, or
     None: taken off every key after RoPE, before it is written or attended (the int4 cache's;
-    softmax-invariant, executor/key_shift.py)."""
+    softmax-invariant); key_hinv [G, d, d] float32, or None: how its int4 key rows round
+    (paged_cache.quantize_int4's weights). Both from executor/key_calibration.py."""
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, scale: float, window: int = 0, sinks: bool = False
@@ -65,6 +66,7 @@ class PagedAttention(nn.Module):
         self.window = window
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
         self.register_buffer("key_shift", None, persistent=False)
+        self.register_buffer("key_hinv", None, persistent=False)
 
     def forward(
         self,
@@ -95,7 +97,7 @@ class PagedAttention(nn.Module):
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + g :]
         if self.key_shift is not None:
             k = (k.float() - self.key_shift).to(k.dtype)
-        write_kv(k_cache, meta.slot_mapping, k)
+        write_kv(k_cache, meta.slot_mapping, k, self.key_hinv)
         write_kv(v_cache, meta.slot_mapping, v)
         return q, k, v
 

@@ -108,23 +108,56 @@ def _groups(width: int) -> list[tuple[int, int]]:
     return [(g, min(INT4_GROUP, width - g)) for g in range(0, width, INT4_GROUP)]
 
 
-def quantize_int4(kv: torch.Tensor) -> torch.Tensor:
+def quantize_int4(kv: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """kv [..., d] (d even) -> int4 rows [..., row] as bytes: rotated, a bf16 scale per group
     (of INT4_SCALE_FACTORS' candidates, the one whose levels hold the group with the least
     squared error), values rounded to nearest even and stored + 8, Q4_0's nibble order (see
-    the module's docstring). csrc/kv_rows.c writes the same bytes."""
+    the module's docstring). csrc/kv_rows.c writes the same bytes.
+
+    weights [G, d, d] float32 (kv [..., G, d]), or None: each head's rows rounded as GPTQ
+    rounds a weight row (_weighted_levels), for the error a query sees, not the squared one."""
     d = kv.shape[-1]
     if d % 2:
         raise ValueError(f"an int4 cache row needs an even number of values, not {d}")
     x = rotate(kv.float())
-    packed, scales = [], []
+    levels, scales = [], []
     for g, n in _groups(d):
         scale, q = _int4_group(x[..., g : g + n])
-        q = q.to(torch.uint8) + 8
-        packed.append(q[..., : n // 2] | (q[..., n // 2 :] << 4))
+        levels.append(q)
         scales.append(scale)
+    if weights is not None:
+        each = torch.cat(
+            [s.float().expand(*s.shape[:-1], n) for s, (_, n) in zip(scales, _groups(d))], -1
+        )
+        levels = list(_weighted_levels(x, each, weights).split([n for _, n in _groups(d)], -1))
+    packed = []
+    for q in levels:
+        q = q.to(torch.uint8) + 8
+        half = q.shape[-1] // 2
+        packed.append(q[..., :half] | (q[..., half:] << 4))
     values = torch.cat(packed, dim=-1)
     return torch.cat((values, torch.cat(scales, dim=-1).view(torch.uint8)), dim=-1)
+
+
+def _weighted_levels(x: torch.Tensor, scales: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Rotated rows x [..., G, d] at their values' scales [..., G, d] -> levels [..., G, d],
+    -8..7: value by value, each rounded to nearest even and its error carried into the values
+    after it as GPTQ carries a weight's (weights [G, d, d]: the upper Cholesky factor of the
+    inverse of the head's query second moment, in the rotated space: executor/
+    key_calibration.py). Carried in float64 with each error rounded to float32 first, so each
+    product is exact and an fma changes nothing: csrc/kv_rows.c's int4_weighted_levels gives
+    the same levels."""
+    w, h, s = x.double(), weights.double(), scales.double()
+    levels = torch.empty_like(x)
+    for i in range(x.shape[-1]):
+        si = s[..., i]
+        level = torch.where(si > 0, w[..., i] / torch.where(si > 0, si, 1.0), 0.0)
+        level = level.clamp(-8, 7).round()
+        levels[..., i] = level.float()
+        if i + 1 < x.shape[-1]:
+            err = ((w[..., i] - level * si) / h[:, i, i]).float().double()
+            w[..., i + 1 :] -= err[..., None] * h[:, i, i + 1 :]
+    return levels
 
 
 def _int4_group(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,11 +204,16 @@ def dequantize_int4(raw: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tensor) -> None:
+def write_kv(
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv: torch.Tensor,
+    weights: torch.Tensor | None = None,
+) -> None:
     """cache [S, G, row]; kv [T, G, d], quantized to the cache's format (8-bit and int4:
-    rotated first)."""
+    rotated first; int4 rows rounded by `weights` where given: quantize_int4)."""
     if cache.dtype == INT4:
-        cache.view(torch.uint8).index_copy_(0, slot_mapping, quantize_int4(kv))
+        cache.view(torch.uint8).index_copy_(0, slot_mapping, quantize_int4(kv, weights))
         return
     limit = _LIMIT.get(cache.dtype)
     if limit is None:

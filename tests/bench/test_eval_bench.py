@@ -76,7 +76,7 @@ def test_the_8bit_kv_rows_score_through_the_8bit_cache(tiny_model_dir, bf16, fmt
     args = server_args(fmt)
     assert args[args.index(BUDGET) + 1] == str(PREFILL_CHUNK)
     whole = scored(tiny_model_dir, without_budget(args))
-    if fmt == "kv-int4":  # its keys less their mean (key_shift.py): bf16(k - m) rounds anew
+    if fmt == "kv-int4":  # its keys less their mean (key_calibration.py): bf16(k - m) rounds anew
         alone = (whole - bf16["whole"]).abs()  # measured: mean 0.005, at most 0.078
         assert alone.mean().item() < 0.02 and alone.max().item() < 0.25
     else:

@@ -305,8 +305,9 @@ static inline float row_scale(const uint8_t *row, int64_t scale_at) {
     return bf16_to_f32(s);
 }
 /* d float32 values -> one cache row (quantized formats: rotated first, in x, then quantized
- * with the scales written after the values) */
-void kv_store_row(float *x, int kind, int64_t d, void *row);
+ * with the scales written after the values; int4 rows rounded through hinv [d, d] where not
+ * NULL: kv_rows.c's int4_weighted_levels) */
+void kv_store_row(float *x, int kind, int64_t d, const float *hinv, void *row);
 
 /* ==== the exported kernels (cpu.py binds them), one file each ========================== */
 
@@ -339,8 +340,9 @@ int ms_prefill_attention(const bf16 *q, int64_t ldq, int64_t C, int64_t H, int64
 void ms_rmsnorm(const bf16 *x, int64_t ldx, bf16 *residual, int64_t ldr, const bf16 *w, float eps,
                 bf16 *out, int64_t ldo, int64_t T, int64_t D, int nthreads);
 void ms_rope_cache(bf16 *qkv, int64_t ld, int64_t T, int64_t H, int64_t G, int64_t d, int64_t rd,
-                   const bf16 *cos, const bf16 *sin, const float *key_shift, const int64_t *slots,
-                   int kv_kind, void *k_cache, void *v_cache, int64_t cache_row, int nthreads);
+                   const bf16 *cos, const bf16 *sin, const float *key_shift, const float *key_hinv,
+                   const int64_t *slots, int kv_kind, void *k_cache, void *v_cache, int64_t cache_row,
+                   int nthreads);
 /* embed.c */
 int ms_embed_int8(const int8_t *table, int64_t ld, const float *scales, int64_t V, const int64_t *ids, int64_t T,
                   int64_t D, bf16 *out, int nthreads);

@@ -108,16 +108,40 @@ static double int4_levels(const float *x, int64_t n, float s, uint8_t *q) {
     return err;
 }
 
+/* Levels of a rotated row x[0..d) at its values' group scales s[d / KV_INT4_GROUP rounded
+ * up], as GPTQ rounds a weight row: value by value to nearest even, each error carried into
+ * the values after it through hinv [d, d] (the upper Cholesky factor of the inverse of the
+ * head's query second moment: executor/key_calibration.py). Carried in double with each
+ * error rounded to float first, so every product is exact and contracting it into an fma
+ * changes nothing: paged_cache._weighted_levels gives the same levels. */
+static void int4_weighted_levels(const float *x, int64_t d, const float *s, const float *hinv, uint8_t *q) {
+    double w[d];
+    for (int64_t i = 0; i < d; i++) w[i] = x[i];
+    for (int64_t i = 0; i < d; i++) {
+        const double si = s[i / KV_INT4_GROUP];
+        double r = si > 0.0 ? w[i] / si : 0.0;
+        r = r > 7.0 ? 7.0 : r < -8.0 ? -8.0 : r;
+        const double l = nearbyint(r);
+        q[i] = (uint8_t)((int)l + 8);
+        const float err = (float)((w[i] - l * si) / (double)hinv[i * d + i]);
+        const float *h = hinv + i * d;
+        for (int64_t j = i + 1; j < d; j++) w[j] -= (double)err * (double)h[j];
+    }
+}
+
 /* d values (even) -> an int4 row: per group, of the candidate bf16 scales the first whose
  * levels hold the group with the least squared error (as stored: quantizing divides by what
- * reading multiplies by) */
-static void store_int4(const float *x, int64_t d, uint8_t *b) {
+ * reading multiplies by); hinv (or NULL): the levels then rounded for the error a query sees
+ * (int4_weighted_levels) */
+static void store_int4(const float *x, int64_t d, const float *hinv, uint8_t *b) {
     uint8_t *scales = b + d / 2;
     const int candidates = (int)(sizeof INT4_SCALE_FACTORS / sizeof INT4_SCALE_FACTORS[0]);
+    uint8_t levels[d];
+    float chosen[(d + KV_INT4_GROUP - 1) / KV_INT4_GROUP];
     for (int64_t g0 = 0; g0 < d; g0 += KV_INT4_GROUP) {
-        const int64_t left = d - g0, n = left < KV_INT4_GROUP ? left : KV_INT4_GROUP, half = n / 2;
+        const int64_t left = d - g0, n = left < KV_INT4_GROUP ? left : KV_INT4_GROUP;
         const float amax = row_amax(x + g0, n);
-        uint8_t q[KV_INT4_GROUP], best[KV_INT4_GROUP];
+        uint8_t q[KV_INT4_GROUP];
         bf16 best_s16 = 0;
         double best_err = 0.0;
         for (int c = 0; c < candidates; c++) {
@@ -126,11 +150,16 @@ static void store_int4(const float *x, int64_t d, uint8_t *b) {
             if (c == 0 || err < best_err) {
                 best_err = err;
                 best_s16 = s16;
-                memcpy(best, q, (size_t)n);
+                memcpy(levels + g0, q, (size_t)n);
             }
         }
-        for (int64_t i = 0; i < half; i++) b[g0 / 2 + i] = (uint8_t)(best[i] | best[half + i] << 4);
+        chosen[g0 / KV_INT4_GROUP] = bf16_to_f32(best_s16);
         memcpy(scales + 2 * (g0 / KV_INT4_GROUP), &best_s16, 2);
+    }
+    if (hinv) int4_weighted_levels(x, d, chosen, hinv, levels);
+    for (int64_t g0 = 0; g0 < d; g0 += KV_INT4_GROUP) {
+        const int64_t left = d - g0, half = (left < KV_INT4_GROUP ? left : KV_INT4_GROUP) / 2;
+        for (int64_t i = 0; i < half; i++) b[g0 / 2 + i] = (uint8_t)(levels[g0 + i] | levels[g0 + half + i] << 4);
     }
 }
 
@@ -157,7 +186,7 @@ void kv_widen_row(const void *row, int kind, int64_t d, int64_t scale_at, float 
         out[i] = kind == KV_INT8 ? (float)(int8_t)b[i] * s : (kind == KV_E4M3 ? e4m3_to_f32(b[i]) : e5m2_to_f32(b[i])) * s;
 }
 
-void kv_store_row(float *x, int kind, int64_t d, void *row) {
+void kv_store_row(float *x, int kind, int64_t d, const float *hinv, void *row) {
     uint8_t *b = row;
     if (kind == KV_BF16) {
         for (int64_t i = 0; i < d; i++) ((bf16 *)row)[i] = f32_to_bf16(x[i]);
@@ -165,7 +194,7 @@ void kv_store_row(float *x, int kind, int64_t d, void *row) {
     }
     hadamard_rotate(x, d);
     if (kind == KV_INT4) {
-        store_int4(x, d, b);
+        store_int4(x, d, hinv, b);
         return;
     }
     const float limit = kind == KV_INT8 ? 127.0f : kind == KV_E4M3 ? 448.0f : 57344.0f;

@@ -41,6 +41,7 @@ typedef struct {
     const float *correction_bias; /* [experts] noaux_tc's choice bias */
     const bf16 *q_a_bias, *q_a_norm, *kv_a_bias, *kv_a_norm; /* MLA's */
     const float *key_shift;       /* [kv_heads, head_dim] taken off the keys (int4 cache), or NULL */
+    const float *key_hinv;        /* [kv_heads, head_dim, head_dim] int4 keys' rounding, or NULL */
     wmat wqkv, wo, router, w13, w2, mlp_w13, mlp_w2;
     wmat shared_gate;                     /* data NULL: ungated */
     wmat wq_a, wq_b, wkv_a, w_uk_t, w_uv; /* MLA's (wq_b: the query's whole projection without q LoRA) */
@@ -207,7 +208,7 @@ static int mla_attention(const layer_spec *L, const bf16 *h, int64_t T, const bf
             memcpy((bf16 *)cache + slots[t] * row, kv + t * (r + p), (r + p) * sizeof(bf16));
         } else {
             widen_row(kv + t * (r + p), r + p, row32, r + p);
-            kv_store_row(row32, (int)L->kv_kind, r + p, (uint8_t *)cache + slots[t] * row);
+            kv_store_row(row32, (int)L->kv_kind, r + p, NULL, (uint8_t *)cache + slots[t] * row);
         }
     }
     /* q_abs = [q_nope W_UK^T, q_pe] per head */
@@ -264,8 +265,8 @@ static int decode_layer(const layer_spec *L, const bf16 *x, bf16 *residual, int 
             qkv[i] = v > L->clip_qkv ? f32_to_bf16(L->clip_qkv) : v < -L->clip_qkv ? f32_to_bf16(-L->clip_qkv) : qkv[i];
         }
     const int64_t row = L->kv_row;
-    ms_rope_cache(qkv, W, T, H, G, d, L->rotary_dim, cos, sin, L->key_shift, slots, (int)L->kv_kind, k_cache,
-                  v_cache, row, nthreads);
+    ms_rope_cache(qkv, W, T, H, G, d, L->rotary_dim, cos, sin, L->key_shift, L->key_hinv, slots, (int)L->kv_kind,
+                  k_cache, v_cache, row, nthreads);
     if (ms_decode_attention(qkv, W, T, H, G, (int)L->kv_kind, k_cache, G * row, row, d, v_cache, G * row, row, d, d,
                             block_tables, bt_stride, context_lens, block_size, L->scale, L->sinks, L->window, att,
                             H * d, nthreads))

@@ -43,10 +43,12 @@ void ms_rmsnorm(const bf16 *x, int64_t ldx, bf16 *residual, int64_t ldr, const b
  * the rest pass unchanged); cos/sin [T, rd] bf16 (each frequency twice, as the checkpoints'
  * tables). Each product and the sum rounded as the reference's bf16 ops round. key_shift
  * [G, d] float32 (or NULL): taken off each rotated key, in place, before it is written
- * (models/key_shift.py; bf16(k - m) as torch rounds it). */
+ * (bf16(k - m) as torch rounds it); key_hinv [G, d, d] (or NULL): each head's int4 key rows
+ * rounded through it (kv_store_row). Both from executor/key_calibration.py. */
 void ms_rope_cache(bf16 *qkv, int64_t ld, int64_t T, int64_t H, int64_t G, int64_t d, int64_t rd,
-                   const bf16 *cos, const bf16 *sin, const float *key_shift, const int64_t *slots,
-                   int kv_kind, void *k_cache, void *v_cache, int64_t cache_row, int nthreads) {
+                   const bf16 *cos, const bf16 *sin, const float *key_shift, const float *key_hinv,
+                   const int64_t *slots, int kv_kind, void *k_cache, void *v_cache, int64_t cache_row,
+                   int nthreads) {
     const int64_t half = rd / 2;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 16)
     for (int64_t t = 0; t < T; t++) {
@@ -85,7 +87,8 @@ void ms_rope_cache(bf16 *qkv, int64_t ld, int64_t T, int64_t H, int64_t G, int64
             for (int64_t g = 0; g < 2 * G; g++) {
                 widen_row(qkv + t * ld + (H + g) * d, d, row, d);
                 uint8_t *cache = g < G ? k_cache : v_cache;
-                kv_store_row(row, kv_kind, d, cache + (slots[t] * G + g % G) * cache_row);
+                const float *hinv = g < G && key_hinv ? key_hinv + g * d * d : NULL;
+                kv_store_row(row, kv_kind, d, hinv, cache + (slots[t] * G + g % G) * cache_row);
             }
         }
     }
