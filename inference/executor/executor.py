@@ -114,10 +114,11 @@ class ModelExecutor:
         )
         # the MTP layer's cache (same blocks, its own tensors) is the drafter's, not the model's
         self.mtp_cache = self.kv_caches.pop() if args.mtp else None
-        if shift or rounding:
-            limit = min(self.num_blocks * config.block_size, max_positions)
-            ids = key_calibration.calibration_ids(tokenizer)
-            used = key_calibration.calibrate(self.model, self.kv_caches, ids, limit)
+        if shift or rounding:  # on a cache of its own: the same whatever this one's size
+            ids = key_calibration.calibration_ids(tokenizer)[:max_positions]
+            bs = config.block_size
+            scratch = allocate_kv_cache(args, -(-len(ids) // bs), bs, self.dtype, device)
+            used = key_calibration.calibrate(self.model, scratch[: args.num_layers], ids)
             log.info("int4 cache keys calibrated", shift=shift, rounding=rounding, tokens=used)
 
     def _load(self, path: Path, family: Family, max_positions: int, published: str):

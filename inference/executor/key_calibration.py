@@ -96,13 +96,13 @@ def prepare(model: nn.Module, device: torch.device, shift: bool, rounding: bool)
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, kv_caches: list, token_ids: list[int], max_tokens: int) -> int:
-    """One prefill of token_ids (at most max_tokens: the cache's slots and the model's
-    positions) through the model, writing cache slots 0.. (no request holds them yet); then
-    each prepared layer's shift becomes its keys' mean, and its rounding factor its queries',
-    over the positions after the first SKIPPED_POSITIONS. Returns the tokens used (0: too
-    few; the buffers stay as prepare() left them)."""
-    n = min(len(token_ids), max_tokens)
+def calibrate(model: nn.Module, kv_caches: list, token_ids: list[int]) -> int:
+    """One prefill of token_ids through the model, into kv_caches (a scratch cache of the
+    model's dtype, at least as many slots as tokens); then each prepared layer's shift becomes
+    its keys' mean, and its rounding factor its queries', over the positions after the first
+    SKIPPED_POSITIONS. Returns the tokens used (0: too few; the buffers stay as prepare()
+    left them)."""
+    n = len(token_ids)
     layers = [
         a.attn
         for a in attention_layers(model)
