@@ -94,7 +94,7 @@ class ModelExecutor:
         shift = int4_keys and key_calibration.switch("MOESERVE_KV_KEY_SHIFT")
         # the rounding where our kernels write the rows: torch's loop over a row's values
         # (paged_cache._weighted_levels) would cost every layer's write a few milliseconds
-        rounding = int4_keys and self.kernels and key_calibration.switch("MOESERVE_KV_KEY_ROUNDING")
+        rounding = int4_keys and key_calibration.switch("MOESERVE_KV_KEY_ROUNDING") and self.kernels
         if shift or rounding:  # before the backend: the fused step takes their addresses
             key_calibration.prepare(self.model, device, shift, rounding)
         if cpu_bf16:

@@ -169,7 +169,8 @@ def test_each_layer_s_calibration_is_what_transformers_keys_and_queries_give(mod
     """The engine's shifts and rounding factors (bf16 model, kernels) against transformers'
     float32 keys and queries over the same tokens: the shift within 1.5% of the largest
     mean (measured 0.4-0.8%: bf16 weights and keys; qwen3_moe: q/k norms before RoPE); the
-    rounding factor within 2% of the one its queries give."""
+    rounding factor within 2% of the one its queries give (our kernels' alone: the torch path,
+    MOESERVE_BF16_KERNELS=0, rounds plainly)."""
     model_dir = model_dirs(arch)
     eng = engine(model_dir, kv_cache_dtype="int4")
     ids = calibration.calibration_ids(eng.tokenizer)
@@ -180,11 +181,14 @@ def test_each_layer_s_calibration_is_what_transformers_keys_and_queries_give(mod
     g, d = eng.args.num_kv_heads, eng.args.head_dim
     for attn, (queries, keys) in zip(layers, expected):
         shift, hinv = attn.attn.key_shift, attn.attn.key_hinv
-        assert shift.shape == (g, d) and hinv.shape == (g, d, d)
+        assert shift.shape == (g, d)
+        assert hinv.shape == (g, d, d) if eng.executor.kernels else hinv is None
         mean = keys.mean(dim=1)
         largest = float(mean.abs().max())
         assert largest > 0.02
         torch.testing.assert_close(shift, mean, rtol=0, atol=0.015 * largest)
+        if hinv is None:
+            continue
         per_kv_head = rotate(queries).view(g, -1, queries.shape[1], d).reshape(g, -1, d)
         for head in range(g):
             want = calibration.rounding_factor(per_kv_head[head])
@@ -210,7 +214,7 @@ def test_softmax_does_not_see_the_shift(model_dirs, monkeypatch):
     monkeypatch.setattr(executor_module, "INT4", torch.bfloat16)  # calibrate this bf16 cache
     shifted = engine(model_dir, **options)
     layers = calibration.attention_layers(shifted.executor.model)
-    assert layers and shifted.executor.fused_step is not None
+    assert layers and (shifted.executor.fused_step is not None) == shifted.executor.kernels
     for attn in layers:
         attn.attn.key_shift.add_(3.0)  # in place: the fused step reads it by address
     batch = prompts(shifted.args.vocab_size, [40, 33])
@@ -242,7 +246,8 @@ def test_sinks_keep_their_keys_unshifted_and_mla_is_left_alone(model_dirs):
     oss = engine(model_dirs("gpt_oss"), kv_cache_dtype="int4")
     layers = calibration.attention_layers(oss.executor.model)
     assert layers and all(a.attn.key_shift is None for a in layers)
-    assert all(not torch.equal(a.attn.key_hinv[0], torch.eye(a.head_dim)) for a in layers)
+    if oss.executor.kernels:
+        assert all(not torch.equal(a.attn.key_hinv[0], torch.eye(a.head_dim)) for a in layers)
     mla = engine(model_dirs("deepseek_v2"), kv_cache_dtype="int4")
     assert calibration.attention_layers(mla.executor.model) == []
     for m in mla.executor.model.modules():
@@ -261,9 +266,11 @@ def test_the_switches_turn_each_off_and_refuse_other_values(model_dirs, monkeypa
             all(a.attn.key_hinv is not None for a in layers),
         )
 
-    assert calibrated(engine(model_dir, kv_cache_dtype="int4")) == (True, True)
+    first = engine(model_dir, kv_cache_dtype="int4")
+    kernels = first.executor.kernels  # the rounding is our kernels' alone
+    assert calibrated(first) == (True, kernels)
     monkeypatch.setenv("MOESERVE_KV_KEY_SHIFT", "0")
-    assert calibrated(engine(model_dir, kv_cache_dtype="int4")) == (False, True)
+    assert calibrated(engine(model_dir, kv_cache_dtype="int4")) == (False, kernels)
     monkeypatch.setenv("MOESERVE_KV_KEY_ROUNDING", "0")
     eng = engine(model_dir, kv_cache_dtype="int4")
     assert all(
