@@ -89,7 +89,7 @@ class ModelExecutor:
                 only_published=as_published,
             )
             self._note_quantized_path()
-        # the int4 cache's keys: a shift and a rounding, measured once the cache exists
+        # the int4 cache's keys: a shift and a rounding (key_calibration.py), measured below
         int4_keys = tokenizer is not None and storage_dtype(config.kv_cache_dtype, dtype) == INT4
         shift = int4_keys and key_calibration.switch("MOESERVE_KV_KEY_SHIFT")
         # the rounding where our kernels write the rows: torch's loop over a row's values
