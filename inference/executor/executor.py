@@ -90,7 +90,11 @@ class ModelExecutor:
             )
             self._note_quantized_path()
         # the int4 cache's keys: a shift and a rounding (key_calibration.py), measured below
-        int4_keys = tokenizer is not None and storage_dtype(config.kv_cache_dtype, dtype) == INT4
+        int4_keys = (
+            tokenizer is not None
+            and storage_dtype(config.kv_cache_dtype, dtype) == INT4
+            and bool(key_calibration.attention_layers(self.model))  # MLA alone: nothing to do
+        )
         shift = int4_keys and key_calibration.switch("MOESERVE_KV_KEY_SHIFT")
         # the rounding where our kernels write the rows: torch's loop over a row's values
         # (paged_cache._weighted_levels) would cost every layer's write a few milliseconds

@@ -134,7 +134,7 @@ def calibrate(model: nn.Module, kv_caches: list, token_ids: list[int]) -> int:
             prefills=[PrefillChunk(start=0, length=n, context_len=0, slots=None)],
         )
         positions = torch.arange(n, device=device)
-        model(torch.tensor(token_ids[:n], device=device), positions, meta, kv_caches)
+        model(torch.tensor(token_ids, device=device), positions, meta, kv_caches)
     finally:
         for paged in layers:
             del paged.rope_and_write

@@ -1157,18 +1157,15 @@ def rope_and_cache(
     rd = cos.shape[-1]
     if rd > d or rd % 2 or not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError(f"rope tables of width {rd} for heads of {d}: even, <= d, contiguous")
-    if key_shift is not None and (
-        key_shift.shape != (num_kv_heads, d)
-        or key_shift.dtype != torch.float32
-        or not key_shift.is_contiguous()
+    for table, shape, name in (
+        (key_shift, (num_kv_heads, d), "a key shift"),
+        (key_hinv, (num_kv_heads, d, d), "a key rounding"),
     ):
-        raise ValueError(f"a key shift is [{num_kv_heads}, {d}] float32, contiguous")
-    if key_hinv is not None and (
-        key_hinv.shape != (num_kv_heads, d, d)
-        or key_hinv.dtype != torch.float32
-        or not key_hinv.is_contiguous()
-    ):
-        raise ValueError(f"a key rounding is [{num_kv_heads}, {d}, {d}] float32, contiguous")
+        if table is not None and (
+            table.shape != shape or table.dtype != torch.float32 or not table.is_contiguous()
+        ):
+            dims = ", ".join(map(str, shape))
+            raise ValueError(f"{name} is [{dims}] float32, contiguous")
     _lib.ms_rope_cache(
         qkv.data_ptr(),
         qkv.stride(0),
